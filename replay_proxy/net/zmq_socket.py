@@ -1,0 +1,102 @@
+"""A pyzmq socket driven by trio.
+
+Theory of operation: ZMQ exposes one file descriptor per socket, and it is
+*edge*-triggered: it signals "something changed" once, and any call on the
+socket (a send from another task included) may consume that signal. A task
+parked in ``wait_readable`` could then sleep while a message is already
+queued. So:
+
+* every receive first tries a non-blocking ``recv`` and only then waits;
+* every send, after it is done, checks ``EVENTS``: if a message is readable
+  and a receiver is parked, the receiver's wait is cancelled so it retries.
+
+trio allows one reader per descriptor, so each socket has at most one task
+receiving from it; sends may come from any task (they never block for long:
+HWM is 0 as in vLLM, so only a peerless socket refuses with EAGAIN).
+"""
+
+from __future__ import annotations
+
+import trio
+import zmq
+
+from replay_proxy.errors import ReplayProxyError
+
+
+class SocketClosed(ReplayProxyError):
+    """The socket was closed while a task used it."""
+
+
+class ZmqSocket:
+    def __init__(self, context: zmq.Context, socket_type: int, *, identity: bytes | None = None,
+                 linger_ms: int = 0):
+        self._socket = context.socket(socket_type)
+        # vLLM's make_zmq_socket: unlimited HWM, or a full ROUTER drops silently.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, linger_ms)
+        if identity is not None:
+            self._socket.setsockopt(zmq.IDENTITY, identity)
+        if socket_type == zmq.XPUB:
+            self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._fd = self._socket.getsockopt(zmq.FD)
+        self._receive_wait: trio.CancelScope | None = None
+        self.closed = False
+
+    def bind(self, address: str) -> str:
+        """Bind and return the resolved endpoint (port 0 becomes the real port)."""
+        if address.startswith("tcp://[") or address.startswith("tcp://::"):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        self._socket.bind(address)
+        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def connect(self, address: str) -> None:
+        if address.startswith("tcp://["):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        self._socket.connect(address)
+
+    def receive_nowait(self) -> list[bytes]:
+        """Receive one multipart message or raise ``trio.WouldBlock``."""
+        try:
+            return self._socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            raise trio.WouldBlock from None
+
+    async def receive(self) -> list[bytes]:
+        """Receive one multipart message, waiting for it."""
+        while True:
+            if self.closed:
+                raise SocketClosed("receive on a closed socket")
+            try:
+                return self.receive_nowait()
+            except trio.WouldBlock:
+                pass
+            with trio.CancelScope() as self._receive_wait:
+                try:
+                    await trio.lowlevel.wait_readable(self._fd)
+                except trio.ClosedResourceError:
+                    raise SocketClosed("socket closed while receiving") from None
+            self._receive_wait = None
+
+    async def send(self, frames: list[bytes]) -> None:
+        """Send one multipart message, all parts at once."""
+        while True:
+            if self.closed:
+                raise SocketClosed("send on a closed socket")
+            try:
+                self._socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                await trio.lowlevel.wait_writable(self._fd)
+        self._wake_receiver()
+
+    def _wake_receiver(self) -> None:
+        waiting = self._receive_wait
+        if waiting is not None and self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            waiting.cancel()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            trio.lowlevel.notify_closing(self._fd)
+            self._socket.close()

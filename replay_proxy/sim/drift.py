@@ -1,0 +1,42 @@
+"""Drift knobs: the ways a sim peer can differ from the release it claims.
+
+Each knob reproduces a break from vLLM's history (shared/protocol, section 6):
+a required registration key missing, a field inserted into a positional
+struct, a trailing field that only Rust readers reject, a sampling-params key
+renamed or added, a finish reason or token stream that changed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from replay_proxy.wire.schema import Field, Schema
+
+
+class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True):
+    drop_registration_key: str | None = None  # e.g. "block_size": a required key goes missing
+    add_registration_key: str | None = None
+    insert_output_field: int | None = None  # a new field at this position of EngineCoreOutput
+    append_output_field: bool = False  # a trailing field: fine for Python readers, breaks Rust
+    finish_reason: str | None = None  # report this finish reason instead of the true one
+    token_offset: int = 0  # shift every generated token id
+    die_after_requests: int | None = None  # send ENGINE_CORE_DEAD after this many ADDs
+
+
+class FrontendDrift(msgspec.Struct, frozen=True, omit_defaults=True):
+    insert_request_field: int | None = None  # a new field at this position of EngineCoreRequest
+    rename_sampling_key: tuple[str, str] | None = None  # (old, new)
+    add_sampling_key: str | None = None
+
+
+def with_inserted_field(schema: Schema, struct: str, position: int | None) -> Schema:
+    """The schema with a new int field inserted into ``struct`` at ``position``."""
+    if position is None:
+        return schema
+    spec = schema.structs[struct]
+    inserted = Field(name="sim_inserted", position=position, type="int", kinds=("int",),
+                     required=False, default=0)
+    fields = (*spec.fields[:position], inserted,
+              *(msgspec.structs.replace(f, position=f.position + 1) for f in spec.fields[position:]))
+    structs = {**schema.structs, struct: msgspec.structs.replace(spec, fields=fields)}
+    return msgspec.structs.replace(schema, structs=structs)

@@ -1,0 +1,183 @@
+"""A protocol-faithful fake EngineCore.
+
+It dials a handshake address like a headless ``vllm serve --headless``
+engine: HELLO, waits for INIT, connects one input DEALER and one output PUSH
+per API server, sends the registration on every input socket, then READY.
+Requests produce a deterministic token stream (a function of the prompt,
+the seed and the position), one token per request per engine step, batched
+into one EngineCoreOutputs per API server per step, as the real scheduler
+does. ``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+import zmq
+
+from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.sim.drift import EngineDrift, with_inserted_field
+from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.handshake import engine_identity, parse_init
+from replay_proxy.wire.messages import ENGINE_CORE_DEAD, RequestType
+from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.values import decode_msgpack
+
+VOCAB = 900
+FINISH = {"stop": 0, "length": 1, "abort": 2, "error": 3}
+
+
+def token_at(prompt: list[int], seed: int | None, position: int) -> int:
+    """The token the sim engine generates at ``position`` for a prompt."""
+    return (sum(prompt) * 31 + (seed or 0) * 17 + position * 7 + len(prompt)) % (VOCAB - 10) + 10
+
+
+class SimEngine:
+    def __init__(self, handshake_address: str, index: int = 0, *, release: str = "0.32.0",
+                 drift: EngineDrift = EngineDrift(), step_s: float = 0.002,
+                 context: zmq.Context | None = None):
+        self.address = handshake_address
+        self.index = index
+        self.identity = engine_identity(index)
+        self.schema = with_inserted_field(load_schema(release), "EngineCoreOutput", drift.insert_output_field)
+        self.release = release
+        self.drift = drift
+        self.step_s = step_s
+        self.context = context or zmq.Context.instance()
+        self.running: dict[str, _Running] = {}
+        self.received: list[tuple[str, list[bytes]]] = []  # (client input index, frames)
+        self.added = 0
+        self.dead = False
+        self._wake = trio.Event()
+
+    async def run(self) -> None:
+        sockets: list[ZmqSocket] = []
+        try:
+            handshake = self._socket(sockets, zmq.DEALER)
+            handshake.connect(self.address)
+            await handshake.send([encode({"status": "HELLO", "local": False, "headless": True})])
+            _, addresses = parse_init((await handshake.receive())[0])
+            inputs = [self._socket(sockets, zmq.DEALER) for _ in addresses.inputs]
+            self.outputs = [self._socket(sockets, zmq.PUSH) for _ in addresses.outputs]
+            for sock, address in zip(inputs, addresses.inputs):
+                sock.connect(address)
+                await sock.send([encode(self._registration(len(addresses.inputs)))])
+            for sock, address in zip(self.outputs, addresses.outputs):
+                sock.connect(address)
+            await handshake.send([encode({"status": "READY", "local": False, "headless": True})])
+            async with trio.open_nursery() as nursery:
+                for client, sock in enumerate(inputs):
+                    nursery.start_soon(self._serve_input, client, sock)
+                await self._step_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            for sock in sockets:
+                sock.close()
+
+    def _socket(self, sockets: list[ZmqSocket], socket_type: int) -> ZmqSocket:
+        sock = ZmqSocket(self.context, socket_type, identity=self.identity if socket_type == zmq.DEALER else None,
+                         linger_ms=1000)
+        sockets.append(sock)
+        return sock
+
+    def _registration(self, api_servers: int) -> dict:
+        fields = {
+            "max_model_len": 256, "num_gpu_blocks": 1024, "block_size": 16, "dp_stats_address": None,
+            "dtype": "float32", "vllm_version": self.release, "world_size": 1,
+            "data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+            "decode_context_parallel_size": 1, "data_parallel_rank": self.index, "max_num_seqs": 4,
+            "max_num_batched_tokens": 2048, "instance_id": f"sim-{self.index}",
+            "supports_lora": False, "max_loras": 0,
+        }
+        value = struct_value(self.schema, "EngineCoreReadyResponse", fields)
+        if self.drift.drop_registration_key:
+            value.pop(self.drift.drop_registration_key, None)
+        if self.drift.add_registration_key:
+            value[self.drift.add_registration_key] = True
+        return value
+
+    async def _serve_input(self, client: int, sock: ZmqSocket) -> None:
+        try:
+            while True:
+                frames = await sock.receive()
+                self.received.append((client, frames))
+                await self._handle(frames)
+        except SocketClosed:
+            return
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        kind, body = RequestType(frames[0]), decode_msgpack(frames[1])
+        if kind is RequestType.ADD:
+            fields = dict(zip((f.name for f in self.schema.structs["EngineCoreRequest"].fields), body))
+            params = fields["sampling_params"] or {}
+            self.running[fields["request_id"]] = _Running(
+                prompt=fields["prompt_token_ids"] or [], seed=params.get("seed"),
+                max_tokens=params.get("max_tokens", 16), stop_token_ids=params.get("stop_token_ids") or [],
+                client=fields.get("client_index", 0),
+            )
+            self.added += 1
+            if self.drift.die_after_requests is not None and self.added >= self.drift.die_after_requests:
+                await self._die()
+        elif kind is RequestType.ABORT:
+            for request_id in body:
+                self.running.pop(request_id, None)  # frontend-initiated: no reply, as in vLLM
+        elif kind is RequestType.UTILITY:
+            client, call_id, method, _args = body
+            result = ["generate"] if method == "get_supported_tasks" else None
+            utility = struct_value(self.schema, "UtilityOutput", {"call_id": call_id, "result": [None, result]})
+            await self._send(client, {"utility_output": utility})
+        self._wake.set()
+
+    async def _die(self) -> None:
+        self.dead = True
+        for sock in self.outputs:
+            await sock.send([ENGINE_CORE_DEAD])
+
+    async def _step_loop(self) -> None:
+        while not self.dead:
+            if not self.running:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            await trio.sleep(self.step_s)
+            by_client: dict[int, list[dict]] = {}
+            for request_id, request in list(self.running.items()):
+                if request_id not in self.running:
+                    continue
+                output = request.step(request_id, self.drift)
+                by_client.setdefault(request.client, []).append(output)
+                if output.get("finish_reason") is not None:
+                    del self.running[request_id]
+            for client, outputs in by_client.items():
+                await self._send(client, {"outputs": outputs})
+
+    async def _send(self, client: int, named: dict) -> None:
+        named = {"engine_index": self.index, "timestamp": trio.current_time(), **named}
+        await self.outputs[client].send([encode(struct_value(self.schema, "EngineCoreOutputs", named))])
+
+
+class _Running:
+    def __init__(self, prompt: list[int], seed: int | None, max_tokens: int | None,
+                 stop_token_ids: list[int], client: int):
+        self.prompt, self.seed, self.stop_token_ids, self.client = prompt, seed, stop_token_ids, client
+        self.max_tokens = math.inf if max_tokens is None else max_tokens
+        self.generated = 0
+
+    def step(self, request_id: str, drift: EngineDrift) -> dict:
+        token = token_at(self.prompt, self.seed, self.generated) + drift.token_offset
+        self.generated += 1
+        finish = None
+        if token in self.stop_token_ids:
+            finish = FINISH["stop"]
+        elif self.generated >= self.max_tokens:
+            finish = FINISH["length"]
+        if finish is not None and drift.finish_reason:
+            finish = FINISH[drift.finish_reason]
+        output = {"request_id": request_id, "new_token_ids": [token], "finish_reason": finish}
+        if finish == FINISH["stop"]:
+            output["stop_reason"] = token
+        if drift.append_output_field:
+            output["$extra"] = 0
+        return output
+

@@ -1,0 +1,185 @@
+"""Classify multipart frames into typed engine-core messages.
+
+``WireDecoder.decode(channel, direction, frames)`` is the whole sans-IO
+surface: bytes in, a ``Message`` out. It never raises on input from the wire;
+anything it cannot read becomes ``Kind.UNKNOWN`` with the error text, and
+what it reads but the schema does not describe becomes flags on the message.
+Frames are given without ZMQ routing identities (the socket layer strips
+those and reports the engine separately).
+
+The decoder is stateful only in one respect: the registration message names
+the engine's ``vllm_version``, and from then on positional structs are named
+with that release's schema.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from replay_proxy.wire.schema import Flag, Namer, Schema, schema_for
+from replay_proxy.wire.values import decode_msgpack, kind_of
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+COORDINATOR_READY = b"READY"
+SUBSCRIBE_ALL = b"\x01"
+
+
+class Channel(enum.StrEnum):
+    HANDSHAKE = "handshake"
+    INPUT = "input"
+    OUTPUT = "output"
+    COORDINATOR_INPUT = "coordinator_input"  # coordinator XPUB -> engine XSUB
+    COORDINATOR_OUTPUT = "coordinator_output"  # engine PUSH -> coordinator PULL
+
+
+class Direction(enum.StrEnum):
+    TO_ENGINE = "to_engine"
+    TO_FRONTEND = "to_frontend"  # the coordinator counts as the frontend side
+
+
+class Kind(enum.StrEnum):
+    HELLO = "HELLO"
+    INIT = "INIT"
+    READY = "READY"
+    REGISTRATION = "REGISTRATION"
+    ADD = "ADD"
+    ABORT = "ABORT"
+    UTILITY = "UTILITY"
+    START_DP_WAVE = "START_DP_WAVE"
+    OUTPUTS = "OUTPUTS"
+    UTILITY_OUTPUT = "UTILITY_OUTPUT"
+    ENGINE_CORE_DEAD = "ENGINE_CORE_DEAD"
+    COORDINATOR_READY = "COORDINATOR_READY"
+    SUBSCRIBE = "SUBSCRIBE"
+    UNKNOWN = "UNKNOWN"
+
+
+class RequestType(bytes, enum.Enum):
+    """The first frame of an input message (vLLM ``EngineCoreRequestType``)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One decoded multipart message."""
+
+    kind: Kind
+    fields: Any = None  # named values: field names from the schema, flags for the rest
+    error: str | None = None
+    flags: tuple[Flag, ...] = ()
+
+
+UTILITY_CALL_FIELDS = ("client_index", "call_id", "method", "args")
+START_DP_WAVE_FIELDS = ("wave", "exclude_engine_index")
+
+
+class WireDecoder:
+    """Decodes the frames of one session, choosing the schema as it learns it."""
+
+    def __init__(self, schema: Schema | None = None):
+        self.schema, self.schema_exact = (schema, True) if schema else schema_for(None)
+        self.vllm_version: str | None = None
+
+    def decode(self, channel: Channel, direction: Direction, frames: Sequence[bytes]) -> Message:
+        frames = list(frames)
+        try:
+            message = self._decode(channel, direction, frames)
+        except Exception as exc:  # noqa: BLE001 - nothing from the wire may raise out of here
+            return Message(kind=Kind.UNKNOWN, error=f"{type(exc).__name__}: {exc}")
+        if message.kind is Kind.REGISTRATION and isinstance(message.fields, dict):
+            self._learn_version(message.fields.get("vllm_version"))
+        return message
+
+    def _learn_version(self, version: Any) -> None:
+        if isinstance(version, str) and version != self.vllm_version:
+            self.vllm_version = version
+            self.schema, self.schema_exact = schema_for(version)
+
+    def _decode(self, channel: Channel, direction: Direction, frames: list[bytes]) -> Message:
+        if not frames:
+            return Message(kind=Kind.UNKNOWN, error="empty message")
+        first = frames[0]
+        if channel is Channel.HANDSHAKE:
+            return self._handshake(direction, frames)
+        if channel is Channel.INPUT and direction is Direction.TO_ENGINE:
+            return self._request(frames)
+        if channel is Channel.INPUT:
+            if len(frames) != 1:
+                return _unknown(f"registration is one frame, got {len(frames)}")
+            if first == b"":  # the pre-2026-04 registration form
+                return Message(kind=Kind.REGISTRATION, fields={})
+            return self._named(Kind.REGISTRATION, "EngineCoreReadyResponse", frames)
+        if channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT):
+            # The sentinel is not msgpack: 'E' would decode as fixint 69.
+            if first == ENGINE_CORE_DEAD and len(frames) == 1:
+                return Message(kind=Kind.ENGINE_CORE_DEAD)
+            return self._outputs(frames)
+        if direction is Direction.TO_FRONTEND:
+            if frames == [SUBSCRIBE_ALL]:
+                return Message(kind=Kind.SUBSCRIBE)
+            return _unknown("expected the subscription frame b'\\x01'")
+        if frames == [COORDINATOR_READY]:
+            return Message(kind=Kind.COORDINATOR_READY)
+        return self._request(frames)
+
+    def _handshake(self, direction: Direction, frames: list[bytes]) -> Message:
+        if len(frames) != 1:
+            return _unknown(f"handshake messages are one frame, got {len(frames)}")
+        value = decode_msgpack(frames[0])
+        if not isinstance(value, dict):
+            return _unknown(f"handshake payload is a {kind_of(value)}, expected a map")
+        if direction is Direction.TO_ENGINE:
+            return self._named(Kind.INIT, "EngineHandshakeMetadata", frames, value)
+        status = value.get("status")
+        if status in ("HELLO", "READY"):
+            return Message(kind=Kind(status), fields=value)
+        return Message(kind=Kind.UNKNOWN, fields=value, error=f"unknown handshake status {status!r}")
+
+    def _request(self, frames: list[bytes]) -> Message:
+        try:
+            request_type = RequestType(frames[0])
+        except ValueError:
+            return _unknown(f"unknown request type {frames[0][:8]!r}")
+        if len(frames) < 2:
+            return _unknown(f"{request_type.name} without a body")
+        payload = frames[1:]  # tensor references count from the body (index 0)
+        if request_type is RequestType.ADD:
+            return self._named(Kind.ADD, "EngineCoreRequest", payload)
+        value = decode_msgpack(payload[0])
+        if request_type is RequestType.ABORT:
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return Message(kind=Kind.ABORT, fields={"request_ids": value})
+            return _unknown("ABORT body is not a list of request ids", value)
+        names = UTILITY_CALL_FIELDS if request_type is RequestType.UTILITY else START_DP_WAVE_FIELDS
+        kind = Kind.UTILITY if request_type is RequestType.UTILITY else Kind.START_DP_WAVE
+        if not isinstance(value, list) or len(value) != len(names):
+            return _unknown(f"{kind} body is not an array of {len(names)}", value)
+        return Message(kind=kind, fields=dict(zip(names, value)))
+
+    def _outputs(self, frames: list[bytes]) -> Message:
+        message = self._named(Kind.OUTPUTS, "EngineCoreOutputs", frames)
+        fields = message.fields
+        if isinstance(fields, dict) and fields.get("utility_output") is not None and not fields.get("outputs"):
+            return msgspec.structs.replace(message, kind=Kind.UTILITY_OUTPUT)
+        return message
+
+    def _named(self, kind: Kind, struct: str, frames: list[bytes], value: Any = None) -> Message:
+        if value is None:
+            value = decode_msgpack(frames[0])
+        namer = Namer(self.schema, frames)
+        fields = namer.struct(struct, value)
+        if not isinstance(fields, dict):
+            return Message(kind=Kind.UNKNOWN, fields=fields, flags=tuple(namer.flags),
+                           error=f"{struct} is not a {self.schema.structs[struct].encoding}")
+        return Message(kind=kind, fields=fields, flags=tuple(namer.flags))
+
+
+def _unknown(error: str, value: Any = None) -> Message:
+    return Message(kind=Kind.UNKNOWN, fields=value, error=error)

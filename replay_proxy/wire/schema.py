@@ -1,0 +1,189 @@
+"""Per-release wire schemas, and naming decoded msgpack values with them.
+
+A schema is data: one JSON file per vLLM release in ``schemas/``, written by
+``extract.py`` from that release's own classes. Naming a value walks it
+against a struct's fields: arrays by position, maps by key. Whatever the
+schema does not describe (an extra trailing position, a missing required
+one, an unexpected msgpack kind, an unknown map key) becomes a ``Flag``
+instead of an exception, so a frame from a drifted peer still decodes as far
+as it can and the drift itself is recorded.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from typing import Any, Literal
+
+import msgspec
+
+from replay_proxy.wire.values import Ext, Tensor, kind_of, resolve_tensor
+
+
+class Field(msgspec.Struct, frozen=True):
+    name: str
+    position: int
+    type: str
+    kinds: tuple[str, ...]  # msgpack kinds accepted: nil bool int float str bin array map any
+    required: bool
+    default: Any = None
+    struct: str | None = None  # the nested struct this field (or its items) holds
+    tensor: bool = False
+
+
+class StructSchema(msgspec.Struct, frozen=True, dict=True):
+    """One vLLM struct: how it is encoded and its fields in order."""
+
+    vllm_class: str
+    encoding: Literal["array", "map"]
+    omit_defaults: bool
+    fields: tuple[Field, ...]
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, Field]:
+        return {f.name: f for f in self.fields}
+
+
+
+class Schema(msgspec.Struct, frozen=True):
+    """The wire schema of one vLLM release."""
+
+    release: str
+    extracted_from: str
+    structs: dict[str, StructSchema]
+    enums: dict[str, dict[str, Any]]
+
+    def enum_name(self, enum: str, value: Any) -> str | None:
+        for name, v in self.enums.get(enum, {}).items():
+            if v == value:
+                return name
+        return None
+
+
+class Flag(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Something in a frame the schema does not describe."""
+
+    struct: str
+    issue: Literal["extra_position", "missing_required", "type_mismatch", "unknown_key", "not_a_struct"]
+    path: str
+    field: str | None = None
+    position: int | None = None
+    expected: str | None = None
+    got: str | None = None
+
+
+def _version_key(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.split("+")[0].split(".") if p.isdigit())
+
+
+@functools.cache
+def shipped_releases() -> tuple[str, ...]:
+    """Releases with a schema in the package, oldest first."""
+    folder = importlib.resources.files("replay_proxy.wire") / "schemas"
+    names = [p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")]
+    return tuple(sorted(names, key=_version_key))
+
+
+@functools.cache
+def load_schema(release: str) -> Schema:
+    path = importlib.resources.files("replay_proxy.wire") / "schemas" / f"{release}.json"
+    return msgspec.json.decode(path.read_bytes(), type=Schema)
+
+
+def schema_for(version: str | None) -> tuple[Schema, bool]:
+    """The schema for a reported ``vllm_version`` and whether it is exact.
+
+    An unknown or missing version gets the newest shipped release not newer
+    than it (the oldest one if it predates them all).
+    """
+    releases = shipped_releases()
+    if not version:
+        return load_schema(releases[-1]), False
+    wanted = _version_key(version)
+    for release in releases:
+        if _version_key(release) == wanted:
+            return load_schema(release), True
+    older = [r for r in releases if _version_key(r) <= wanted]
+    return load_schema(older[-1] if older else releases[0]), False
+
+
+class Namer:
+    """Names one decoded value against a schema, collecting flags."""
+
+    def __init__(self, schema: Schema, frames: list[bytes] | None = None):
+        self.schema = schema
+        self.frames = frames or []
+        self.flags: list[Flag] = []
+
+    def struct(self, name: str, value: Any, path: str = "$") -> Any:
+        spec = self.schema.structs.get(name)
+        if spec is None:
+            return value
+        if spec.encoding == "array":
+            if not isinstance(value, list):
+                self._flag(name, "not_a_struct", path, expected="array", got=kind_of(value))
+                return value
+            return self._array(name, spec, value, path)
+        if not isinstance(value, dict):
+            self._flag(name, "not_a_struct", path, expected="map", got=kind_of(value))
+            return value
+        return self._map(name, spec, value, path)
+
+    def _array(self, name: str, spec: StructSchema, value: list, path: str) -> dict:
+        named: dict[str, Any] = {}
+        for field in spec.fields:
+            if field.position < len(value):
+                named[field.name] = self._field(name, field, value[field.position], f"{path}[{field.position}]")
+            elif field.required:
+                self._flag(name, "missing_required", path, field=field.name, position=field.position)
+        for position in range(len(spec.fields), len(value)):
+            extra = value[position]
+            named[f"${position}"] = extra
+            self._flag(name, "extra_position", f"{path}[{position}]", position=position, got=kind_of(extra))
+        return named
+
+    def _map(self, name: str, spec: StructSchema, value: dict, path: str) -> dict:
+        named: dict[Any, Any] = {}
+        fields = spec.by_name
+        for key, item in value.items():
+            field = fields.get(key)
+            if field is None:
+                named[key] = item
+                self._flag(name, "unknown_key", f"{path}.{key}", field=str(key), got=kind_of(item))
+            else:
+                named[key] = self._field(name, field, item, f"{path}.{key}")
+        if not spec.omit_defaults:
+            # Dataclass maps carry every field; a missing required key is what
+            # makes msgspec fail with "Object missing required field".
+            for field in spec.fields:
+                if field.required and field.name not in value:
+                    self._flag(name, "missing_required", path, field=field.name)
+        return named
+
+    def _field(self, owner: str, field: Field, value: Any, path: str) -> Any:
+        kind = kind_of(value)
+        if "any" not in field.kinds and kind not in field.kinds:
+            self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,
+                       expected=field.type, got=kind)
+            return value
+        if field.tensor:
+            return self._tensor(value)
+        if field.struct is None or value is None:
+            return value
+        container = field.type.split("[", 1)[0]
+        if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
+            return [self.struct(field.struct, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if container == "dict" and isinstance(value, dict):
+            return {k: self.struct(field.struct, v, f"{path}.{k}") for k, v in value.items()}
+        return self.struct(field.struct, value, path)
+
+    def _tensor(self, value: Any) -> Any:
+        tensor = resolve_tensor(value, self.frames)
+        return tensor if tensor is not None else value
+
+    def _flag(self, struct: str, issue: str, path: str, **details: Any) -> None:
+        self.flags.append(Flag(struct=struct, issue=issue, path=path, **details))
+
+
+__all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "load_schema",
+           "schema_for", "shipped_releases"]

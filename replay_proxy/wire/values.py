@@ -1,0 +1,129 @@
+"""Generic msgpack values: decoding, ext types, tensors, JSON-safe form.
+
+vLLM's serializer (``vllm/v1/serial_utils.py``) uses three ext codes: 1 and 2
+carry pickle / cloudpickle payloads and 3 carries raw array bytes. All three
+decode to an opaque ``Ext``: pickles are never unpickled, raw arrays are only
+read as numbers once a schema says the field is a tensor. A tensor travels
+as ``[dtype, shape, data]`` where ``data`` is either ``Ext(3, bytes)`` or an
+int index into the message's frame list (0 is the body, 1 the first aux
+frame).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import msgspec
+
+RAW_VIEW = 3  # vLLM's CUSTOM_TYPE_RAW_VIEW; 1 and 2 are pickle and cloudpickle
+INLINE_VALUES_LIMIT = 4096  # larger tensors keep only dtype/shape in the decoded form
+
+# numpy dtype.str and torch dtype names -> memoryview format characters
+_FORMATS = {
+    "<i8": "q", "<i4": "i", "<i2": "h", "|i1": "b", "<u8": "Q", "<u4": "I", "<u2": "H",
+    "|u1": "B", "<f8": "d", "<f4": "f", "<f2": "e", "|b1": "?",
+    "int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint64": "Q", "uint32": "I",
+    "uint16": "H", "uint8": "B", "float64": "d", "float32": "f", "float16": "e", "bool": "?",
+}
+
+
+class Ext(msgspec.Struct, frozen=True, gc=False):
+    """A msgpack ext value kept as bytes (pickles are never unpickled)."""
+
+    code: int
+    data: bytes
+
+
+class Tensor(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """A tensor or ndarray as vLLM sends it, resolved against its frames."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    aux_frame: int | None = None  # index into the frame list, when not inline
+    values: list[Any] | None = None  # flat, row-major; None when too large or unknown dtype
+    error: str | None = None
+
+
+def _ext_hook(code: int, data: memoryview) -> Ext:
+    return Ext(code, bytes(data))
+
+
+_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def decode_msgpack(data: bytes) -> Any:
+    """Decode one msgpack document into plain Python values and ``Ext``."""
+    return _decoder.decode(data)
+
+
+_KINDS = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
+          bytes: "bin", list: "array", dict: "map", Ext: "ext"}
+
+
+def kind_of(value: Any) -> str:
+    """The msgpack kind of a decoded value."""
+    return _KINDS.get(type(value), type(value).__name__)
+
+
+def resolve_tensor(value: Any, frames: list[bytes]) -> Tensor | None:
+    """Read ``[dtype, shape, data]``; None if the value is not of that shape."""
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+            and isinstance(value[1], list)):
+        return None
+    dtype, shape, data = value
+    aux = None
+    if isinstance(data, Ext) and data.code == RAW_VIEW:
+        raw = data.data
+    elif isinstance(data, int) and not isinstance(data, bool):
+        aux = data
+        if not 0 < data < len(frames):
+            return Tensor(dtype, shape, 0, aux_frame=aux, error=f"aux frame {data} not in message of {len(frames)} frames")
+        raw = frames[data]
+    else:
+        return None
+    values = None
+    error = None
+    fmt = _FORMATS.get(dtype)
+    count = 1
+    for n in shape:
+        count *= n if isinstance(n, int) else 0
+    if dtype == "bfloat16":
+        if len(raw) == 2 * count and count <= INLINE_VALUES_LIMIT:
+            # bfloat16 is the top half of a float32: widen by padding zeros.
+            widened = b"".join(b"\x00\x00" + raw[i:i + 2] for i in range(0, len(raw), 2))
+            values = memoryview(widened).cast("f").tolist()
+    elif fmt is None:
+        error = f"unknown dtype {dtype!r}"
+    elif count <= INLINE_VALUES_LIMIT:
+        try:
+            values = memoryview(raw).cast("B").cast(fmt).tolist()
+        except TypeError as exc:
+            error = f"{len(raw)} bytes are not a whole number of {dtype}: {exc}"
+        else:
+            if len(values) != count:
+                error = f"shape {shape} wants {count} values, data holds {len(values)}"
+    return Tensor(dtype, shape, len(raw), aux_frame=aux, values=values, error=error)
+
+
+def jsonable(value: Any) -> Any:
+    """Turn decoded values into what ``msgspec.json`` can encode losslessly.
+
+    bytes become ``{"$bytes": base64}``, opaque ext values
+    ``{"$ext": code, "nbytes": n}``; map keys become strings (JSON needs them).
+    """
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return {"$bytes": base64.b64encode(value).decode()}
+    if isinstance(value, Ext):
+        return {"$ext": value.code, "nbytes": len(value.data)}
+    if isinstance(value, Tensor):
+        return msgspec.to_builtins(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; logprobs can be -inf
+    return value
