@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import trio
 import zmq
 
@@ -107,7 +108,10 @@ class SimEngine:
             return
 
     async def _handle(self, frames: list[bytes]) -> None:
-        kind, body = RequestType(frames[0]), decode_msgpack(frames[1])
+        try:
+            kind, body = RequestType(frames[0]), decode_msgpack(frames[1])
+        except (ValueError, IndexError, msgspec.DecodeError):
+            return  # kept in self.received; a real engine's input thread would choke here
         if kind is RequestType.ADD:
             fields = dict(zip((f.name for f in self.schema.structs["EngineCoreRequest"].fields), body))
             params = fields["sampling_params"] or {}

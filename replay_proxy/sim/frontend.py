@@ -14,6 +14,7 @@ import itertools
 import time
 from collections import defaultdict
 
+import msgspec
 import trio
 import zmq
 
@@ -47,6 +48,7 @@ class SimFrontend:
         self.utility_results: dict[int, list] = {}
         self.outputs_received: list[tuple[int, list[bytes]]] = []  # (api server, frames)
         self.dead_engines = 0
+        self.undecodable = 0
         self.ready = trio.Event()
         self._call_ids = itertools.count(1)
         self._changed = trio.Event()
@@ -108,7 +110,10 @@ class SimFrontend:
                 if frames == [ENGINE_CORE_DEAD]:
                     self.dead_engines += 1
                 else:
-                    self._absorb(decode_msgpack(frames[0]))
+                    try:
+                        self._absorb(decode_msgpack(frames[0]))
+                    except (msgspec.DecodeError, TypeError, KeyError, IndexError):
+                        self.undecodable += 1
                 self._changed.set()
                 self._changed = trio.Event()
         except SocketClosed:

@@ -1,0 +1,3 @@
+from replay_proxy.cli import run
+
+run()

@@ -1,0 +1,203 @@
+"""The command line: options in, one library call, output rendered. Nothing else."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import trio
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from replay_proxy import __version__
+from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.store import queries
+
+app = typer.Typer(
+    help="Record and replay the ZeroMQ link between vLLM frontends and engines.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
+app.add_typer(schema_app, name="schema")
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"replay-proxy {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Show the version and exit.")] = False,
+) -> None:
+    """Record and replay the ZeroMQ link between vLLM frontends and engines."""
+
+
+def fail(message: str, code: ExitCode = ExitCode.ERROR) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(int(code))
+
+
+def check_address(value: str) -> str:
+    if not value.startswith(("tcp://", "ipc://")):
+        raise typer.BadParameter(f"{value!r} is not a ZMQ address: use tcp://HOST:PORT or ipc:///PATH")
+    if value.startswith("tcp://") and not value.rsplit(":", 1)[-1].isdigit():
+        raise typer.BadParameter(f"{value!r} has no port: use tcp://HOST:PORT")
+    return value
+
+
+@app.command()
+def record(
+    listen: Annotated[str, typer.Option(callback=check_address,
+        help="Handshake address the engines dial (their --data-parallel-address/--data-parallel-rpc-port).")],
+    upstream: Annotated[str, typer.Option(callback=check_address,
+        help="The frontend's real handshake address.")],
+    db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing).")],
+    session: Annotated[str | None, typer.Option(help="Session name (default: record-DATE-TIME).")] = None,
+    on_full: Annotated[str, typer.Option(
+        help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
+             "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = "drop",
+) -> None:
+    """Relay a vLLM frontend and its engines, recording every frame.
+
+    Stops on Ctrl-C or SIGTERM, flushes the recording and marks the session complete.
+
+    Example: replay-proxy record --listen tcp://127.0.0.1:29560 --upstream tcp://127.0.0.1:29550 --db recordings/staging.db
+    """
+    from replay_proxy.record import record as run_record, status_line
+
+    if on_full not in ("drop", "block"):
+        raise fail(f"--on-full must be 'drop' or 'block', not {on_full!r}", ExitCode.USAGE)
+    name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
+    try:
+        session_id, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
+                                                        console=err))
+    except (ReplayProxyError, OSError) as exc:
+        raise fail(str(exc)) from None
+    err.print(status_line(stats, 0))
+    err.print(f"session {name!r} (id {session_id}) complete: {stats.frames_recorded:,} of "
+              f"{stats.frames_seen:,} frames recorded, {stats.frames_dropped:,} dropped -> {db}")
+
+
+@app.command()
+def sessions(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List the sessions in a recording.
+
+    Example: replay-proxy sessions --db recordings/demo.db
+    """
+    try:
+        rows = queries.list_sessions(db)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    render(rows, "json" if as_json else "table", title=f"sessions in {db}")
+
+
+@app.command()
+def query(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    sql: Annotated[str | None, typer.Argument(help="SQL to run (or use --preset).")] = None,
+    preset: Annotated[str | None, typer.Option(
+        help=f"A named query: {', '.join(queries.PRESETS)}.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+) -> None:
+    """Run SQL (or a named preset) over a recording and print the result.
+
+    Example: replay-proxy query --db recordings/demo.db "SELECT request_id, ttft_ms FROM request_timeline"
+    """
+    if (sql is None) == (preset is None):
+        raise fail("give either SQL or --preset NAME", ExitCode.USAGE)
+    if preset is not None and preset not in queries.PRESETS:
+        raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
+    try:
+        rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    render(rows, "json" if as_json else "csv" if as_csv else "table")
+
+
+def render(rows: list[dict[str, Any]], form: Literal["table", "json", "csv"], title: str | None = None) -> None:
+    if form == "json":
+        sys.stdout.write(json.dumps(rows, indent=1, default=_bytes_hex) + "\n")
+    elif form == "csv":
+        if rows:
+            writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows({k: _bytes_hex(v) if isinstance(v, bytes) else v for k, v in r.items()}
+                             for r in rows)
+    else:
+        table = Table(title=title)
+        for column in (rows[0] if rows else {}):
+            table.add_column(column, overflow="fold")
+        for row in rows:
+            table.add_row(*("" if v is None else _bytes_hex(v) if isinstance(v, bytes) else str(v)
+                            for v in row.values()))
+        out.print(table)
+        out.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}", style="dim")
+
+
+def _bytes_hex(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex() if len(value) <= 64 else f"<{len(value)} bytes>"
+    raise TypeError(type(value).__name__)
+
+
+@schema_app.command("extract")
+def schema_extract(
+    python: Annotated[Path, typer.Option(help="Python interpreter of a vLLM installation.")],
+    vllm_src: Annotated[Path | None, typer.Option(
+        help="A folder holding an unpacked vllm/ package to import instead (an older release's classes).")] = None,
+    output: Annotated[Path | None, typer.Option("--out", help="Write here instead of stdout.")] = None,
+) -> None:
+    """Extract a release's wire schema from vLLM's own classes.
+
+    Example: replay-proxy schema extract --python ~/.cache/replay-proxy/vllm-0.32.0/bin/python --out 0.32.0.json
+    """
+    from replay_proxy.wire import extract
+
+    env = None
+    if vllm_src is not None:
+        import os
+        env = {**os.environ, "PYTHONPATH": str(vllm_src)}
+    try:
+        result = subprocess.run([str(python), extract.__file__], capture_output=True, env=env, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise fail(f"could not run {python}: {exc}") from None
+    if result.returncode != 0:
+        last = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise fail(f"schema extraction failed under {python}: {last[0]}")
+    if output is None:
+        sys.stdout.write(result.stdout.decode())
+    else:
+        output.write_bytes(result.stdout)
+        err.print(f"wrote {output}")
+
+
+def run() -> None:
+    """The console script: click's errors as one line, Ctrl-C as exit code 130."""
+    try:
+        code = app(standalone_mode=False)
+    except (KeyboardInterrupt, typer.Abort):
+        code = ExitCode.INTERRUPTED
+    except typer.TyperException as exc:  # click's usage errors, as vendored by typer
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see {ctx.command_path} -h)" if ctx is not None else ""
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        err.print(f"[bold red]error:[/] {message}{hint}", highlight=False)
+        code = getattr(exc, "exit_code", ExitCode.USAGE)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,68 @@
+"""``replay-proxy record``: relay a frontend and its engines, recording everything."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Literal
+
+import trio
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from replay_proxy.net.relay import Relay
+from replay_proxy.store.writer import Recorder, RecorderStats, SessionInfo
+
+STATUS_EVERY_S = 0.25
+PLAIN_STATUS_EVERY_S = 10.0  # when stderr is not a terminal: a log line now and then
+
+
+def status_line(stats: RecorderStats, engines: int) -> Text:
+    line = Text()
+    line.append("recording ", style="bold")
+    line.append(f"engines {engines}  frames {stats.frames_seen:,}  "
+                f"{stats.bytes_seen / 1e6:,.2f} MB  requests {stats.requests:,}  "
+                f"queue {stats.queue_depth:,}  ")
+    line.append(f"dropped {stats.frames_dropped:,}", style="bold red" if stats.frames_dropped else "")
+    if stats.engines_dead:
+        line.append(f"  engines dead {stats.engines_dead}", style="bold red")
+    return line
+
+
+async def record(listen: str, upstream: str, db: Path, *, session: str,
+                 on_full: Literal["drop", "block"] = "drop",
+                 console: Console | None = None) -> tuple[int, RecorderStats]:
+    """Relay and record until SIGINT/SIGTERM; return the session id and final statistics."""
+    console = console or Console(stderr=True)
+    recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full)
+    relay = Relay(listen, upstream, recorder)
+    status, error = "complete", None
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(relay.run)
+                await relay.listening.wait()
+                console.print(f"listening on [bold]{relay.listen}[/], frontend at [bold]{upstream}[/], "
+                              f"session {session!r} -> {db}")
+                nursery.start_soon(_show_status, console, recorder, relay)
+                async for _ in signals:
+                    break
+                nursery.cancel_scope.cancel()
+    except BaseException as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        stats = recorder.close(status, error)
+    return recorder.session_id, stats
+
+
+async def _show_status(console: Console, recorder: Recorder, relay: Relay) -> None:
+    if not console.is_terminal:
+        while True:
+            await trio.sleep(PLAIN_STATUS_EVERY_S)
+            console.print(status_line(recorder.statistics(), len(relay.engines)))
+    with Live(console=console, refresh_per_second=4, transient=True) as live:
+        while True:
+            live.update(status_line(recorder.statistics(), len(relay.engines)))
+            await trio.sleep(STATUS_EVERY_S)

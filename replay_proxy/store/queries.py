@@ -1,0 +1,78 @@
+"""Read-side queries over a recording: the library behind ``sessions`` and ``query``."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from replay_proxy.errors import ReplayProxyError
+
+
+class QueryError(ReplayProxyError):
+    """A query over a recording could not run."""
+
+
+# Named queries for the common questions; `replay-proxy query --preset NAME`.
+PRESETS: dict[str, str] = {
+    "slowest-requests": """
+        SELECT session_id, request_id, engine_index, client_index, ttft_ms, e2e_ms, tokens, finish_reason
+        FROM request_timeline ORDER BY e2e_ms DESC LIMIT 20""",
+    "ttft-by-session": """
+        SELECT s.id AS session_id, s.name, s.mode, COUNT(*) AS requests,
+               ROUND(AVG(t.ttft_ms), 3) AS mean_ttft_ms, ROUND(MAX(t.ttft_ms), 3) AS max_ttft_ms
+        FROM sessions s JOIN request_timeline t ON t.session_id = s.id
+        GROUP BY s.id ORDER BY s.id""",
+    "finish-reasons": """
+        SELECT session_id, finish_reason, COUNT(*) AS requests
+        FROM request_timeline GROUP BY session_id, finish_reason ORDER BY session_id, requests DESC""",
+    "frames-by-kind": """
+        SELECT session_id, channel, direction, kind, COUNT(*) AS frames, SUM(nbytes) AS bytes
+        FROM frames GROUP BY session_id, channel, direction, kind ORDER BY session_id, frames DESC""",
+    "decode-problems": """
+        SELECT session_id, seq, channel, direction, kind, decode_error, flags
+        FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL ORDER BY session_id, seq""",
+    "engines": """
+        SELECT session_id, engine_index, COUNT(DISTINCT client_index) AS api_servers,
+               SUM(kind = 'ADD') AS requests, SUM(kind = 'OUTPUTS') AS output_messages
+        FROM frames WHERE engine_index IS NOT NULL GROUP BY session_id, engine_index""",
+}
+
+SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vllm_version",
+                   "schema_release", "frames_seen", "frames_recorded", "frames_dropped")
+
+
+def open_existing(path: str | Path) -> sqlite_utils.Database:
+    path = Path(path)
+    if not path.exists():
+        raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
+    return sqlite_utils.Database(path)
+
+
+def list_sessions(path: str | Path) -> list[dict[str, Any]]:
+    db = open_existing(path)
+    if not db["sessions"].exists():
+        raise QueryError(f"{path} is not a replay-proxy recording (it has no sessions table)")
+    columns = ", ".join(SESSION_COLUMNS)
+    return list(db.query(f"SELECT {columns} FROM sessions ORDER BY id"))
+
+
+def run_query(path: str | Path, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
+    db = open_existing(path)
+    try:
+        return list(db.query(sql, params or {}))
+    except sqlite3.Error as exc:
+        raise QueryError(f"{exc} (in: {' '.join(sql.split())[:120]})") from None
+
+
+def find_session(db: sqlite_utils.Database, session: str) -> dict[str, Any]:
+    """A session by id or name (the newest of that name)."""
+    rows = list(db.query(
+        "SELECT * FROM sessions WHERE CAST(id AS TEXT) = :s OR name = :s ORDER BY id DESC LIMIT 1",
+        {"s": session}))
+    if not rows:
+        names = [r["name"] for r in db.query("SELECT name FROM sessions ORDER BY id")]
+        raise QueryError(f"no session {session!r}; sessions here: {', '.join(names) or 'none'}")
+    return rows[0]

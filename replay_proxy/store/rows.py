@@ -1,0 +1,128 @@
+"""From one decoded message to the rows it contributes to each table."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+from replay_proxy.store.tables import TABLES, sampling_columns
+from replay_proxy.wire.messages import Kind, Message
+from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.values import jsonable
+
+_json = msgspec.json.Encoder()
+_raw = msgspec.msgpack.Encoder()
+HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
+# Output fields with a column of their own; the rest go to "other" when set.
+OUTPUT_COLUMNS = {"request_id", "new_token_ids", "finish_reason", "stop_reason",
+                  "num_nans_in_logits", "new_logprobs", "events"}
+
+
+def to_json(value: Any) -> str | None:
+    return None if value is None else _json.encode(jsonable(value)).decode()
+
+
+class Rows:
+    """Rows for every table, accumulated over a batch of frames."""
+
+    def __init__(self):
+        self.tables: dict[str, list[tuple]] = defaultdict(list)
+
+    def _add(self, table: str, **row: Any) -> None:
+        columns = TABLES[table][0]
+        self.tables[table].append(tuple(row.get(c) for c in columns))
+
+    def add_frame(self, session_id: int, seq: int, event, message: Message, schema: Schema) -> None:
+        """Add the frame row and every concept row of one message."""
+        where = dict(session_id=session_id, seq=seq, ts_ns=event.ts_ns,
+                     engine_index=event.engine_index, client_index=event.client_index)
+        error = message.error
+        try:
+            self._concepts(where, event, message, schema)
+        except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
+            error = f"{error}; " if error else ""
+            error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
+        self._add("frames", **where, channel=str(event.channel), direction=str(event.direction),
+                  kind=str(message.kind), n_parts=len(event.frames),
+                  nbytes=sum(len(f) for f in event.frames), raw=_raw.encode(event.frames),
+                  forwarded_raw=_raw.encode(event.forwarded) if event.forwarded else None,
+                  decoded=to_json(message.fields), decode_error=error,
+                  flags=_json.encode(message.flags).decode() if message.flags else None)
+
+    def _concepts(self, where: dict, event, message: Message, schema: Schema) -> None:
+        fields = message.fields
+        if not isinstance(fields, dict):
+            return
+        kind = message.kind
+        if kind in HANDSHAKE_KINDS:
+            rewritten = None
+            if event.forwarded:
+                rewritten = _json.encode(jsonable(msgspec.msgpack.decode(event.forwarded[0]))).decode()
+            self._add("handshakes", **where, kind=str(kind), payload=to_json(fields),
+                      rewritten=rewritten, vllm_version=fields.get("vllm_version"))
+        elif kind is Kind.ADD:
+            self._request(where, fields, schema)
+        elif kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
+            self._outputs(where, fields, schema)
+        elif kind is Kind.ABORT:
+            for position, request_id in enumerate(fields["request_ids"]):
+                self._add("aborts", **where, position=position, request_id=request_id)
+        elif kind is Kind.UTILITY:
+            self._add("utility_requests", **where, call_id=fields["call_id"],
+                      method=fields["method"], args=to_json(fields["args"]))
+        elif kind is Kind.ENGINE_CORE_DEAD:
+            self.add_engine_event(where["session_id"], where["seq"], event.ts_ns, event.engine_index,
+                                  "ENGINE_CORE_DEAD", f"on the output socket of API server {event.client_index}")
+
+    def add_engine_event(self, session_id: int, seq: int, ts_ns: int, engine_index: int | None,
+                         name: str, detail: str) -> None:
+        self._add("engine_events", session_id=session_id, seq=seq, ts_ns=ts_ns,
+                  engine_index=engine_index, event=name, detail=detail)
+
+    def _request(self, where: dict, fields: dict, schema: Schema) -> None:
+        params = fields.get("sampling_params")
+        effective = {}
+        if isinstance(params, dict):
+            # Python frontends omit default-valued keys: fill them in from the schema.
+            defaults = {f.name: f.default for f in schema.structs["SamplingParams"].fields}
+            effective = {c: params.get(c, defaults.get(c)) for c in sampling_columns()}
+            effective = {c: v for c, v in effective.items() if v is None or not isinstance(v, (list, dict))}
+        prompt = fields.get("prompt_token_ids")
+        self._add("requests", **where, **effective, request_id=fields.get("request_id"),
+                  external_req_id=fields.get("external_req_id"),
+                  prompt_len=len(prompt) if isinstance(prompt, list) else None,
+                  prompt_token_ids=to_json(prompt), arrival_time=fields.get("arrival_time"),
+                  data_parallel_rank=fields.get("data_parallel_rank"), priority=fields.get("priority"),
+                  sampling_params=to_json(params))
+
+    def _outputs(self, where: dict, fields: dict, schema: Schema) -> None:
+        utility = fields.get("utility_output")
+        if isinstance(utility, dict):
+            self._add("utility_results", **where, call_id=utility.get("call_id"),
+                      failure_message=utility.get("failure_message"), result=to_json(utility.get("result")))
+        for position, output in enumerate(fields.get("outputs") or []):
+            if not isinstance(output, dict):
+                continue
+            tokens = output.get("new_token_ids")
+            finish = output.get("finish_reason")
+            stop = output.get("stop_reason")
+            other = {k: v for k, v in output.items()
+                     if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
+            self._add("outputs", **where, position=position, request_id=output.get("request_id"),
+                      new_token_ids=to_json(tokens),
+                      num_new_tokens=len(tokens) if isinstance(tokens, list) else None,
+                      finish_reason=finish_name(schema, finish),
+                      stop_reason=None if stop is None else str(stop),
+                      num_nans_in_logits=output.get("num_nans_in_logits"),
+                      new_logprobs=to_json(output.get("new_logprobs")),
+                      events=to_json(output.get("events")), other=to_json(other) if other else None)
+
+
+def finish_name(schema: Schema, value: Any) -> str | None:
+    """``1`` -> ``"length"``: vLLM's FinishReason string form."""
+    if value is None:
+        return None
+    name = schema.enum_name("FinishReason", value)
+    return name.lower() if name else str(value)

@@ -1,0 +1,148 @@
+"""The SQLite layout: the recorded traffic as people query it.
+
+One database holds many sessions. ``frames`` keeps every message exactly as
+it crossed the proxy (raw parts) beside its decoded, named form; the other
+tables are views of the same frames by protocol concept (handshakes,
+requests, outputs, aborts, utility calls, engine events), with one column
+per scalar field. Sampling-parameter columns come from the shipped release
+schemas, so a new vLLM release adds columns without anyone typing them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import sqlite_utils
+
+from replay_proxy.wire.schema import load_schema, shipped_releases
+
+SCALAR_KINDS = {"nil", "bool", "int", "float", "str"}
+_SQL_TYPES = {"bool": int, "int": int, "float": float, "str": str}
+
+
+@functools.cache
+def sampling_columns() -> dict[str, type]:
+    """Scalar SamplingParams fields of every shipped release, and their SQL type."""
+    columns: dict[str, type] = {}
+    for release in shipped_releases():
+        for field in load_schema(release).structs["SamplingParams"].fields:
+            kinds = set(field.kinds) - {"nil"}
+            if kinds and kinds <= SCALAR_KINDS and field.name not in columns:
+                columns[field.name] = _SQL_TYPES[sorted(kinds)[0]] if len(kinds) == 1 else float
+    return columns
+
+
+TABLES: dict[str, tuple[dict, list[str] | str]] = {
+    "sessions": ({
+        "id": int, "name": str, "mode": str, "baseline_session_id": int, "started_at": str,
+        "ended_at": str, "status": str, "listen": str, "upstream": str, "vllm_version": str,
+        "schema_release": str, "schema_exact": int, "proxy_version": str, "frames_seen": int,
+        "frames_recorded": int, "frames_dropped": int, "bytes_seen": int, "error": str,
+    }, "id"),
+    "frames": ({
+        "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,
+        "engine_index": int, "client_index": int, "kind": str, "n_parts": int, "nbytes": int,
+        "raw": bytes, "forwarded_raw": bytes, "decoded": str, "decode_error": str, "flags": str,
+    }, ["session_id", "seq"]),
+    "handshakes": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
+        "kind": str, "payload": str, "rewritten": str, "vllm_version": str,
+    }, ["session_id", "seq"]),
+    "requests": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
+        "request_id": str, "external_req_id": str, "prompt_len": int, "prompt_token_ids": str,
+        "arrival_time": float, "data_parallel_rank": int, "priority": int,
+        **sampling_columns(),
+        "sampling_params": str,
+    }, ["session_id", "seq"]),
+    "outputs": ({
+        "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
+        "client_index": int, "request_id": str, "new_token_ids": str, "num_new_tokens": int,
+        "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "new_logprobs": str,
+        "events": str, "other": str,
+    }, ["session_id", "seq", "position"]),
+    "aborts": ({
+        "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
+        "client_index": int, "request_id": str,
+    }, ["session_id", "seq", "position"]),
+    "utility_requests": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
+        "call_id": int, "method": str, "args": str,
+    }, ["session_id", "seq"]),
+    "utility_results": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
+        "call_id": int, "failure_message": str, "result": str,
+    }, ["session_id", "seq"]),
+    "engine_events": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
+    }, ["session_id", "seq"]),
+}
+
+INDEXES = {
+    "frames": [["session_id", "kind"]],
+    "requests": [["session_id", "request_id"]],
+    "outputs": [["session_id", "request_id"]],
+}
+
+VIEWS = {
+    # One row per request: when it was added, its first token, how it ended.
+    "request_timeline": """
+        SELECT session_id, request_id, engine_index, client_index, added_ns, first_token_ns,
+               (first_token_ns - added_ns) / 1e6 AS ttft_ms, tokens, finish_reason,
+               (last_ns - added_ns) / 1e6 AS e2e_ms
+        FROM (
+            SELECT r.session_id, r.request_id, r.engine_index, r.client_index, r.ts_ns AS added_ns,
+                   MIN(CASE WHEN o.num_new_tokens > 0 THEN o.ts_ns END) AS first_token_ns,
+                   MAX(o.ts_ns) AS last_ns,
+                   COALESCE(SUM(o.num_new_tokens), 0) AS tokens,
+                   MAX(o.finish_reason) AS finish_reason
+            FROM requests r
+            LEFT JOIN outputs o ON o.session_id = r.session_id AND o.request_id = r.request_id
+            GROUP BY r.session_id, r.seq
+        )""",
+    # The gap before each output that carried tokens, per request.
+    "inter_token_latencies": """
+        SELECT session_id, request_id, engine_index, client_index, seq, ts_ns, num_new_tokens,
+               (ts_ns - LAG(ts_ns) OVER (PARTITION BY session_id, request_id ORDER BY seq)) / 1e6
+                   AS itl_ms
+        FROM outputs WHERE num_new_tokens > 0""",
+    # A utility call beside its result (call ids are unique per engine and API server).
+    "utility_calls": """
+        SELECT q.session_id, q.engine_index, q.client_index, q.call_id, q.method, q.args,
+               q.ts_ns AS called_ns, r.ts_ns AS answered_ns, (r.ts_ns - q.ts_ns) / 1e6 AS latency_ms,
+               r.failure_message, r.result
+        FROM utility_requests q
+        LEFT JOIN utility_results r ON r.session_id = q.session_id AND r.call_id = q.call_id
+             AND r.engine_index = q.engine_index AND r.client_index = q.client_index""",
+}
+
+
+def open_database(path: str | Path) -> sqlite_utils.Database:
+    """Open (creating with mode 0600 if new) a recording database with its schema."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    db = sqlite_utils.Database(path)
+    db.enable_wal()
+    ensure_schema(db)
+    return db
+
+
+def ensure_schema(db: sqlite_utils.Database) -> None:
+    for name, (columns, pk) in TABLES.items():
+        table = db[name]
+        if table.exists():  # an older file: add what a newer proxy records
+            existing = table.columns_dict
+            for column, column_type in columns.items():
+                if column not in existing:
+                    table.add_column(column, column_type)
+        else:
+            table.create(columns, pk=pk)
+    for name, indexes in INDEXES.items():
+        for columns in indexes:
+            db[name].create_index(columns, if_not_exists=True)
+    for name, sql in VIEWS.items():
+        db.create_view(name, sql, replace=True)

@@ -1,0 +1,43 @@
+import pytest
+import trio
+
+from replay_proxy.net.relay import Relay
+from replay_proxy.sim.engine import SimEngine
+from replay_proxy.sim.frontend import SimFrontend
+from replay_proxy.store.writer import Recorder, SessionInfo
+
+
+class RecordedSession:
+    """Sim frontend <-> relay (recording) <-> sim engines, in one nursery."""
+
+    def __init__(self, nursery, db, engines=1, api_servers=1, engine_drift=None, frontend_drift=None):
+        self.nursery, self.db = nursery, db
+        self.n_engines, self.api_servers = engines, api_servers
+        self.engine_drift, self.frontend_drift = engine_drift, frontend_drift
+
+    async def start(self):
+        kwargs = {"drift": self.frontend_drift} if self.frontend_drift else {}
+        self.frontend = SimFrontend(engines=self.n_engines, api_servers=self.api_servers, **kwargs)
+        upstream = await self.nursery.start(self.frontend.run)
+        self.recorder = Recorder(self.db, SessionInfo(name="test", upstream=upstream))
+        self.relay = Relay("tcp://127.0.0.1:0", upstream, self.recorder)
+        self.nursery.start_soon(self.relay.run)
+        await self.relay.listening.wait()
+        kwargs = {"drift": self.engine_drift} if self.engine_drift else {}
+        self.engines = [SimEngine(self.relay.listen, i, **kwargs) for i in range(self.n_engines)]
+        for engine in self.engines:
+            self.nursery.start_soon(engine.run)
+        await self.frontend.ready.wait()
+        return self
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "recording.db"
+
+
+@pytest.fixture
+async def session_factory(nursery, db_path):
+    async def make(**kwargs):
+        return await RecordedSession(nursery, db_path, **kwargs).start()
+    return make

@@ -1,0 +1,98 @@
+"""Sim frontend <-> recording relay <-> sim engines: forwarding and recording are exact."""
+
+import json
+
+import msgspec
+import pytest
+import sqlite_utils
+import trio
+
+from replay_proxy.wire.handshake import engine_identity
+from replay_proxy.wire.messages import RequestType
+
+
+async def run_workload(session, requests=12):
+    frontend = session.frontend
+    for k in range(requests):
+        engine, client = k % session.n_engines, (k // session.n_engines) % session.api_servers
+        await frontend.add(f"req-{k}", [1, 2, k], engine=engine, client=client, max_tokens=3 + k % 4,
+                           temperature=0.0)
+    calls = [await frontend.utility("get_supported_tasks", engine=e, client=c)
+             for e in range(session.n_engines) for c in range(session.api_servers)]
+    await frontend.wait_for(lambda: len(frontend.finish_reasons) == requests
+                            and all(c in frontend.utility_results for c in calls))
+
+
+@pytest.mark.parametrize("engines, api_servers", [(1, 1), (2, 2), (3, 3), (1, 3), (3, 1)])
+async def test_every_frame_is_forwarded_routed_and_recorded(session_factory, db_path, engines, api_servers):
+    with trio.fail_after(30):
+        session = await session_factory(engines=engines, api_servers=api_servers)
+        await run_workload(session)
+    stats = session.recorder.close()
+    frontend = session.frontend
+    received_by_engines = sum(len(e.received) for e in session.engines)
+    sent_by_frontend = 12 + engines * api_servers
+    assert received_by_engines == sent_by_frontend
+    for engine in session.engines:  # every message reached the engine and API-server socket it named
+        for client, frames in engine.received:
+            if frames[0] == RequestType.ADD.value:
+                k = int(msgspec.msgpack.decode(frames[1])[0].split("-")[1])
+                assert (engine.index, client) == (k % engines, (k // engines) % api_servers)
+    assert all(len(tokens) == 3 + int(r.split("-")[1]) % 4 for r, tokens in frontend.tokens.items())
+
+    db = sqlite_utils.Database(db_path)
+    count = lambda sql: db.execute(sql).fetchone()[0]  # noqa: E731
+    assert stats.frames_dropped == 0 and stats.frames_recorded == stats.frames_seen
+    assert count("SELECT COUNT(*) FROM frames") == stats.frames_seen
+    assert count("SELECT COUNT(*) FROM frames WHERE channel='input' AND direction='to_engine'") == sent_by_frontend
+    assert count("SELECT COUNT(*) FROM frames WHERE channel='output'") == len(frontend.outputs_received)
+    assert count("SELECT COUNT(*) FROM handshakes WHERE kind='REGISTRATION'") == engines * api_servers
+    assert count("SELECT COUNT(*) FROM handshakes WHERE kind IN ('HELLO','READY','INIT')") == 3 * engines
+    assert count("SELECT COUNT(*) FROM requests") == 12
+    assert count("SELECT COUNT(*) FROM utility_calls WHERE result IS NOT NULL") == engines * api_servers
+    rows = list(db.query("SELECT request_id, engine_index, client_index, tokens, finish_reason FROM request_timeline"))
+    for row in rows:
+        k = int(row["request_id"].split("-")[1])
+        assert (row["engine_index"], row["client_index"]) == (k % engines, (k // engines) % api_servers)
+        assert row["tokens"] == 3 + k % 4 and row["finish_reason"] == "length"
+    session_row = db["sessions"].get(session.recorder.session_id)
+    assert (session_row["status"], session_row["vllm_version"], session_row["schema_exact"]) == ("complete", "0.32.0", 1)
+
+
+async def test_recorded_columns_are_named_and_typed(session_factory, db_path):
+    with trio.fail_after(20):
+        session = await session_factory()
+        await session.frontend.add("req-a", [4, 5, 6], max_tokens=2, temperature=0.5, seed=7, top_k=3)
+        await session.frontend.wait_for(lambda: "req-a" in session.frontend.finish_reasons)
+    session.recorder.close()
+    db = sqlite_utils.Database(db_path)
+    request = next(db.query("SELECT * FROM requests"))
+    assert (request["temperature"], request["seed"], request["top_k"], request["max_tokens"]) == (0.5, 7, 3, 2)
+    assert request["top_p"] == 1.0  # omitted on the wire, filled from the release's default
+    assert json.loads(request["sampling_params"]) == {"temperature": 0.5, "top_k": 3, "seed": 7, "max_tokens": 2}
+    assert (request["prompt_len"], json.loads(request["prompt_token_ids"])) == (3, [4, 5, 6])
+    outputs = list(db.query("SELECT new_token_ids, finish_reason FROM outputs ORDER BY seq"))
+    assert [o["finish_reason"] for o in outputs] == [None, "length"]
+    assert sum(len(json.loads(o["new_token_ids"])) for o in outputs) == 2
+    init = next(db.query("SELECT payload, rewritten FROM handshakes WHERE kind='INIT'"))
+    assert json.loads(init["payload"])["addresses"]["inputs"] != json.loads(init["rewritten"])["addresses"]["inputs"]
+
+
+async def test_undecodable_frames_are_forwarded_byte_identical_and_recorded(session_factory, db_path):
+    garbage_in = [b"\x09", b"\xc1\xff not msgpack"]
+    garbage_out = [b"\xc1 also not msgpack", b"aux"]
+    with trio.fail_after(20):
+        session = await session_factory()
+        frontend, engine = session.frontend, session.engines[0]
+        await frontend.inputs[0].send([engine_identity(0), *garbage_in])
+        await engine.outputs[0].send(garbage_out)
+        await frontend.wait_for(lambda: frontend.undecodable == 1)
+        while not engine.received:
+            await trio.sleep(0.01)
+    session.recorder.close()
+    assert engine.received == [(0, garbage_in)]
+    assert frontend.outputs_received == [(0, garbage_out)]
+    db = sqlite_utils.Database(db_path)
+    rows = list(db.query("SELECT kind, raw, decode_error FROM frames WHERE kind='UNKNOWN' ORDER BY seq"))
+    assert [msgspec.msgpack.decode(r["raw"]) for r in rows] == [garbage_in, garbage_out]
+    assert all(r["decode_error"] for r in rows)

@@ -1,0 +1,64 @@
+"""Nothing from the wire raises out of wire/ (h11's fuzz target, for msgpack)."""
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_proxy.wire.encode import encode
+from replay_proxy.wire.messages import Channel, Direction, Kind, Message, WireDecoder
+from replay_proxy.wire.schema import load_schema
+
+from tests.wire.test_messages import CASES
+
+channels = st.sampled_from(list(Channel))
+directions = st.sampled_from(list(Direction))
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=30,
+)
+
+
+def check(channel, direction, frames):
+    before = [bytes(f) for f in frames]
+    message = WireDecoder(load_schema("0.32.0")).decode(channel, direction, frames)
+    assert isinstance(message, Message)
+    assert frames == before  # decoding never touches the bytes that get forwarded
+    if message.kind is Kind.UNKNOWN:
+        assert message.error
+
+
+@settings(max_examples=400)
+@given(channels, directions, st.lists(st.binary(max_size=64), max_size=4))
+def test_arbitrary_bytes_never_raise(channel, direction, frames):
+    check(channel, direction, frames)
+
+
+@settings(max_examples=400)
+@given(channels, directions, st.sampled_from([b"\x00", b"\x01", b"\x02", b"\x03"]), msgpack_values)
+def test_any_msgpack_body_never_raises(channel, direction, request_type, body):
+    check(channel, direction, [request_type, encode(body)])
+    check(channel, direction, [encode(body)])
+
+
+@settings(max_examples=400)
+@given(st.sampled_from(CASES), st.data())
+def test_mutated_real_frames_never_raise(case, data):
+    channel, direction, frames, _ = case
+    if not frames:
+        return
+    index = data.draw(st.integers(0, len(frames) - 1))
+    frame = bytearray(frames[index])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if frame:
+            frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    mutated = [*frames[:index], bytes(frame), *frames[index + 1:]]
+    check(channel, direction, mutated)
+
+
+def test_truncated_outputs_give_unknown_with_the_error():
+    body = encode([0, [["r", [1, 2, 3]]]])
+    message = WireDecoder().decode(Channel.OUTPUT, Direction.TO_FRONTEND, [body[:-2]])
+    assert message.kind is Kind.UNKNOWN and "truncated" in message.error
+    assert msgspec.msgpack.decode(body)  # the full frame is fine

@@ -1,0 +1,28 @@
+"""Shipped schemas: what they say about real releases, and how one is chosen."""
+
+from replay_proxy.wire.schema import load_schema, schema_for, shipped_releases
+
+
+def test_three_releases_ship_oldest_first():
+    assert shipped_releases() == ("0.30.0", "0.31.0", "0.32.0")
+
+
+def test_schema_for_picks_exact_then_nearest_older():
+    assert [(s.release, exact) for s, exact in (schema_for("0.32.0"), schema_for("0.31.0+cpu"))] == [
+        ("0.32.0", True), ("0.31.0", True)]
+    assert (schema_for("0.33.1")[0].release, schema_for("0.33.1")[1]) == ("0.32.0", False)
+    assert schema_for("0.8.5")[0].release == "0.30.0"
+    assert schema_for(None)[0].release == "0.32.0"
+
+
+def test_schemas_carry_the_release_drift_extracted_from_vllm():
+    # Read from the releases' own classes by extract.py, not typed by hand.
+    names = {r: [f.name for f in load_schema(r).structs["EngineCoreRequest"].fields] for r in shipped_releases()}
+    assert names["0.30.0"][-1] == "session_id" and names["0.31.0"][-1] == "kv_hints"
+    lora = {r: [f.name for f in load_schema(r).structs["LoRARequest"].fields] for r in ("0.31.0", "0.32.0")}
+    assert "tensorizer_config_dict" in lora["0.31.0"] and "tensorizer_config_dict" not in lora["0.32.0"]
+    outputs = load_schema("0.32.0").structs["EngineCoreOutputs"]
+    assert outputs.encoding == "array" and outputs.fields[8].name == "weight_version"
+    sampling = load_schema("0.32.0").structs["SamplingParams"]
+    assert sampling.encoding == "map" and sampling.omit_defaults
+    assert load_schema("0.32.0").enums["FinishReason"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3, "REPETITION": 4}
