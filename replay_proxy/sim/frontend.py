@@ -10,8 +10,8 @@ server index) and collects outputs per request.
 
 from __future__ import annotations
 
-import itertools
 import time
+import uuid
 from collections import defaultdict
 
 import msgspec
@@ -50,7 +50,6 @@ class SimFrontend:
         self.dead_engines = 0
         self.undecodable = 0
         self.ready = trio.Event()
-        self._call_ids = itertools.count(1)
         self._changed = trio.Event()
         self._sockets: list[ZmqSocket] = []
 
@@ -155,7 +154,7 @@ class SimFrontend:
         await self._send(engine, client, RequestType.ABORT, request_ids)
 
     async def utility(self, method: str, *args, engine: int = 0, client: int = 0) -> int:
-        call_id = next(self._call_ids)
+        call_id = uuid.uuid1().int >> 64  # as vLLM's Python client does: an unsigned 64-bit int
         await self._send(engine, client, RequestType.UTILITY, [client, call_id, method, list(args)])
         return call_id
 

@@ -20,6 +20,13 @@ OUTPUT_COLUMNS = {"request_id", "new_token_ids", "finish_reason", "stop_reason",
                   "num_nans_in_logits", "new_logprobs", "events"}
 
 
+def _sqlite_value(value: Any) -> Any:
+    """SQLite integers are signed 64-bit; Python's utility call ids are u64: keep those as text."""
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        return str(value)
+    return value
+
+
 def to_json(value: Any) -> str | None:
     return None if value is None else _json.encode(jsonable(value)).decode()
 
@@ -32,7 +39,7 @@ class Rows:
 
     def _add(self, table: str, **row: Any) -> None:
         columns = TABLES[table][0]
-        self.tables[table].append(tuple(row.get(c) for c in columns))
+        self.tables[table].append(tuple(_sqlite_value(row.get(c)) for c in columns))
 
     def add_frame(self, session_id: int, seq: int, event, message: Message, schema: Schema) -> None:
         """Add the frame row and every concept row of one message."""

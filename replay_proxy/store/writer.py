@@ -151,7 +151,7 @@ class Recorder:
                 with connection:
                     for table, values in rows.tables.items():
                         connection.executemany(statements[table], values)
-            except sqlite3.Error as exc:  # a full disk, a locked file: count it, keep going
+            except Exception as exc:  # noqa: BLE001 - a full disk, a locked file: count it, keep going
                 self._dropped += recorded
                 self.write_error = f"{type(exc).__name__}: {exc}"
             else:
