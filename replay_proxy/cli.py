@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import trio
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from replay_proxy import __version__
 from replay_proxy.errors import ExitCode, ReplayProxyError
@@ -27,6 +29,8 @@ app = typer.Typer(
 )
 schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
+sim_app = typer.Typer(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
+app.add_typer(sim_app, name="sim")
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
@@ -144,8 +148,8 @@ def render(rows: list[dict[str, Any]], form: Literal["table", "json", "csv"], ti
         table = Table(title=title)
         for column in (rows[0] if rows else {}):
             table.add_column(column, overflow="fold")
-        for row in rows:
-            table.add_row(*("" if v is None else _bytes_hex(v) if isinstance(v, bytes) else str(v)
+        for row in rows:  # Text, not str: a cell like [null] is data, not rich markup
+            table.add_row(*(Text("" if v is None else _bytes_hex(v) if isinstance(v, bytes) else str(v))
                             for v in row.values()))
         out.print(table)
         out.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}", style="dim")
@@ -186,6 +190,62 @@ def schema_extract(
     else:
         output.write_bytes(result.stdout)
         err.print(f"wrote {output}")
+
+
+@sim_app.command("frontend")
+def sim_frontend(
+    handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to bind.")],
+    engines: Annotated[int, typer.Option(min=1, help="Engines to wait for.")] = 1,
+    api_servers: Annotated[int, typer.Option(min=1, help="Input/output socket pairs (API servers).")] = 1,
+    requests: Annotated[int, typer.Option(min=0, help="Requests in the workload.")] = 20,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 60.0,
+) -> None:
+    """Run a fake frontend: wait for the engines, run a small workload, exit.
+
+    Example: replay-proxy sim frontend --handshake tcp://127.0.0.1:29550 --engines 2
+    """
+    from replay_proxy.sim.frontend import SimFrontend
+    from replay_proxy.sim.workload import run_workload
+
+    async def main() -> SimFrontend:
+        frontend = SimFrontend(handshake, engines=engines, api_servers=api_servers)
+        with trio.move_on_after(timeout) as scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(frontend.run)
+                await frontend.ready.wait()
+                await run_workload(frontend, requests)
+                nursery.cancel_scope.cancel()
+        if scope.cancelled_caught:
+            raise fail(f"sim frontend: workload not done after {timeout:g} s", ExitCode.REPLAY_FAILED)
+        return frontend
+
+    frontend = trio.run(main)
+    tokens = sum(len(t) for t in frontend.tokens.values())
+    err.print(f"sim frontend: {len(frontend.finish_reasons)} requests finished, {tokens} tokens, "
+              f"{len(frontend.utility_results)} utility results")
+
+
+@sim_app.command("engine")
+def sim_engine(
+    handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to dial.")],
+    index: Annotated[int, typer.Option(min=0, help="Engine index (data-parallel rank).")] = 0,
+    release: Annotated[str, typer.Option(help="vLLM release whose schema this engine speaks.")] = "0.32.0",
+) -> None:
+    """Run a fake engine until SIGTERM or Ctrl-C.
+
+    Example: replay-proxy sim engine --handshake tcp://127.0.0.1:29560 --index 0
+    """
+    from replay_proxy.sim.engine import SimEngine
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(SimEngine(handshake, index, release=release).run)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
 
 
 def run() -> None:

@@ -88,10 +88,13 @@ INDEXES = {
 
 VIEWS = {
     # One row per request: when it was added, its first token, how it ended.
+    # frontend_aborted: the frontend sent ABORT (the engine never answers those).
     "request_timeline": """
         SELECT session_id, request_id, engine_index, client_index, added_ns, first_token_ns,
                (first_token_ns - added_ns) / 1e6 AS ttft_ms, tokens, finish_reason,
-               (last_ns - added_ns) / 1e6 AS e2e_ms
+               (last_ns - added_ns) / 1e6 AS e2e_ms,
+               EXISTS (SELECT 1 FROM aborts a WHERE a.session_id = t.session_id
+                       AND a.request_id = t.request_id) AS frontend_aborted
         FROM (
             SELECT r.session_id, r.request_id, r.engine_index, r.client_index, r.ts_ns AS added_ns,
                    MIN(CASE WHEN o.num_new_tokens > 0 THEN o.ts_ns END) AS first_token_ns,
@@ -101,7 +104,7 @@ VIEWS = {
             FROM requests r
             LEFT JOIN outputs o ON o.session_id = r.session_id AND o.request_id = r.request_id
             GROUP BY r.session_id, r.seq
-        )""",
+        ) AS t""",
     # The gap before each output that carried tokens, per request.
     "inter_token_latencies": """
         SELECT session_id, request_id, engine_index, client_index, seq, ts_ns, num_new_tokens,

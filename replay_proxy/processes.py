@@ -1,0 +1,97 @@
+"""Child processes we start (peers under test, the proxy itself): bounded and killed by PID.
+
+Each child gets its own process group (its PID is the group id), so that
+stopping it also stops what it spawned (vLLM's engine and API-server
+processes). Output goes to a log file kept for the report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from replay_proxy.errors import ReplayProxyError
+
+
+class ChildError(ReplayProxyError):
+    """A child process failed to start, exited early or did not become ready."""
+
+
+class Child:
+    def __init__(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
+                 name: str | None = None, cwd: Path | None = None):
+        self.name = name or Path(argv[0]).name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, cwd=cwd, start_new_session=True)
+        except OSError as exc:
+            raise ChildError(f"could not start {self.name} ({argv[0]}): {exc}") from None
+        finally:
+            log.close()
+        self.pid = self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise ChildError(f"{self.name} (pid {self.pid}) still running after {timeout:g} s; "
+                             f"log: {self.log_path}") from None
+
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
+        """Signal the child's process group, then SIGKILL it if it has not exited in time."""
+        if self.running():
+            self._signal_group(sig)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # also reaps grandchildren left behind
+        return self.process.wait(10)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        """Wait until ``text`` appears in the log; fail early if the child exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log_path.read_text(errors="replace"):
+                return
+            if not self.running():
+                raise ChildError(f"{self.name} exited with {self.process.returncode} before "
+                                 f"printing {text!r}:\n{self.log_tail()}")
+            time.sleep(0.1)
+        raise ChildError(f"{self.name} did not print {text!r} within {timeout:g} s:\n{self.log_tail()}")
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Everything the tests need, from nothing, then the whole suite.
+#   scripts/test.sh           the full suite, real vLLM included (what CI runs)
+#   scripts/test.sh --fast    skip the real-vLLM tests (and their set-up)
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/venv.sh
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec "$VENV/bin/python" -m pytest -m "not real_vllm" "$@"
+fi
+bash scripts/setup-vllm.sh
+# With the peers installed, a real-vLLM test that cannot find them fails instead of skipping.
+export REPLAY_PROXY_REQUIRE_VLLM=1
+exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,119 @@
+"""The real vLLM peers installed by scripts/setup-vllm.sh, started the way REAL_VLLM.md measured.
+
+Every process is a ``Child`` (own process group, log file, stopped by PID);
+every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from replay_proxy.processes import Child, ChildError, free_port
+
+CACHE = Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
+VENV = CACHE / "vllm-0.32.0"
+VLLM = VENV / "bin" / "vllm"
+MODEL = CACHE / "tiny-model"
+VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.32.0", "0.33.0")}
+READY_TIMEOUT_S = 240
+COMMON = ["--max-model-len", "256", "--dtype", "float32"]
+PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
+
+
+def installed() -> bool:
+    return (VENV / ".complete").exists() and (MODEL / ".complete").exists() and all(
+        p.exists() for p in VLLM_RS.values())
+
+
+def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
+    scratch.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "VLLM_RPC_BASE_PATH": str(scratch), **extra,
+    }
+
+
+def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, **env: str) -> Child:
+    return Child([str(VLLM), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
+                  "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
+                  "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+                  *COMMON, *PYTHON_ONLY],
+                 logs / "frontend.log", env=vllm_env(logs / "scratch-frontend", **env), name="vllm frontend")
+
+
+def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
+    return Child([str(VLLM_RS[version]), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
+                  "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+                  "--data-parallel-size", str(dp), "--data-parallel-size-local", "0", "--max-model-len", "256"],
+                 logs / f"vllm-rs-{version}.log", env=vllm_env(logs / "scratch-rs"), name=f"vllm-rs {version}")
+
+
+def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
+                    name: str = "engine", **env: str) -> Child:
+    rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
+    return Child([str(VLLM), "serve", str(MODEL), "--headless", "--data-parallel-size", str(dp),
+                  "--data-parallel-size-local", str(local), *rank, "--data-parallel-address", "127.0.0.1",
+                  "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY],
+                 logs / f"{name}.log", env=vllm_env(logs / f"scratch-{name}", **env), name=name)
+
+
+def proxy(logs: Path, listen_port: int, upstream_port: int, db: Path, session: str, *extra: str) -> Child:
+    child = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen_port}",
+                   "--upstream", f"tcp://127.0.0.1:{upstream_port}", "--db", str(db), "--session", session,
+                   *extra], logs / f"proxy-{session}.log", name="replay-proxy record")
+    child.wait_for_log("listening on", timeout=30)
+    return child
+
+
+def wait_http_ready(port: int, children: list[Child], timeout: float = READY_TIMEOUT_S) -> None:
+    """Wait for /v1/models to answer 200; fail early if any child exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children:
+            if not child.running():
+                raise ChildError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail(30)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, socket.timeout):
+            pass
+        time.sleep(0.5)
+    tails = "\n".join(f"--- {c.name}\n{c.log_tail(15)}" for c in children)
+    raise ChildError(f"HTTP on port {port} not ready after {timeout:g} s\n{tails}")
+
+
+def post(port: int, path: str, body: dict, timeout: float = 60) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+def stream(port: int, path: str, body: dict, stop_after: int | None = None, timeout: float = 60) -> list[dict]:
+    """POST with stream=true; return the SSE events, closing early after ``stop_after`` of them."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            events.append(json.loads(line[len(b"data: "):]))
+            if stop_after is not None and len(events) >= stop_after:
+                break  # closing the connection makes the frontend abort the request
+    return events
+
+
+__all__ = ["Child", "free_port", "headless_engine", "installed", "post", "proxy", "python_frontend",
+           "rust_frontend", "stream", "wait_http_ready"]
