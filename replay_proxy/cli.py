@@ -31,7 +31,7 @@ schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 sim_app = typer.Typer(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 200)  # query results are wide: do not fold at 80
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -86,13 +86,15 @@ def record(
         raise fail(f"--on-full must be 'drop' or 'block', not {on_full!r}", ExitCode.USAGE)
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     try:
-        session_id, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
-                                                        console=err))
+        recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
+                                                      console=err))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     err.print(status_line(stats, 0))
-    err.print(f"session {name!r} (id {session_id}) complete: {stats.frames_recorded:,} of "
+    err.print(f"session {name!r} (id {recorder.session_id}) {recorder.status}: {stats.frames_recorded:,} of "
               f"{stats.frames_seen:,} frames recorded, {stats.frames_dropped:,} dropped -> {db}")
+    if recorder.status != "complete":
+        raise fail("the recording is incomplete: see the sessions table's error column")
 
 
 @app.command()

@@ -32,8 +32,8 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 async def record(listen: str, upstream: str, db: Path, *, session: str,
                  on_full: Literal["drop", "block"] = "drop",
-                 console: Console | None = None) -> tuple[int, RecorderStats]:
-    """Relay and record until SIGINT/SIGTERM; return the session id and final statistics."""
+                 console: Console | None = None) -> tuple[Recorder, RecorderStats]:
+    """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)
     recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full)
     relay = Relay(listen, upstream, recorder)
@@ -54,7 +54,7 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
         raise
     finally:
         stats = recorder.close(status, error)
-    return recorder.session_id, stats
+    return recorder, stats
 
 
 async def _show_status(console: Console, recorder: Recorder, relay: Relay) -> None:

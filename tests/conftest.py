@@ -41,3 +41,19 @@ async def session_factory(nursery, db_path):
     async def make(**kwargs):
         return await RecordedSession(nursery, db_path, **kwargs).start()
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real-vLLM tests skip when the peers are not installed, unless scripts/test.sh said they are."""
+    import os
+
+    from tests.real.peers import installed
+
+    if installed():
+        return
+    if os.environ.get("REPLAY_PROXY_REQUIRE_VLLM"):
+        raise pytest.UsageError("real vLLM peers missing: scripts/setup-vllm.sh did not install them")
+    skip = pytest.mark.skip(reason="real vLLM not installed: run scripts/setup-vllm.sh (scripts/test.sh does)")
+    for item in items:
+        if "real_vllm" in item.keywords:
+            item.add_marker(skip)

@@ -10,9 +10,8 @@ import msgspec
 from replay_proxy.store.tables import TABLES, sampling_columns
 from replay_proxy.wire.messages import Kind, Message
 from replay_proxy.wire.schema import Schema
-from replay_proxy.wire.values import jsonable
+from replay_proxy.wire.values import decode_msgpack, to_json
 
-_json = msgspec.json.Encoder()
 _raw = msgspec.msgpack.Encoder()
 HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
 # Output fields with a column of their own; the rest go to "other" when set.
@@ -25,10 +24,6 @@ def _sqlite_value(value: Any) -> Any:
     if type(value) is int and not -(2**63) <= value < 2**63:
         return str(value)
     return value
-
-
-def to_json(value: Any) -> str | None:
-    return None if value is None else _json.encode(jsonable(value)).decode()
 
 
 class Rows:
@@ -56,7 +51,7 @@ class Rows:
                   nbytes=sum(len(f) for f in event.frames), raw=_raw.encode(event.frames),
                   forwarded_raw=_raw.encode(event.forwarded) if event.forwarded else None,
                   decoded=to_json(message.fields), decode_error=error,
-                  flags=_json.encode(message.flags).decode() if message.flags else None)
+                  flags=to_json(message.flags) if message.flags else None)
 
     def _concepts(self, where: dict, event, message: Message, schema: Schema) -> None:
         fields = message.fields
@@ -66,7 +61,7 @@ class Rows:
         if kind in HANDSHAKE_KINDS:
             rewritten = None
             if event.forwarded:
-                rewritten = _json.encode(jsonable(msgspec.msgpack.decode(event.forwarded[0]))).decode()
+                rewritten = to_json(decode_msgpack(event.forwarded[0]))
             self._add("handshakes", **where, kind=str(kind), payload=to_json(fields),
                       rewritten=rewritten, vllm_version=fields.get("vllm_version"))
         elif kind is Kind.ADD:

@@ -11,7 +11,6 @@ frame).
 
 from __future__ import annotations
 
-import base64
 import math
 from typing import Any
 
@@ -29,11 +28,7 @@ _FORMATS = {
 }
 
 
-class Ext(msgspec.Struct, frozen=True, gc=False):
-    """A msgpack ext value kept as bytes (pickles are never unpickled)."""
-
-    code: int
-    data: bytes
+Ext = msgspec.msgpack.Ext  # code and data: kept as bytes, pickles are never unpickled
 
 
 class Tensor(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -48,7 +43,7 @@ class Tensor(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 
 
 def _ext_hook(code: int, data: memoryview) -> Ext:
-    return Ext(code, bytes(data))
+    return Ext(code, bytes(data))  # copied: the buffer is only valid during decoding
 
 
 _decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
@@ -105,25 +100,39 @@ def resolve_tensor(value: Any, frames: list[bytes]) -> Tensor | None:
         else:
             if len(values) != count:
                 error = f"shape {shape} wants {count} values, data holds {len(values)}"
+    if values and isinstance(values[0], float):
+        # JSON has no -inf, and logprobs of impossible tokens are -inf.
+        values = [v if math.isfinite(v) else str(v) for v in values]
     return Tensor(dtype, shape, len(raw), aux_frame=aux, values=values, error=error)
 
 
-def jsonable(value: Any) -> Any:
-    """Turn decoded values into what ``msgspec.json`` can encode losslessly.
-
-    bytes become ``{"$bytes": base64}``, opaque ext values
-    ``{"$ext": code, "nbytes": n}``; map keys become strings (JSON needs them).
-    """
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return {"$bytes": base64.b64encode(value).decode()}
+def _json_hook(value: Any) -> Any:
     if isinstance(value, Ext):
         return {"$ext": value.code, "nbytes": len(value.data)}
-    if isinstance(value, Tensor):
-        return msgspec.to_builtins(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; logprobs can be -inf
+    raise TypeError(f"{type(value).__name__} has no JSON form")
+
+
+_json = msgspec.json.Encoder(enc_hook=_json_hook)
+
+
+def to_json(value: Any) -> str | None:
+    """The JSON form of decoded values, for the database and reports.
+
+    bytes become base64 strings, opaque ext values ``{"$ext": code, "nbytes": n}``,
+    NaN and infinities null (tensor values keep them as strings, see
+    ``resolve_tensor``).
+    """
+    if value is None:
+        return None
+    try:
+        return _json.encode(value).decode()
+    except (TypeError, msgspec.EncodeError):  # a map key JSON cannot hold (bytes, nil)
+        return _json.encode(_string_keys(value)).decode()
+
+
+def _string_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int)) else repr(k): _string_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_string_keys(v) for v in value]
     return value

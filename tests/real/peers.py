@@ -115,5 +115,31 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
     return events
 
 
+def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None) -> dict:
+    """Frontend + headless engine (+ the recording proxy between them when ``db`` is given).
+
+    Runs the HTTP workload and returns what the user saw; every process is
+    stopped by PID before returning.
+    """
+    from tests.real import workload
+
+    http, upstream = free_port(), free_port()
+    children = [frontend(logs, http, upstream)]
+    try:
+        listen = upstream
+        if db is not None:
+            listen = free_port()
+            children.append(proxy(logs, listen, upstream, db, session))
+        children.append(headless_engine(logs, listen))
+        wait_http_ready(http, children)
+        return workload.run(http)
+    finally:
+        for child in reversed(children):
+            child.stop()
+        if db is not None and children[1].process.returncode != 0:
+            raise ChildError(f"replay-proxy record exited with {children[1].process.returncode}:\n"
+                             f"{children[1].log_tail()}")
+
+
 __all__ = ["Child", "free_port", "headless_engine", "installed", "post", "proxy", "python_frontend",
-           "rust_frontend", "stream", "wait_http_ready"]
+           "run_pair", "rust_frontend", "stream", "wait_http_ready"]

@@ -1,0 +1,258 @@
+"""Forwarding cost of the proxy, side by side in one run.
+
+Four ways between the same frontend and engine peers (each peer in its own
+process, plain pyzmq, the real handshake): direct; libzmq's own C forwarder
+(``zmq.proxy``, the floor: the extra process hop alone); replay-proxy
+relaying without recording; replay-proxy recording to SQLite. For each:
+round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
+frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
+rate of 600-byte outputs whose dropped frames are counted.
+
+    .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from replay_proxy.processes import Child, free_port  # noqa: E402
+from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
+from replay_proxy.wire.handshake import engine_identity  # noqa: E402
+from replay_proxy.wire.schema import load_schema  # noqa: E402
+
+IDENTITY = engine_identity(0)
+SCHEMA = load_schema("0.32.0")
+REQUEST = [b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
+    "request_id": "bench-0000", "prompt_token_ids": list(range(40)), "mm_features": None,
+    "sampling_params": {"temperature": 0.0, "max_tokens": 16}, "pooling_params": None, "arrival_time": 1.0,
+    "lora_request": None, "cache_salt": None, "data_parallel_rank": None}))]
+OUTPUT = [encode(struct_value(SCHEMA, "EngineCoreOutputs", {
+    "timestamp": 1.0, "outputs": [{"request_id": "bench-0000", "new_token_ids": list(range(200, 390))}]}))]
+
+
+def socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    return sock
+
+
+def frontend(ports: str, init_inputs: str | None, init_outputs: str | None, round_trips: int,
+             pipelined: int, rate: int, rate_seconds: float) -> None:
+    """Bind like vLLM's frontend, answer the handshake, then measure; print JSON.
+
+    ``ports``: handshake,inputs,outputs. ``init_*``: addresses to hand the
+    engine instead of our own (the C forwarder's).
+    """
+    handshake_port, input_port, output_port = ports.split(",")
+    ctx = zmq.Context()
+    inputs, outputs, handshake = socket(ctx, zmq.ROUTER), socket(ctx, zmq.PULL), socket(ctx, zmq.ROUTER)
+    inputs.bind(f"tcp://127.0.0.1:{input_port}")
+    outputs.bind(f"tcp://127.0.0.1:{output_port}")
+    handshake.bind(f"tcp://127.0.0.1:{handshake_port}")
+    addresses = {"inputs": [init_inputs or f"tcp://127.0.0.1:{input_port}"],
+                 "outputs": [init_outputs or f"tcp://127.0.0.1:{output_port}"],
+                 "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None}
+    identity, _hello = handshake.recv_multipart()
+    handshake.send_multipart([identity, encode({"addresses": addresses, "parallel_config": {}})])
+    inputs.recv_multipart()  # registration
+    handshake.recv_multipart()  # READY
+    send = lambda: inputs.send_multipart([IDENTITY, *REQUEST])  # noqa: E731
+    for _ in range(500):  # warm-up
+        send()
+        outputs.recv_multipart()
+    rtts = []
+    for _ in range(round_trips):
+        t0 = time.perf_counter_ns()
+        send()
+        outputs.recv_multipart()
+        rtts.append((time.perf_counter_ns() - t0) / 1000)
+    window = 64
+    t0 = time.perf_counter()
+    for _ in range(window):
+        send()
+    for i in range(pipelined):
+        outputs.recv_multipart()
+        if i + window < pipelined:
+            send()
+    throughput = pipelined / (time.perf_counter() - t0)
+    sent = received = 0
+    total = int(rate * rate_seconds)
+    start = time.perf_counter()
+    while sent < total:  # paced against one clock: no drift from sleeping after each send
+        due = start + sent / rate
+        while received < sent and outputs.poll(0):
+            outputs.recv_multipart()
+            received += 1
+        if time.perf_counter() >= due:
+            send()
+            sent += 1
+    deadline = time.monotonic() + 10
+    while received < sent and time.monotonic() < deadline:
+        if outputs.poll(100):
+            outputs.recv_multipart()
+            received += 1
+    rtts.sort()
+    print(json.dumps({"p50_us": statistics.median(rtts), "p99_us": rtts[int(len(rtts) * 0.99)],
+                      "throughput": throughput, "paced_sent": sent, "paced_received": received}))
+    ctx.destroy()
+
+
+def engine(handshake_address: str) -> None:
+    """Handshake like a headless engine, then answer every request with one 600-byte output."""
+    ctx = zmq.Context()
+    handshake = socket(ctx, zmq.DEALER, IDENTITY)
+    handshake.connect(handshake_address)
+    handshake.send(encode({"status": "HELLO", "local": False, "headless": True}))
+    addresses = msgspec.msgpack.decode(handshake.recv())["addresses"]
+    inputs, outputs = socket(ctx, zmq.DEALER, IDENTITY), socket(ctx, zmq.PUSH)
+    inputs.connect(addresses["inputs"][0])
+    outputs.connect(addresses["outputs"][0])
+    inputs.send(encode({"vllm_version": "0.32.0"}))
+    handshake.send(encode({"status": "READY", "local": False, "headless": True}))
+    while True:
+        inputs.recv_multipart()
+        outputs.send_multipart(OUTPUT)
+
+
+def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int) -> None:
+    """libzmq's zmq.proxy for both directions (DEALER<->DEALER for inputs, PULL->PUSH for outputs)."""
+    ctx = zmq.Context()
+    up_in, down_in = socket(ctx, zmq.DEALER, IDENTITY), socket(ctx, zmq.DEALER)
+    up_in.connect(frontend_inputs)
+    down_in.bind(f"tcp://127.0.0.1:{port_in}")
+    down_out, up_out = socket(ctx, zmq.PULL), socket(ctx, zmq.PUSH)
+    down_out.bind(f"tcp://127.0.0.1:{port_out}")
+    up_out.connect(frontend_outputs)
+    threading.Thread(target=zmq.proxy, args=(down_out, up_out), daemon=True).start()
+    zmq.proxy(up_in, down_in)
+
+
+def relay(listen: str, upstream: str) -> None:
+    """replay-proxy's relay with an observer that does nothing: the cost of relaying alone."""
+    import trio
+
+    from replay_proxy.net.relay import Relay
+
+    class Nothing:
+        def frame(self, event) -> None:
+            pass
+
+        def engine_lost(self, engine_index: int, reason: str) -> None:
+            pass
+
+    trio.run(Relay(listen, upstream, Nothing()).run)
+
+
+def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
+    me = [sys.executable, __file__]
+    ports = [free_port() for _ in range(3)]  # the frontend's handshake, inputs, outputs
+    upstream = f"tcp://127.0.0.1:{ports[0]}"
+    children: list[Child] = []
+    init_inputs = init_outputs = ""
+    dial = upstream
+    db = logs / "bench.db"
+    try:
+        if name == "zmq.proxy (C)":
+            port_in, port_out = free_port(), free_port()
+            init_inputs, init_outputs = f"tcp://127.0.0.1:{port_in}", f"tcp://127.0.0.1:{port_out}"
+            children.append(Child([*me, "c-forwarder", f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[2]}",
+                                   str(port_in), str(port_out)], logs / "c-forwarder.log", name=name))
+        elif name != "direct":
+            dial = f"tcp://127.0.0.1:{free_port()}"
+            if name == "replay-proxy relay":
+                argv = [*me, "relay", dial, upstream]
+            else:
+                argv = [sys.executable, "-m", "replay_proxy", "record", "--listen", dial, "--upstream", upstream,
+                        "--db", str(db), "--session", "bench"]
+            children.append(Child(argv, logs / f"{name}.log", name=name))
+        front = subprocess.Popen([*me, "frontend", ",".join(map(str, ports)), init_inputs, init_outputs,
+                                  str(args.round_trips), str(args.pipelined), str(args.rate), str(args.rate_seconds)],
+                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+        children.append(Child([*me, "engine", dial], logs / f"engine-{name}.log", name="engine"))
+        try:
+            out, _ = front.communicate(timeout=180)
+        finally:
+            if front.poll() is None:
+                front.kill()
+        result = json.loads(out)
+    finally:
+        for child in reversed(children):
+            child.stop(timeout=180)  # the recording proxy first writes out its queue
+    if name == "replay-proxy recording":
+        row = sqlite3_row(db)
+        result["dropped"] = row["frames_dropped"]
+        result["recorded"] = row["frames_recorded"]
+    return result
+
+
+def sqlite3_row(db: Path) -> dict:
+    import sqlite3
+
+    connection = sqlite3.connect(db)
+    connection.row_factory = sqlite3.Row
+    row = dict(connection.execute("SELECT * FROM sessions ORDER BY id DESC LIMIT 1").fetchone())
+    connection.close()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--round-trips", type=int, default=5000)
+    parser.add_argument("--pipelined", type=int, default=20000)
+    parser.add_argument("--rate", type=int, default=10000, help="messages/s in the paced run")
+    parser.add_argument("--rate-seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
+    cases = ["direct", "zmq.proxy (C)", "replay-proxy relay", "replay-proxy recording"]
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
+        for name in cases:
+            runs[name].append(run_case(name, logs, args))
+            print(f"  round {round_ + 1}: measured {name}", file=sys.stderr)
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    floor = results["zmq.proxy (C)"]
+    print(f"\nmedians of {args.rounds} rounds; {args.round_trips} round trips, {args.pipelined} pipelined, "
+          f"{args.rate} msg/s for {args.rate_seconds:g} s paced; ratios to zmq.proxy (C)")
+    print(f"\n{'case':<24} {'p50 us':>8} {'p99 us':>8} {'msg/s':>9} {'p50/C':>6} {'p99/C':>6} {'tput/C':>6}  paced")
+    for name, r in results.items():
+        paced = f"{r['paced_received']:.0f}/{r['paced_sent']:.0f}"
+        if "dropped" in r:
+            paced += f", {r['dropped']:.0f} dropped, {r['recorded']:.0f} recorded"
+        print(f"{name:<24} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['throughput']:>9.0f} "
+              f"{r['p50_us'] / floor['p50_us']:>6.2f} {r['p99_us'] / floor['p99_us']:>6.2f} "
+              f"{r['throughput'] / floor['throughput']:>6.2f}  {paced}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("frontend", "engine", "c-forwarder", "relay"):
+        role, rest = sys.argv[1], sys.argv[2:]
+        if role == "frontend":
+            ports, ins, outs, n, p, rate, seconds = rest
+            frontend(ports, ins or None, outs or None, int(n), int(p), int(rate), float(seconds))
+        elif role == "engine":
+            engine(rest[0])
+        elif role == "relay":
+            relay(*rest)
+        else:
+            c_forwarder(rest[0], rest[1], int(rest[2]), int(rest[3]))
+    else:
+        main()

@@ -1,0 +1,95 @@
+"""The command line, acted on as a user does; checked through the database."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlite_utils
+import trio
+
+from replay_proxy.processes import Child, free_port
+from replay_proxy.sim.engine import SimEngine
+from replay_proxy.sim.frontend import SimFrontend
+from replay_proxy.sim.workload import run_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "replay_proxy"]
+
+
+def cli(*args, timeout=60):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def test_sigterm_flushes_the_recording_and_exits_0(tmp_path):
+    db = tmp_path / "r.db"
+    upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(db), "--session", "s"],
+                  tmp_path / "proxy.log")
+    try:
+        proxy.wait_for_log("listening on", timeout=30)
+        frontend = SimFrontend(upstream, engines=2, api_servers=2)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(frontend.run)
+                for index in range(2):
+                    nursery.start_soon(SimEngine(listen, index).run)
+                await frontend.ready.wait()
+                await run_workload(frontend, requests=40)
+                nursery.cancel_scope.cancel()
+    finally:
+        code = proxy.stop(timeout=30)  # SIGTERM to the whole process group, writer included
+    assert code == 0, proxy.log_tail()
+    session = sqlite_utils.Database(db)["sessions"].get(1)
+    assert session["status"] == "complete"
+    assert session["frames_seen"] == session["frames_recorded"] > 100
+    assert session["frames_dropped"] == 0
+    sent_to_engines = 41 + 2 * 2 * 2 + 1  # requests incl. the long one, utility calls, one abort
+    rows = sqlite_utils.Database(db).execute(
+        "SELECT COUNT(*) FROM frames WHERE channel = 'input' AND direction = 'to_engine'").fetchone()[0]
+    assert rows == sent_to_engines
+    assert "complete: " in proxy.log_tail(1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["record", "--listen", "localhost:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"], "not a ZMQ address"),
+    (["record", "--listen", "tcp://127.0.0.1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"], "has no port"),
+    (["record", "--listen", "tcp://127.0.0.1:1"], "Missing option '--upstream'"),
+    (["query", "--db", "x.db"], "give either SQL or --preset"),
+    (["nonsense"], "No such command"),
+])
+def test_bad_arguments_get_one_line_and_exit_2(args, message, tmp_path):
+    result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_database_is_one_line_exit_1(tmp_path):
+    result = cli("sessions", "--db", str(tmp_path / "none.db"))
+    assert (result.returncode, result.stderr.count("\n")) == (1, 1)
+    assert "no recording at" in result.stderr
+
+
+def test_query_sql_json_csv_and_presets_over_the_demo_recording():
+    db = str(ROOT / "recordings" / "demo.db")
+    as_json = cli("query", "--db", db, "--json", "SELECT COUNT(*) AS n FROM requests")
+    assert as_json.returncode == 0 and '"n": 21' in as_json.stdout
+    as_csv = cli("query", "--db", db, "--csv", "SELECT kind FROM frames WHERE seq = 1")
+    assert as_csv.stdout.split() == ["kind", "HELLO"]
+    bad_sql = cli("query", "--db", db, "SELECT nope FROM frames")
+    assert bad_sql.returncode == 1 and "no such column: nope" in bad_sql.stderr
+    from replay_proxy.store.queries import PRESETS
+    for preset in PRESETS:
+        assert cli("query", "--db", db, "--preset", preset).returncode == 0, preset
+
+
+def test_every_command_has_help_and_is_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    listing = cli("--help").stdout
+    commands = re.findall(r"│ (\w+)\s{2,}", listing.split("Commands")[1])
+    assert {"record", "sessions", "query", "schema", "sim"} <= set(commands)
+    for command in commands:
+        assert cli(command, "--help").returncode == 0
+        assert f"replay-proxy {command}" in readme, command
