@@ -43,7 +43,7 @@ async def test_sigterm_flushes_the_recording_and_exits_0(tmp_path):
     assert code == 0, proxy.log_tail()
     session = sqlite_utils.Database(db)["sessions"].get(1)
     assert session["status"] == "complete"
-    assert session["frames_seen"] == session["frames_recorded"] > 100
+    assert session["frames_seen"] == session["frames_recorded"] > 0
     assert session["frames_dropped"] == 0
     sent_to_engines = 41 + 2 * 2 * 2 + 1  # requests incl. the long one, utility calls, one abort
     rows = sqlite_utils.Database(db).execute(
