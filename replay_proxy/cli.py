@@ -194,6 +194,84 @@ def schema_extract(
         err.print(f"wrote {output}")
 
 
+@schema_app.command("diff")
+def schema_diff(
+    old: Annotated[str, typer.Argument(help="The older release, e.g. 0.31.0.")],
+    new: Annotated[str, typer.Argument(help="The newer release, e.g. 0.32.0.")],
+    report_dir: Annotated[Path | None, typer.Option(help="Write report.json, junit.xml, report.html here.")] = None,
+    show_info: Annotated[bool, typer.Option("--all", help="Also list compatible changes.")] = False,
+) -> None:
+    """What breaks between two shipped release schemas, and for which decoder.
+
+    Exit code 3 if any change breaks a real decoder (README: Exit codes).
+
+    Example: replay-proxy schema diff 0.31.0 0.32.0
+    """
+    from replay_proxy.compare.findings import exit_code
+    from replay_proxy.compare.schema_diff import diff_schemas
+    from replay_proxy.compare.findings import Report
+    from replay_proxy.report.render import print_summary, write_reports
+    from replay_proxy.wire.schema import load_schema, schema_lines, shipped_releases
+
+    for release in (old, new):
+        if release not in shipped_releases():
+            raise fail(f"no shipped schema for {release!r}; shipped: {', '.join(shipped_releases())}", ExitCode.USAGE)
+    a, b = load_schema(old), load_schema(new)
+    findings = diff_schemas(a, b)
+    changed = sorted({f.struct for f in findings if f.struct in a.structs and f.struct in b.structs})
+    report = Report(title="schema diff", baseline=old, candidate=new, findings=findings,
+                    schemas={n: {"baseline": schema_lines(a.structs[n].fields),
+                                 "candidate": schema_lines(b.structs[n].fields)} for n in changed},
+                    checks=[f"schema:{n}" for n in sorted(set(a.structs) | set(b.structs))])
+    print_summary(report, out, show_info)
+    if report_dir is not None:
+        for path in write_reports(report, report_dir):
+            err.print(f"wrote {path}")
+    raise typer.Exit(int(exit_code(findings)))
+
+
+@app.command()
+def diff(
+    db: Annotated[Path, typer.Option(help="Recording database of the candidate (and of the baseline, by default).")],
+    baseline: Annotated[str, typer.Option(help="Baseline session: name or id.")],
+    candidate: Annotated[str, typer.Option(help="Candidate session: name or id.")],
+    baseline_db: Annotated[Path | None, typer.Option(help="The baseline's database, if another one.")] = None,
+    noise: Annotated[list[str] | None, typer.Option(
+        help="Another run of the baseline build (repeatable): what varies between them is noise, not regression.")]
+        = None,
+    rules: Annotated[Path | None, typer.Option(help="JSON noise rules and thresholds to apply over the defaults.")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(help="Write report.json, junit.xml, report.html here.")] = None,
+    show_info: Annotated[bool, typer.Option("--all", help="Also list informational findings.")] = False,
+) -> None:
+    """Compare two recorded sessions: schema, behaviour and performance findings.
+
+    Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
+    performance regressions (README: Exit codes).
+
+    Example: replay-proxy diff --db recordings/vllm-0.32.0-vllm-rs.db --baseline-db recordings/vllm-0.32.0-python.db --baseline python-frontend --candidate vllm-rs-frontend
+    """
+    from replay_proxy.compare.findings import exit_code
+    from replay_proxy.compare.sessions import build_report, load_rules, load_session
+    from replay_proxy.report.render import print_summary, write_reports
+
+    try:
+        noise_rules = load_rules(rules)
+        base_db = baseline_db or db
+        for path in (base_db, db):
+            queries.open_existing(path)
+        base = load_session(base_db, baseline, noise_rules)
+        report = build_report("diff", base, load_session(db, candidate, noise_rules), noise_rules,
+                              [load_session(base_db, n, noise_rules) for n in noise or []])
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    print_summary(report, out, show_info)
+    if report_dir is not None:
+        for path in write_reports(report, report_dir):
+            err.print(f"wrote {path}")
+    raise typer.Exit(int(exit_code(report.findings)))
+
+
 @sim_app.command("frontend")
 def sim_frontend(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to bind.")],

@@ -10,8 +10,9 @@ from replay_proxy.store.writer import Recorder, SessionInfo
 class RecordedSession:
     """Sim frontend <-> relay (recording) <-> sim engines, in one nursery."""
 
-    def __init__(self, nursery, db, engines=1, api_servers=1, engine_drift=None, frontend_drift=None):
-        self.nursery, self.db = nursery, db
+    def __init__(self, nursery, db, engines=1, api_servers=1, engine_drift=None, frontend_drift=None,
+                 name="test"):
+        self.nursery, self.db, self.name = nursery, db, name
         self.n_engines, self.api_servers = engines, api_servers
         self.engine_drift, self.frontend_drift = engine_drift, frontend_drift
 
@@ -19,7 +20,7 @@ class RecordedSession:
         kwargs = {"drift": self.frontend_drift} if self.frontend_drift else {}
         self.frontend = SimFrontend(engines=self.n_engines, api_servers=self.api_servers, **kwargs)
         upstream = await self.nursery.start(self.frontend.run)
-        self.recorder = Recorder(self.db, SessionInfo(name="test", upstream=upstream))
+        self.recorder = Recorder(self.db, SessionInfo(name=self.name, upstream=upstream))
         self.relay = Relay("tcp://127.0.0.1:0", upstream, self.recorder)
         self.nursery.start_soon(self.relay.run)
         await self.relay.listening.wait()

@@ -22,7 +22,7 @@ from replay_proxy.sim.drift import EngineDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, RequestType
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.schema import Namer, load_schema
 from replay_proxy.wire.values import decode_msgpack
 
 VOCAB = 900
@@ -48,6 +48,7 @@ class SimEngine:
         self.context = context or zmq.Context.instance()
         self.running: dict[str, _Running] = {}
         self.received: list[tuple[str, list[bytes]]] = []  # (client input index, frames)
+        self.rejected: list[list[bytes]] = []  # ADDs that do not decode under this engine's schema
         self.added = 0
         self.dead = False
         self._wake = trio.Event()
@@ -113,7 +114,11 @@ class SimEngine:
         except (ValueError, IndexError, msgspec.DecodeError):
             return  # kept in self.received; a real engine's input thread would choke here
         if kind is RequestType.ADD:
-            fields = dict(zip((f.name for f in self.schema.structs["EngineCoreRequest"].fields), body))
+            namer = Namer(self.schema)
+            fields = namer.struct("EngineCoreRequest", body)
+            if any(f.issue in ("type_mismatch", "missing_required") for f in namer.flags):
+                self.rejected.append(frames)  # vLLM's typed decoder raises here; the request never runs
+                return
             params = fields["sampling_params"] or {}
             self.running[fields["request_id"]] = _Running(
                 prompt=fields["prompt_token_ids"] or [], seed=params.get("seed"),

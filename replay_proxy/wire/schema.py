@@ -45,6 +45,11 @@ class StructSchema(msgspec.Struct, frozen=True, dict=True):
 
 
 
+def schema_lines(fields: tuple[Field, ...]) -> list[str]:
+    """A struct's fields as lines for a side-by-side view: ``position name: type = default``."""
+    return [f"{f.position} {f.name}: {f.type}{'' if f.required else ' = ' + repr(f.default)}" for f in fields]
+
+
 class Schema(msgspec.Struct, frozen=True):
     """The wire schema of one vLLM release."""
 
@@ -186,4 +191,4 @@ class Namer:
 
 
 __all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "load_schema",
-           "schema_for", "shipped_releases"]
+           "schema_for", "schema_lines", "shipped_releases"]

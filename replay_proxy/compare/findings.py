@@ -1,0 +1,77 @@
+"""A finding is data: what differs, where, how bad, and for whom.
+
+Rendering (text, JSON, JUnit XML, HTML) lives in ``replay_proxy.report``; the
+exit code of a comparison follows from its worst finding.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+from replay_proxy.errors import ExitCode
+
+
+class Severity(enum.IntEnum):
+    INFO = 0
+    WARNING = 1  # worth a look; not a regression (noise, a feature silently ignored)
+    REGRESSION = 2  # behaviour or performance got worse
+    BREAKING = 3  # a real decoder rejects or misreads the message
+
+
+Category = Literal["schema", "behaviour", "performance", "replay"]
+# The decoders that read each direction (shared/protocol: Python msgspec, Rust rmp-serde).
+PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND = "python-engine", "python-frontend", "rust-frontend"
+
+
+class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
+    category: Category
+    severity: Severity
+    code: str  # a stable name: field_inserted, token_mismatch, ttft_regression, ...
+    message: str  # one readable sentence
+    message_kind: str | None = None
+    struct: str | None = None
+    field: str | None = None
+    position: int | None = None
+    baseline: Any = None
+    candidate: Any = None
+    request_id: str | None = None
+    breaks: tuple[str, ...] = ()  # the decoders that fail on it
+
+
+class Report(msgspec.Struct, kw_only=True):
+    """Everything one comparison produced."""
+
+    title: str
+    baseline: str
+    candidate: str
+    findings: list[Finding]
+    # Latency samples (ms) per metric for the plots: {"ttft_ms": {"baseline": [...], "candidate": [...]}}
+    samples: dict[str, dict[str, list[float]]] = {}
+    # Side by side structs with findings: {struct: {"baseline": [field lines], "candidate": [...]}}
+    schemas: dict[str, dict[str, list[str]]] = {}
+    checks: list[str] = []  # what was compared (JUnit testcases that passed are named from these)
+
+
+def exit_code(findings: list[Finding]) -> ExitCode:
+    """The run's exit code: the most serious class of finding present."""
+    def has(category: str, severity: Severity) -> bool:
+        return any(f.category == category and f.severity >= severity for f in findings)
+
+    if has("replay", Severity.REGRESSION):
+        return ExitCode.REPLAY_FAILED
+    if has("schema", Severity.BREAKING):
+        return ExitCode.SCHEMA_BREAKING
+    if has("behaviour", Severity.REGRESSION):
+        return ExitCode.BEHAVIOUR
+    if has("performance", Severity.REGRESSION):
+        return ExitCode.PERFORMANCE
+    return ExitCode.OK
+
+
+def worst_first(findings: list[Finding]) -> list[Finding]:
+    order = {"replay": 0, "schema": 1, "behaviour": 2, "performance": 3}
+    return sorted(findings, key=lambda f: (-f.severity, order[f.category], f.struct or "", f.position or 0,
+                                           f.field or "", f.request_id or ""))

@@ -1,0 +1,174 @@
+"""Breaking-change analysis between two release schemas (``buf breaking`` for msgspec structs).
+
+msgspec's schema-evolution rules decide what a Python reader accepts:
+array_like structs only ever append at the end, with defaults; an existing
+field never changes type; required fields are never added. vLLM's Rust
+frontend (rmp-serde + serde_tuple) is stricter on arrays: it rejects extra
+trailing elements (LengthMismatch), and Python always sends arrays at full
+length. Each finding says which decoder breaks in a mixed deployment: the
+struct's reader of one release with its writer of the other.
+"""
+
+from __future__ import annotations
+
+from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
+from replay_proxy.wire.schema import Field, Schema, StructSchema
+
+# Roots of what the frontend sends; everything else travels engine -> frontend.
+TO_ENGINE_ROOTS = ("EngineCoreRequest", "EngineHandshakeMetadata")
+
+
+def readers(schema: Schema, struct: str) -> tuple[str, ...]:
+    """The decoders that read ``struct``: the engine, or the two kinds of frontend."""
+    to_engine = set()
+    stack = list(TO_ENGINE_ROOTS)
+    while stack:
+        name = stack.pop()
+        if name in to_engine or name not in schema.structs:
+            continue
+        to_engine.add(name)
+        stack.extend(f.struct for f in schema.structs[name].fields if f.struct)
+    return (PYTHON_ENGINE,) if struct in to_engine else (PYTHON_FRONTEND, RUST_FRONTEND)
+
+
+def diff_schemas(old: Schema, new: Schema) -> list[Finding]:
+    """Every change from release ``old`` to release ``new`` that a decoder could notice."""
+    findings: list[Finding] = []
+    for name in sorted(set(old.structs) | set(new.structs)):
+        if name not in new.structs or name not in old.structs:
+            findings.append(Finding(
+                "schema", Severity.INFO, "struct_removed" if name in old.structs else "struct_added",
+                f"{name} {'no longer exists' if name in old.structs else 'is new'} in {new.release}",
+                struct=name))
+            continue
+        a, b = old.structs[name], new.structs[name]
+        who = readers(new, name)
+        if a.encoding != b.encoding:
+            findings.append(Finding("schema", Severity.BREAKING, "encoding_changed",
+                                    f"{name} changed from {a.encoding} to {b.encoding}", struct=name,
+                                    baseline=a.encoding, candidate=b.encoding, breaks=who))
+        elif a.encoding == "array":
+            findings += _array_changes(name, a, b, who, old.release, new.release)
+        else:
+            findings += _map_changes(name, a, b, who, old.release, new.release)
+    for enum_name in sorted(set(old.enums) & set(new.enums)):
+        added = {k: v for k, v in new.enums[enum_name].items() if k not in old.enums[enum_name]}
+        removed = {k: v for k, v in old.enums[enum_name].items() if k not in new.enums[enum_name]}
+        for label, values, severity in (("added", added, Severity.WARNING), ("removed", removed, Severity.WARNING)):
+            for key, value in values.items():
+                findings.append(Finding("schema", severity, f"enum_value_{label}",
+                                        f"{enum_name}.{key} ({value!r}) {label} in {new.release}",
+                                        struct=enum_name, field=key, candidate=value if label == "added" else None,
+                                        baseline=value if label == "removed" else None))
+    return findings
+
+
+def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ...],
+                   old: str, new: str) -> list[Finding]:
+    old_names = [f.name for f in a.fields]
+    new_names = [f.name for f in b.fields]
+    findings = []
+    common = 0
+    while common < min(len(old_names), len(new_names)) and old_names[common] == new_names[common]:
+        common += 1
+    for field_a, field_b in zip(a.fields[:common], b.fields[:common]):
+        findings += _type_change(name, field_a, field_b, who, old, new, field_b.position)
+    old_rest, new_rest = old_names[common:], new_names[common:]
+    if not old_rest:  # pure append
+        for field in b.fields[common:]:
+            rust = [r for r in who if r == RUST_FRONTEND]
+            severity = Severity.BREAKING if field.required or rust else Severity.INFO
+            breaks = tuple(who) if field.required else tuple(rust)
+            why = ("required: older writers cannot send it" if field.required else
+                   f"{new} writers send it; Python readers of {old} skip extra trailing elements"
+                   + ("; the Rust frontend's reader rejects them (LengthMismatch)" if rust else ""))
+            findings.append(Finding("schema", severity, "field_appended",
+                                    f"{name}.{field.name} appended at position {field.position} ({why})",
+                                    struct=name, field=field.name, position=field.position,
+                                    candidate=field.type, breaks=breaks))
+        return findings
+    if not new_rest:  # pure removal from the end
+        for field in a.fields[common:]:
+            findings.append(Finding("schema", Severity.BREAKING if field.required else Severity.WARNING,
+                                    "trailing_field_removed",
+                                    f"{name}.{field.name} (position {field.position}) removed in {new}",
+                                    struct=name, field=field.name, position=field.position,
+                                    baseline=field.type, breaks=tuple(who) if field.required else ()))
+        return findings
+    # Something in the middle moved: every later position means something else now.
+    first = common
+    inserted = [n for n in new_rest if n not in old_rest]
+    removed = [n for n in old_rest if n not in new_rest]
+    if new_rest[0] in inserted:
+        code, what = "field_inserted", f"{new_rest[0]} inserted at position {first}"
+    elif old_rest[0] in removed:
+        code, what = "field_removed", f"{old_rest[0]} removed from position {first}"
+    else:
+        code, what = "fields_reordered", f"fields reordered from position {first}"
+    shifted = [n for n in old_rest if n in new_rest and old_names.index(n) != new_names.index(n)]
+    findings.append(Finding(
+        "schema", Severity.BREAKING, code,
+        f"{name}: {what}; {len(shifted)} later field(s) change position "
+        f"({', '.join(f'{n} {old_names.index(n)}->{new_names.index(n)}' for n in shifted[:4])}"
+        f"{', ...' if len(shifted) > 4 else ''}): a reader of one release misreads the other's messages",
+        struct=name, field=new_rest[0] if code == "field_inserted" else old_rest[0], position=first,
+        baseline=old_names[first:], candidate=new_names[first:], breaks=who))
+    return findings
+
+
+def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ...],
+                 old: str, new: str) -> list[Finding]:
+    findings = []
+    for key in [f for f in b.fields if f.name not in a.by_name]:
+        severity = Severity.BREAKING if key.required else Severity.INFO
+        why = (f"required: {new} readers reject {old} messages without it" if key.required else
+               f"{old} readers ignore it: what it controls is silently not applied by an {old} peer")
+        findings.append(Finding("schema", severity, "key_added", f"{name}.{key.name} added ({why})",
+                                struct=name, field=key.name, candidate=key.type,
+                                breaks=who if key.required else ()))
+    for key in [f for f in a.fields if f.name not in b.by_name]:
+        severity = Severity.BREAKING if key.required else Severity.INFO
+        why = (f"required by {old} readers, which reject {new} messages" if key.required else
+               f"{new} readers ignore it when an {old} peer sends it")
+        findings.append(Finding("schema", severity, "key_removed", f"{name}.{key.name} removed ({why})",
+                                struct=name, field=key.name, baseline=key.type,
+                                breaks=who if key.required else ()))
+    for field_a in a.fields:
+        field_b = b.by_name.get(field_a.name)
+        if field_b is not None:  # map fields have no position on the wire
+            findings += _type_change(name, field_a, field_b, who, old, new, None)
+    return findings
+
+
+def _type_change(name: str, a: Field, b: Field, who: tuple[str, ...], old: str, new: str,
+                 position: int | None) -> list[Finding]:
+    findings = []
+    if a.required != b.required:
+        if b.required:
+            findings.append(Finding("schema", Severity.BREAKING, "became_required",
+                                    f"{name}.{a.name} became required in {new}", struct=name, field=a.name,
+                                    position=position, breaks=who))
+        else:
+            findings.append(Finding("schema", Severity.INFO, "became_optional",
+                                    f"{name}.{a.name} became optional in {new}", struct=name, field=a.name,
+                                    position=position))
+    if set(a.kinds) != set(b.kinds):
+        widened = set(a.kinds) <= set(b.kinds)
+        findings.append(Finding(
+            "schema", Severity.BREAKING, "type_changed",
+            f"{name}.{a.name} changed type {a.type} -> {b.type}"
+            + (f" (widened: {old} readers reject the new {sorted(set(b.kinds) - set(a.kinds))} values)"
+               if widened else ""),
+            struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type, breaks=who))
+    elif a.type != b.type:
+        findings.append(Finding("schema", Severity.INFO, "type_renamed",
+                                f"{name}.{a.name} type {a.type} -> {b.type} (same wire kinds)",
+                                struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type))
+    # A nested struct's default changes whenever that struct does; that is reported on the struct.
+    if a.default != b.default and not a.required and not b.required and not b.struct:
+        findings.append(Finding("schema", Severity.WARNING, "default_changed",
+                                f"{name}.{a.name} default {a.default!r} -> {b.default!r}: omitted values "
+                                f"mean different things to the two releases",
+                                struct=name, field=a.name, position=position, baseline=a.default,
+                                candidate=b.default))
+    return findings

@@ -1,0 +1,94 @@
+"""Session comparison on recorded sim sessions: each drift knob gives its finding, and only it."""
+
+import pytest
+import trio
+
+from replay_proxy.compare.findings import Severity, exit_code
+from replay_proxy.compare.sessions import compare_sessions, load_rules, load_session
+from replay_proxy.errors import ExitCode
+from replay_proxy.sim.drift import EngineDrift, FrontendDrift
+from tests.conftest import RecordedSession
+
+RULES = load_rules()
+
+
+async def record(nursery, db, name, **drift):
+    session = await RecordedSession(nursery, db, name=name, **drift).start()
+    frontend = session.frontend
+    for k in range(6):  # one at a time, like the real-vLLM workload
+        await frontend.add(f"r{k}", [3, 4, 5 + k], max_tokens=4 + k, temperature=0.0, seed=k if k % 2 else None)
+        with trio.move_on_after(2):  # a drifted peer may never answer
+            await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
+    call = await frontend.utility("get_supported_tasks")
+    await frontend.wait_for(lambda: call in frontend.utility_results)
+    session.recorder.close()
+    return load_session(db, name, RULES)
+
+
+async def diff(db, **drift):
+    async with trio.open_nursery() as nursery:
+        baseline = await record(nursery, db, "baseline")
+        candidate = await record(nursery, db, "candidate", **drift)
+        nursery.cancel_scope.cancel()
+    findings = compare_sessions(baseline, candidate, RULES)
+    return [f for f in findings if f.severity >= Severity.WARNING and f.category != "performance"], findings
+
+
+async def test_same_build_gives_no_findings(db_path):
+    with trio.fail_after(30):
+        significant, findings = await diff(db_path)
+    assert significant == []
+    assert exit_code([f for f in findings if f.category != "performance"]) is ExitCode.OK
+
+
+@pytest.mark.parametrize("drift, expected", [
+    (dict(engine_drift=EngineDrift(drop_registration_key="block_size")),
+     [("registration_key_missing", "EngineCoreReadyResponse", "block_size", None, Severity.BREAKING)]),
+    (dict(engine_drift=EngineDrift(insert_output_field=5)),
+     [("field_inserted", "EngineCoreOutput", "finish_reason", 5, Severity.BREAKING)]),
+    (dict(engine_drift=EngineDrift(append_output_field=True)),
+     [("array_longer", "EngineCoreOutput", None, 18, Severity.BREAKING)]),
+    (dict(engine_drift=EngineDrift(finish_reason="stop")),
+     [("finish_reason_changed", None, None, None, Severity.REGRESSION)] * 6),
+    (dict(frontend_drift=FrontendDrift(add_sampling_key="temperature_v2")),
+     [("sampling_key_added", "SamplingParams", "temperature_v2", None, Severity.WARNING)]),
+])
+async def test_each_drift_knob_gives_exactly_its_finding(db_path, drift, expected):
+    with trio.fail_after(30):
+        significant, _ = await diff(db_path, **drift)
+    category = "behaviour" if expected[0][0] == "finish_reason_changed" else "schema"
+    assert sorted((f.code, f.struct, f.field, f.position, f.severity) for f in significant
+                  if f.category == category) == sorted(expected)
+
+
+async def test_an_inserted_output_field_is_misread_downstream(db_path):
+    with trio.fail_after(30):
+        significant, _ = await diff(db_path, engine_drift=EngineDrift(insert_output_field=5))
+    # A 0.32.0 reader takes the inserted 0 for finish_reason STOP: every request "ends" at its first token.
+    assert sum(f.code == "finish_reason_changed" and f.candidate == "stop" for f in significant) == 6
+
+
+async def test_changed_tokens_are_a_behaviour_regression_with_the_divergence_point(db_path):
+    with trio.fail_after(30):
+        significant, findings = await diff(db_path, engine_drift=EngineDrift(token_offset=1))
+    mismatches = [f for f in significant if f.code == "token_mismatch"]
+    assert len(mismatches) == 6 and all(f.position == 0 and f.severity == Severity.REGRESSION for f in mismatches)
+    assert exit_code(findings) is ExitCode.BEHAVIOUR
+
+
+async def test_a_renamed_sampling_key_shows_both_sides(db_path):
+    with trio.fail_after(30):
+        _, findings = await diff(db_path, frontend_drift=FrontendDrift(rename_sampling_key=("max_tokens", "max_tokenz")))
+    codes = {(f.code, f.field) for f in findings}
+    assert ("sampling_key_added", "max_tokenz") in codes and ("sampling_key_gone", "max_tokens") in codes
+    # the engine no longer sees max_tokens: every request runs to its default length instead
+    assert any(f.code == "request_unmatched" for f in findings)
+
+
+async def test_an_inserted_request_field_is_found_and_its_requests_never_run(db_path):
+    with trio.fail_after(60):
+        significant, _ = await diff(db_path, frontend_drift=FrontendDrift(insert_request_field=10))
+    schema = [(f.code, f.struct, f.field, f.position) for f in significant if f.category == "schema"]
+    assert schema == [("field_inserted", "EngineCoreRequest", "prompt_is_token_ids", 10)]
+    # The engine's decoder rejects every ADD (client_index is now None): no request produces tokens.
+    assert sum(f.code == "token_mismatch" and f.candidate == [] for f in significant) == 6
