@@ -13,12 +13,13 @@ from typing import Annotated, Any, Literal
 
 import trio
 import typer
+import zmq
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from replay_proxy import __version__
-from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.errors import ExitCode, ReplayProxyError, leaf
 from replay_proxy.store import queries
 
 app = typer.Typer(
@@ -272,6 +273,53 @@ def diff(
     raise typer.Exit(int(exit_code(report.findings)))
 
 
+@app.command()
+def replay(
+    db: Annotated[Path, typer.Option(help="Recording database; the replay is recorded into it too.")],
+    session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
+    against: Annotated[str, typer.Option(help="What is new: 'engine' (the proxy plays the frontend).")],
+    listen: Annotated[str | None, typer.Option(callback=lambda v: v and check_address(v),
+        help="--against engine: the handshake address the engine dials.")] = None,
+    engine_cmd: Annotated[str | None, typer.Option(
+        help="Start the engine with this command (own process group, stopped at the end, log kept).")] = None,
+    pace: Annotated[str, typer.Option(
+        help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")] = "original",
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
+    finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
+    rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
+    report_dir: Annotated[Path | None, typer.Option(help="Write report.json, junit.xml, report.html here.")] = None,
+) -> None:
+    """Replay a recorded session against a new build and report what changed.
+
+    Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
+    performance regressions; 6 when the replay could not run (README: Exit codes).
+
+    Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine --listen tcp://127.0.0.1:29560
+    """
+    from replay_proxy.compare.findings import exit_code
+    from replay_proxy.replay.run import replay_against_engine
+    from replay_proxy.report.render import print_summary, write_reports
+
+    if against != "engine":
+        raise fail(f"--against takes 'engine', not {against!r}", ExitCode.USAGE)
+    if listen is None:
+        raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
+    try:
+        report, outcome = replay_against_engine(
+            db, session, listen, engine_cmd=engine_cmd, pace=pace, ready_timeout=ready_timeout,
+            finish_timeout=finish_timeout, rules_path=rules, logs=report_dir,
+            on_started=lambda address: err.print(f"replaying {session!r}: engines dial {address}"))
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    if outcome is not None:
+        err.print(f"sent {outcome.sent} messages; {outcome.finished} of {outcome.requests} requests finished")
+    print_summary(report, out)
+    if report_dir is not None:
+        for path in write_reports(report, report_dir):
+            err.print(f"wrote {path}")
+    raise typer.Exit(int(exit_code(report.findings)))
+
+
 @sim_app.command("frontend")
 def sim_frontend(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to bind.")],
@@ -310,17 +358,27 @@ def sim_engine(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to dial.")],
     index: Annotated[int, typer.Option(min=0, help="Engine index (data-parallel rank).")] = 0,
     release: Annotated[str, typer.Option(help="vLLM release whose schema this engine speaks.")] = "0.32.0",
+    drift: Annotated[str | None, typer.Option(
+        help='Drift knobs as JSON, e.g. \'{"drop_registration_key": "block_size"}\' (see sim/drift.py).')] = None,
 ) -> None:
     """Run a fake engine until SIGTERM or Ctrl-C.
 
     Example: replay-proxy sim engine --handshake tcp://127.0.0.1:29560 --index 0
     """
+    import msgspec
+
+    from replay_proxy.sim.drift import EngineDrift
     from replay_proxy.sim.engine import SimEngine
+
+    try:
+        knobs = msgspec.json.decode(drift, type=EngineDrift) if drift else EngineDrift()
+    except msgspec.DecodeError as exc:
+        raise fail(f"--drift: {exc}", ExitCode.USAGE) from None
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(SimEngine(handshake, index, release=release).run)
+                nursery.start_soon(SimEngine(handshake, index, release=release, drift=knobs).run)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break
@@ -334,6 +392,12 @@ def run() -> None:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort):
         code = ExitCode.INTERRUPTED
+    except BaseExceptionGroup as group:  # from a trio nursery: say what went wrong, in one line
+        error = leaf(group)
+        if not isinstance(error, (ReplayProxyError, OSError, zmq.ZMQError)):
+            raise
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        code = ExitCode.ERROR
     except typer.TyperException as exc:  # click's usage errors, as vendored by typer
         ctx = getattr(exc, "ctx", None)
         hint = f" (see {ctx.command_path} -h)" if ctx is not None else ""

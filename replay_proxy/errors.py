@@ -7,6 +7,13 @@ class ReplayProxyError(Exception):
     """A user-facing error: bad input, bad configuration, a peer that broke the protocol."""
 
 
+def leaf(exc: BaseException) -> BaseException:
+    """The error inside the (nested, single-member) exception groups that trio nurseries raise."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class ExitCode(enum.IntEnum):
     """What a run of replay-proxy ended with (README: "Exit codes")."""
 

