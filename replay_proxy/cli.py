@@ -277,11 +277,19 @@ def diff(
 def replay(
     db: Annotated[Path, typer.Option(help="Recording database; the replay is recorded into it too.")],
     session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
-    against: Annotated[str, typer.Option(help="What is new: 'engine' (the proxy plays the frontend).")],
+    against: Annotated[str, typer.Option(
+        help="What is new: 'engine' (the proxy plays the frontend) or 'frontend' (it plays the engines).")],
     listen: Annotated[str | None, typer.Option(callback=lambda v: v and check_address(v),
         help="--against engine: the handshake address the engine dials.")] = None,
+    upstream: Annotated[str | None, typer.Option(callback=lambda v: v and check_address(v),
+        help="--against frontend: the frontend's handshake address.")] = None,
+    http: Annotated[str | None, typer.Option(help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")]
+        = None,
     engine_cmd: Annotated[str | None, typer.Option(
-        help="Start the engine with this command (own process group, stopped at the end, log kept).")] = None,
+        help="Start the engine under test with this command (own process group, stopped at the end, log kept).")]
+        = None,
+    frontend_cmd: Annotated[str | None, typer.Option(help="Start the frontend under test with this command.")]
+        = None,
     pace: Annotated[str, typer.Option(
         help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")] = "original",
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
@@ -289,7 +297,7 @@ def replay(
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
     report_dir: Annotated[Path | None, typer.Option(help="Write report.json, junit.xml, report.html here.")] = None,
 ) -> None:
-    """Replay a recorded session against a new build and report what changed.
+    """Replay a recorded session against a new engine or frontend build and report what changed.
 
     Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
     performance regressions; 6 when the replay could not run (README: Exit codes).
@@ -297,22 +305,26 @@ def replay(
     Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine --listen tcp://127.0.0.1:29560
     """
     from replay_proxy.compare.findings import exit_code
-    from replay_proxy.replay.run import replay_against_engine
+    from replay_proxy.replay.run import replay_session
     from replay_proxy.report.render import print_summary, write_reports
 
-    if against != "engine":
-        raise fail(f"--against takes 'engine', not {against!r}", ExitCode.USAGE)
-    if listen is None:
-        raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
+    if against == "engine":
+        if listen is None:
+            raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
+        address, command = listen, engine_cmd
+    elif against == "frontend":
+        if upstream is None or http is None:
+            raise fail("--against frontend needs --upstream (its handshake) and --http (its API)", ExitCode.USAGE)
+        address, command = upstream, frontend_cmd
+    else:
+        raise fail(f"--against takes 'engine' or 'frontend', not {against!r}", ExitCode.USAGE)
+    err.print(f"replaying {session!r} against the {against} at {address}")
     try:
-        report, outcome = replay_against_engine(
-            db, session, listen, engine_cmd=engine_cmd, pace=pace, ready_timeout=ready_timeout,
-            finish_timeout=finish_timeout, rules_path=rules, logs=report_dir,
-            on_started=lambda address: err.print(f"replaying {session!r}: engines dial {address}"))
+        report, outcome = replay_session(db, session, against, address, http=http, command=command, pace=pace,
+                                         ready_timeout=ready_timeout, finish_timeout=finish_timeout,
+                                         rules_path=rules, logs=report_dir)
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
-    if outcome is not None:
-        err.print(f"sent {outcome.sent} messages; {outcome.finished} of {outcome.requests} requests finished")
     print_summary(report, out)
     if report_dir is not None:
         for path in write_reports(report, report_dir):

@@ -76,11 +76,10 @@ class SessionData(msgspec.Struct):
     requests: list[RequestRecord]
     utility: list[dict[str, Any]]
     shapes: dict[str, Shape]
-    sampling_keys: set[str]
     finish_reasons: set[str]
 
 
-def _effective(params: dict[str, Any], schema: Schema, keys: list[str]) -> dict[str, Any]:
+def effective(params: dict[str, Any], schema: Schema, keys: list[str]) -> dict[str, Any]:
     """What the engine makes of the params: Python omits defaults, Rust sends f32 and [] for None."""
     defaults = {f.name: f.default for f in schema.structs["SamplingParams"].fields}
     effective = {}
@@ -121,7 +120,7 @@ def load_session(db_path: Path, session: str, rules: dict[str, Any]) -> SessionD
         requests.append(RequestRecord(
             seq=r["seq"], request_id=r["request_id"], engine_index=r["engine_index"],
             prompt=json.loads(r["prompt_token_ids"] or "[]"), params=params,
-            effective=_effective(params, schema, rules["match_sampling_keys"]),
+            effective=effective(params, schema, rules["match_sampling_keys"]),
             tokens=tokens, finish_reason=next((o["finish_reason"] for o in outs if o["finish_reason"]), None),
             added_ns=r["ts_ns"], first_token_ns=times[0] if times else None,
             last_ns=outs[-1]["ts_ns"] if outs else None, frontend_aborted=r["request_id"] in aborted,
@@ -134,12 +133,11 @@ def load_session(db_path: Path, session: str, rules: dict[str, Any]) -> SessionD
         parts = decode_msgpack(frame["raw"])
         body = decode_msgpack(parts[1] if frame["kind"] == "ADD" else parts[0])
         _observe_shapes(shapes, frame["kind"], body)
-    sampling_keys = set().union(*(r.params.keys() for r in requests)) if requests else set()
     return SessionData(
         label=f"{row['name']} (#{sid})", schema=schema,
         registration_keys=set().union(*(r.keys() for r in registrations)) if registrations else set(),
         registration=registrations[0] if registrations else {}, requests=requests, utility=utility,
-        shapes=dict(shapes), sampling_keys=sampling_keys,
+        shapes=dict(shapes),
         finish_reasons={r.finish_reason for r in requests if r.finish_reason})
 
 
@@ -166,9 +164,78 @@ def _observe_shapes(shapes: dict[str, Shape], kind: str, body: Any) -> None:
 
 
 def compare_sessions(baseline: SessionData, candidate: SessionData, rules: dict[str, Any],
-                     noise: list[SessionData] = ()) -> list[Finding]:
-    return [*schema_findings(baseline, candidate, rules), *behaviour_findings(baseline, candidate, rules, noise),
+                     noise: list[SessionData] = (), frontend_under_test: bool = False) -> list[Finding]:
+    pairs, _, _ = match_requests(baseline, candidate)
+    return [*schema_findings(baseline, candidate, rules),
+            *sampling_findings(pairs, candidate, rules),
+            *behaviour_findings(baseline, candidate, rules, noise, frontend_under_test),
             *performance_findings(baseline, candidate, rules, noise)]
+
+
+def sampling_findings(pairs: list[tuple[RequestRecord, RequestRecord]], candidate: SessionData,
+                      rules: dict[str, Any]) -> list[Finding]:
+    """How each SamplingParams key travels in the candidate's requests.
+
+    Keys the candidate's engine release does not know are found in every
+    request; the other comparisons need a matched baseline request.
+    """
+    defaults = {f.name: f.default for f in candidate.schema.structs["SamplingParams"].fields}
+    by_frontend = set(rules["frontend_handled_sampling_keys"])
+    by_key: dict[str, list[str]] = defaultdict(list)
+    for request in candidate.requests:
+        for key in request.params:
+            if key not in defaults:
+                by_key[key].append("unknown")
+    orders_differ = 0
+    for a, b in pairs:
+        old, new = a.params, b.params
+        orders_differ += [k for k in new if k in old] != [k for k in old if k in new]
+        for key in dict.fromkeys([*old, *new]):
+            before, after = old.get(key, defaults.get(key)), new.get(key, defaults.get(key))
+            if key not in defaults:
+                continue
+            if _same(before, after):
+                by_key[key].append("default sent" if key not in old else "default omitted" if key not in new
+                                   else "same")
+            elif isinstance(before, float) and isinstance(after, float) and abs(before - after) < 1e-6:
+                by_key[key].append("f32")
+            elif key not in new:
+                by_key[key].append("handled by the frontend" if key in by_frontend else "dropped")
+            else:
+                by_key[key].append("added" if key not in old else "changed")
+    findings = []
+    for key, kinds in sorted(by_key.items()):
+        for kind in sorted(set(kinds) - {"same"}, key=lambda k: -SAMPLING_KINDS[k][0]):
+            severity, meaning = SAMPLING_KINDS[kind]
+            findings.append(Finding(
+                "schema" if kind == "unknown" else "behaviour", severity, f"sampling_key_{kind.replace(' ', '_')}",
+                f"SamplingParams.{key}: {meaning} ({kinds.count(kind)} request(s))", message_kind="ADD",
+                struct="SamplingParams", field=key))
+    if orders_differ:
+        findings.append(Finding("schema", Severity.INFO, "sampling_key_order",
+                                f"SamplingParams keys come in another order in {orders_differ} request(s) "
+                                "(msgpack maps are matched by key: compatible)", message_kind="ADD",
+                                struct="SamplingParams"))
+    return findings
+
+
+SAMPLING_KINDS = {
+    "unknown": (Severity.WARNING, "a key this engine release does not know: ignored by the engine"),
+    "added": (Severity.WARNING, "now sent with a value the baseline did not ask for"),
+    "changed": (Severity.REGRESSION, "sent with another value"),
+    "dropped": (Severity.REGRESSION, "no longer sent: the engine falls back to its default, not the baseline's value"),
+    "handled by the frontend": (Severity.INFO, "no longer sent; the frontend handles it itself (compatible by design)"),
+    "default sent": (Severity.INFO, "sent explicitly at its default (compatible)"),
+    "default omitted": (Severity.INFO, "left out at its default (compatible)"),
+    "f32": (Severity.INFO, "sent as float32, equal within float32 precision (compatible)"),
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as the engine sees it: an empty list and nil are both "none"."""
+    if isinstance(a, list) or isinstance(b, list):
+        return (a or None) == (b or None)
+    return a == b
 
 
 # --- schema -------------------------------------------------------------------------------
@@ -199,19 +266,6 @@ def schema_findings(baseline: SessionData, candidate: SessionData, rules: dict[s
     for struct in ("EngineCoreRequest", "EngineCoreOutputs", "EngineCoreOutput", "UtilityOutput"):
         if struct in baseline.shapes and struct in candidate.shapes:
             findings += _shape_findings(struct, baseline, candidate)
-    known = candidate.schema.structs["SamplingParams"].by_name
-    for key in sorted(candidate.sampling_keys - baseline.sampling_keys):
-        severity = Severity.INFO if key in known else Severity.WARNING
-        findings.append(Finding(
-            "schema", severity, "sampling_key_added",
-            f"requests now carry SamplingParams key {key!r}"
-            + ("" if key in known else f", which {candidate.schema.release} does not know: an engine ignores "
-                                       "it and the feature is silently not applied"),
-            message_kind="ADD", struct="SamplingParams", field=key))
-    for key in sorted(baseline.sampling_keys - candidate.sampling_keys):
-        findings.append(Finding("schema", Severity.INFO, "sampling_key_gone",
-                                f"requests no longer carry SamplingParams key {key!r} (the engine uses its default)",
-                                message_kind="ADD", struct="SamplingParams", field=key))
     finish_names = {k.lower() for k in baseline.schema.enums.get("FinishReason", {})}
     for reason in sorted(candidate.finish_reasons - finish_names):
         findings.append(Finding("schema", Severity.BREAKING, "finish_reason_unknown",
@@ -293,7 +347,7 @@ def match_key(request: RequestRecord) -> str:
     return json.dumps([request.prompt, request.effective], sort_keys=True)
 
 
-def match_requests(baseline: SessionData, candidate: SessionData, rules: dict[str, Any]):
+def match_requests(baseline: SessionData, candidate: SessionData):
     """Pairs (baseline, candidate) by content and order; unmatched ones on either side."""
     waiting: dict[str, list[RequestRecord]] = defaultdict(list)
     for request in candidate.requests:
@@ -325,9 +379,9 @@ def deterministic(request: RequestRecord) -> bool:
 
 
 def behaviour_findings(baseline: SessionData, candidate: SessionData, rules: dict[str, Any],
-                       noise: list[SessionData] = ()) -> list[Finding]:
+                       noise: list[SessionData] = (), frontend_under_test: bool = False) -> list[Finding]:
     findings = []
-    pairs, missing, extra = match_requests(baseline, candidate, rules)
+    pairs, missing, extra = match_requests(baseline, candidate)
     for request in missing:
         findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
                                 f"baseline request with a {len(request.prompt)}-token prompt has no counterpart",
@@ -376,7 +430,7 @@ def behaviour_findings(baseline: SessionData, candidate: SessionData, rules: dic
                 findings.append(Finding("behaviour", Severity.REGRESSION, "logprobs_differ",
                                         f"logprobs differ by up to {worst:.2g} (tolerance {rules['logprob_tolerance']})",
                                         request_id=rid, baseline=rules["logprob_tolerance"], candidate=worst))
-    findings += _utility_findings(baseline, candidate)
+    findings += _utility_findings(baseline, candidate, frontend_under_test)
     return findings
 
 
@@ -384,12 +438,13 @@ def _unstable(baseline: SessionData, noise: list[SessionData], rules: dict[str, 
     """Baseline requests whose tokens differ in any repeat run of the baseline."""
     unstable = set()
     for repeat in noise:
-        pairs, _, _ = match_requests(baseline, repeat, rules)
+        pairs, _, _ = match_requests(baseline, repeat)
         unstable |= {a.request_id for a, b in pairs if a.tokens != b.tokens}
     return unstable
 
 
-def _utility_findings(baseline: SessionData, candidate: SessionData) -> list[Finding]:
+def _utility_findings(baseline: SessionData, candidate: SessionData, frontend_under_test: bool) -> list[Finding]:
+    """Utility calls by method; a call the frontend under test no longer makes is its choice: a warning."""
     findings = []
     remaining = defaultdict(list)
     for call in candidate.utility:
@@ -397,7 +452,8 @@ def _utility_findings(baseline: SessionData, candidate: SessionData) -> list[Fin
     for call in baseline.utility:
         counterpart = remaining[call["method"]].pop(0) if remaining[call["method"]] else None
         if counterpart is None:
-            findings.append(Finding("behaviour", Severity.REGRESSION, "utility_call_missing",
+            findings.append(Finding("behaviour", Severity.WARNING if frontend_under_test else Severity.REGRESSION,
+                                    "utility_call_missing",
                                     f"utility call {call['method']} has no counterpart", message_kind="UTILITY",
                                     field=call["method"]))
         elif (call["result"], call["failure_message"]) != (counterpart["result"], counterpart["failure_message"]):
@@ -482,9 +538,9 @@ def checks(baseline: SessionData) -> list[str]:
 
 
 def build_report(title: str, baseline: SessionData, candidate: SessionData, rules: dict[str, Any],
-                 noise: list[SessionData] = ()) -> Report:
+                 noise: list[SessionData] = (), frontend_under_test: bool = False) -> Report:
     """The one place where two sessions become a report (diff and both replays call it)."""
-    findings = compare_sessions(baseline, candidate, rules, noise)
+    findings = compare_sessions(baseline, candidate, rules, noise, frontend_under_test)
     a, b = latency_samples(baseline), latency_samples(candidate)
     structs = sorted({f.struct for f in findings if f.category == "schema" and f.struct in baseline.schema.structs
                       and f.struct in candidate.schema.structs})

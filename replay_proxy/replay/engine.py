@@ -82,7 +82,6 @@ class EngineReplay:
         self.finish_timeout = finish_timeout
         self.context = context or zmq.Context.instance()
         self.outcome = ReplayOutcome()
-        self.listening = trio.Event()
         self.decoder = WireDecoder()
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
@@ -111,7 +110,6 @@ class EngineReplay:
                     "outputs": [s.bind(local_address_like(self.listen)) for s in outputs],
                     "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None,
                 }
-                self.listening.set()
                 registered: dict[int, set[int]] = defaultdict(set)
                 for client, sock in enumerate(self.inputs):
                     nursery.start_soon(self._registrations, client, sock, registered)

@@ -1,8 +1,11 @@
 """``replay-proxy replay``: replay a recorded session against a new build, then compare.
 
-The replay is recorded as a session of its own (mode ``replay``, pointing at
-the recorded one) in the same database, and compared with the recording by
-the same code as ``replay-proxy diff``.
+The peer under test (``--engine-cmd`` / ``--frontend-cmd``) runs in its own
+process group with its log kept, and is stopped by PID at the end; if it
+exits during the replay, the replay fails at once rather than waiting out
+its timeouts. The replay is recorded as a session of its own (mode
+``replay``, pointing at the recorded one) in the same database, and compared
+with the recording by the same code as ``replay-proxy diff``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import datetime
 import shlex
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import trio
 
@@ -19,41 +23,46 @@ from replay_proxy.compare.sessions import build_report, load_rules, load_session
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.engine import EngineReplay, ReplayError, ReplayOutcome
+from replay_proxy.replay.frontend import FrontendReplay
 from replay_proxy.replay.recording import load_recording
 from replay_proxy.store.writer import Recorder, SessionInfo
 
 
-def replay_against_engine(db: Path, session: str, listen: str, *, engine_cmd: str | None = None,
-                          pace: str = "original", ready_timeout: float = 300.0, finish_timeout: float = 120.0,
-                          rules_path: Path | None = None, logs: Path | None = None,
-                          on_started=None) -> tuple[Report, ReplayOutcome | None]:
-    """Play the frontend of ``session`` against an engine; return the comparison report."""
+def replay_session(db: Path, session: str, against: Literal["engine", "frontend"], address: str, *,
+                   http: str | None = None, command: str | None = None, pace: str = "original",
+                   ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules_path: Path | None = None,
+                   logs: Path | None = None) -> tuple[Report, ReplayOutcome | None]:
+    """Play the other side of ``session`` against a new engine (at ``address``, the handshake it dials)
+    or a new frontend (at ``address``, its handshake; ``http``, its API); return the report."""
     recording = load_recording(db, session)
     rules = load_rules(rules_path)
+    title = f"replay against {against}"
     name = f"{recording.name}-replay-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    recorder = Recorder(db, SessionInfo(name=name, mode="replay", listen=listen,
+    recorder = Recorder(db, SessionInfo(name=name, mode="replay", listen=address,
                                         baseline_session_id=recording.session_id))
     logs = logs or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
-    engine = None
-    replay = EngineReplay(recording, listen, recorder, pace=pace, ready_timeout=ready_timeout,
-                          finish_timeout=finish_timeout)
-    outcome, failure = None, None
-    async def main() -> ReplayOutcome:
-        nonlocal engine
+    if against == "engine":
+        player = EngineReplay(recording, address, recorder, pace=pace, ready_timeout=ready_timeout,
+                              finish_timeout=finish_timeout)
+    else:
+        player = FrontendReplay(recording, address, http, recorder, pace=pace, ready_timeout=ready_timeout,
+                                finish_timeout=finish_timeout, rules=rules)
+    peer = None
+
+    async def main():
+        nonlocal peer
         async with trio.open_nursery() as nursery:
             async def play() -> None:
-                await replay.run()
-                nursery.cancel_scope.cancel()  # done: stop watching the engine
+                await player.run()
+                nursery.cancel_scope.cancel()  # done: stop watching the peer
 
+            if command:  # ZMQ connects retry, so the peer may start before or after us
+                peer = Child(shlex.split(command), logs / f"{against}.log", name=f"{against} under test")
+                nursery.start_soon(_watch, peer)
             nursery.start_soon(play)
-            await replay.listening.wait()
-            if on_started is not None:
-                on_started(replay.listen)
-            if engine_cmd:
-                engine = Child(shlex.split(engine_cmd), logs / "engine.log", name="engine under test")
-                nursery.start_soon(_watch, engine)
-        return replay.outcome
+        return player.outcome
 
+    failure = None
     try:
         outcome = trio.run(main)
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
@@ -62,16 +71,16 @@ def replay_against_engine(db: Path, session: str, listen: str, *, engine_cmd: st
         failure = str(leaf(exc))
     finally:
         recorder.close("failed" if failure else "complete", failure)
-        if engine is not None:
-            engine.stop(timeout=30)
+        if peer is not None:
+            peer.stop(timeout=30)
     if failure:
-        where = f" (engine log: {engine.log_path})" if engine else ""
-        report = Report(title="replay against engine", baseline=recording.name, candidate=name,
-                        findings=[Finding("replay", Severity.REGRESSION, "replay_failed", failure + where)])
-        return report, None
-    report = build_report("replay against engine", load_session(db, str(recording.session_id), rules),
-                          load_session(db, str(recorder.session_id), rules), rules)
-    report.findings += outcome_findings(outcome, finish_timeout)
+        where = f" ({against} log: {peer.log_path})" if peer else ""
+        return Report(title=title, baseline=recording.name, candidate=name,
+                      findings=[Finding("replay", Severity.REGRESSION, "replay_failed", failure + where)]), None
+    report = build_report(title, load_session(db, str(recording.session_id), rules),
+                          load_session(db, str(recorder.session_id), rules), rules,
+                          frontend_under_test=against == "frontend")
+    report.findings += outcome.findings if against == "frontend" else outcome_findings(outcome, finish_timeout)
     return report, outcome
 
 

@@ -20,6 +20,7 @@ from replay_proxy.processes import Child, ChildError, free_port
 CACHE = Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
 VENV = CACHE / "vllm-0.32.0"
 VLLM = VENV / "bin" / "vllm"
+ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.32.0", "0.33.0")}
 READY_TIMEOUT_S = 240
@@ -28,8 +29,8 @@ PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 
 
 def installed() -> bool:
-    return (VENV / ".complete").exists() and (MODEL / ".complete").exists() and all(
-        p.exists() for p in VLLM_RS.values())
+    return (MODEL / ".complete").exists() and all(p.exists() for p in VLLM_RS.values()) and all(
+        (CACHE / f"vllm-{r}" / ".complete").exists() for r in ENGINE_RELEASES)
 
 
 def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
@@ -43,27 +44,55 @@ def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
 
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, **env: str) -> Child:
-    return Child([str(VLLM), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
-                  "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
-                  "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-                  *COMMON, *PYTHON_ONLY],
-                 logs / "frontend.log", env=vllm_env(logs / "scratch-frontend", **env), name="vllm frontend")
+    return Child(python_frontend_argv(http_port, rpc_port, dp), logs / "frontend.log",
+                 env=vllm_env(logs / "scratch-frontend", **env), name="vllm frontend")
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
-    return Child([str(VLLM_RS[version]), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
-                  "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-                  "--data-parallel-size", str(dp), "--data-parallel-size-local", "0", "--max-model-len", "256"],
-                 logs / f"vllm-rs-{version}.log", env=vllm_env(logs / "scratch-rs"), name=f"vllm-rs {version}")
+    return Child(rust_frontend_argv(http_port, rpc_port, version, dp), logs / f"vllm-rs-{version}.log",
+                 env=vllm_env(logs / "scratch-rs"), name=f"vllm-rs {version}")
+
+
+def headless_engine_argv(rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
+                         release: str = "0.32.0") -> list[str]:
+    rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
+    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(MODEL), "--headless",
+            "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY]
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
                     name: str = "engine", **env: str) -> Child:
-    rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
-    return Child([str(VLLM), "serve", str(MODEL), "--headless", "--data-parallel-size", str(dp),
-                  "--data-parallel-size-local", str(local), *rank, "--data-parallel-address", "127.0.0.1",
-                  "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY],
-                 logs / f"{name}.log", env=vllm_env(logs / f"scratch-{name}", **env), name=name)
+    return Child(headless_engine_argv(rpc_port, dp, start_rank, local), logs / f"{name}.log",
+                 env=vllm_env(logs / f"scratch-{name}", **env), name=name)
+
+
+def command(argv: list[str], scratch: Path) -> str:
+    """A shell-safe --engine-cmd / --frontend-cmd: ``argv`` with the vLLM environment."""
+    import shlex
+
+    env = vllm_env(scratch)
+    settings = [f"{k}={env[k]}" for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
+                                           "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK",
+                                           "VLLM_HOST_IP", "TMPDIR", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH")]
+    return shlex.join(["env", *settings, *argv])
+
+
+def engine_command(logs: Path, rpc_port: int, release: str = "0.32.0") -> str:
+    return command(headless_engine_argv(rpc_port, release=release), logs / f"scratch-engine-{release}")
+
+
+def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1) -> list[str]:
+    return [str(VLLM), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
+            "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+            *COMMON, *PYTHON_ONLY]
+
+
+def rust_frontend_argv(http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> list[str]:
+    return [str(VLLM_RS[version]), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+            "--data-parallel-size", str(dp), "--data-parallel-size-local", "0", "--max-model-len", "256"]
 
 
 def proxy(logs: Path, listen_port: int, upstream_port: int, db: Path, session: str, *extra: str) -> Child:

@@ -12,7 +12,7 @@ import trio
 from replay_proxy.compare.findings import Severity, exit_code
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
-from replay_proxy.replay.run import replay_against_engine
+from replay_proxy.replay.run import replay_session
 from tests.conftest import RecordedSession
 
 ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
@@ -52,9 +52,9 @@ def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20):
     drift_args = ["--drift", json.dumps(drift)] if drift else []
     command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), *drift_args])
                          for i in range(engines))
-    report, outcome = replay_against_engine(db, "baseline", listen, engine_cmd=shlex.join(["bash", "-c", f"{command} & wait"]),
-                                            pace="fast", ready_timeout=ready_timeout, finish_timeout=10,
-                                            logs=tmp_path)
+    report, outcome = replay_session(db, "baseline", "engine", listen,
+                                     command=shlex.join(["bash", "-c", f"{command} & wait"]), pace="fast",
+                                     ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path)
     return report, outcome, db
 
 

@@ -1,0 +1,358 @@
+"""Replay against a new frontend build: the proxy plays the engine(s).
+
+Theory of operation. For each recorded engine the proxy dials the frontend's
+handshake ROUTER with the recorded identity and sends the recorded HELLO;
+the frontend's INIT names its input and output sockets (its shape must match
+the recording: one pair per recorded API server). The proxy connects a
+DEALER and a PUSH to each, sends the recorded REGISTRATION and READY as raw
+bytes, and waits for the frontend's HTTP API. Then it drives the frontend as
+users did: one HTTP request per recorded request (prompt as token ids, the
+recorded sampling parameters, streaming as recorded, a recorded client-side
+abort as an early disconnect), at the recorded pacing.
+
+Each ADD the frontend produces is matched to its recorded request (prompt and
+effective sampling values), compared field by field, and answered with the
+recorded outputs of that request: the recorded output messages, cut down to
+that request and with only its request id patched, at the recorded delays.
+Utility calls are answered from the recording by method. What the HTTP client
+gets back is checked against the recorded tokens and finish reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.compare.sessions import effective
+from replay_proxy.net.relay import FrameEvent
+from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.replay.engine import ReplayError, pace_factor
+from replay_proxy.replay.recording import RecordedFrame, Recording
+from replay_proxy.store.rows import finish_name
+from replay_proxy.wire.encode import encode
+from replay_proxy.wire.handshake import engine_identity, parse_init
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.values import decode_msgpack
+
+# Recorded sampling params that become OpenAI completion parameters of the same name.
+HTTP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
+               "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+               "min_tokens")
+DELTA = 1  # RequestOutputKind.DELTA: the Python frontend streams
+
+
+class FrontendOutcome(msgspec.Struct):
+    http: dict[str, dict[str, Any]] = {}  # recorded request id -> what the HTTP client saw
+    matched: dict[str, str] = {}  # recorded request id -> the frontend's request id
+    findings: list[Finding] = []
+
+
+class FrontendReplay:
+    def __init__(self, recording: Recording, upstream: str, http: str, observer, *, pace: str = "original",
+                 ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules: dict[str, Any],
+                 context: zmq.Context | None = None):
+        self.recording = recording
+        self.upstream = upstream
+        self.http = http.rstrip("/")
+        self.observer = observer
+        self.factor = pace_factor(pace)
+        self.ready_timeout = ready_timeout
+        self.finish_timeout = finish_timeout
+        self.rules = rules
+        self.context = context or zmq.Context.instance()
+        self.decoder = WireDecoder()
+        self.outcome = FrontendOutcome()
+        self._sockets: list[ZmqSocket] = []
+        self._outputs: dict[tuple[int, int], ZmqSocket] = {}  # (engine, client) -> PUSH
+        self._adds = [f for f in recording.inputs if f.kind == "ADD"]
+        self._unmatched = list(self._adds)
+        self._recorded_outputs = _outputs_by_request(recording)
+        self._utility_results = _utility_results(recording)
+        self._streams: dict[str, trio.CancelScope] = {}  # open engine-side streams by the frontend's request id
+        self._stream_ended = trio.Event()
+        self._aborted = {rid for f in recording.inputs if f.kind == "ABORT" for rid in f.progress}
+
+    def _socket(self, socket_type: int, identity: bytes | None = None) -> ZmqSocket:
+        sock = ZmqSocket(self.context, socket_type, identity=identity, linger_ms=1000)
+        self._sockets.append(sock)
+        return sock
+
+    def _report(self, channel: Channel, direction: Direction, engine: int, client: int | None,
+                frames: list[bytes]) -> None:
+        self.observer.frame(FrameEvent(time.time_ns(), channel, direction, engine, client, frames))
+
+    async def run(self) -> FrontendOutcome:
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.move_on_after(self.ready_timeout) as waiting:
+                    for engine in self.recording.engines:
+                        await self._handshake(engine, nursery)
+                    model = await self._wait_http_ready()
+                if waiting.cancelled_caught:
+                    raise ReplayError(f"the frontend was not ready {self.ready_timeout:g} s after the recorded "
+                                      "registration and READY: see its log for what it rejected")
+                async with trio.open_nursery() as clients:
+                    start, first = trio.current_time(), self._adds[0].ts_ns if self._adds else 0
+                    for frame in self._adds:
+                        if self.factor is not None:
+                            await trio.sleep_until(start + (frame.ts_ns - first) / 1e9 / self.factor)
+                        clients.start_soon(self._http_request, model, frame)
+                with trio.move_on_after(self.finish_timeout):  # e.g. the ABORT that follows a disconnect
+                    while self._streams:
+                        await self._stream_ended.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            for sock in self._sockets:
+                sock.close()
+        self.outcome.findings += self._request_findings()
+        return self.outcome
+
+    # --- the engine side --------------------------------------------------------------------
+
+    def _recorded(self, kind: str, engine: int, client: int | None = None) -> RecordedFrame:
+        frames = [f for f in self.recording.handshake if f.kind == kind and f.engine_index == engine]
+        return next((f for f in frames if client is None or f.client_index == client), frames[0])
+
+    async def _handshake(self, engine: int, nursery: trio.Nursery) -> None:
+        identity = engine_identity(engine)
+        handshake = self._socket(zmq.DEALER, identity)
+        handshake.connect(self.upstream)
+        hello = self._recorded("HELLO", engine)
+        await handshake.send(hello.parts)
+        self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine, None, hello.parts)
+        init = await handshake.receive()
+        self._report(Channel.HANDSHAKE, Direction.TO_ENGINE, engine, None, init)
+        self._compare_init(init[0])
+        _, addresses = parse_init(init[0])
+        if len(addresses.inputs) != self.recording.api_servers:
+            raise ReplayError(f"the frontend has {len(addresses.inputs)} API server socket(s), the recording "
+                              f"{self.recording.api_servers}: run it with the recorded number of API servers")
+        for client, (input_address, output_address) in enumerate(zip(addresses.inputs, addresses.outputs)):
+            dealer = self._socket(zmq.DEALER, identity)
+            dealer.connect(input_address)
+            push = self._socket(zmq.PUSH)
+            push.connect(output_address)
+            self._outputs[(engine, client)] = push
+            registration = self._recorded("REGISTRATION", engine, client)
+            await dealer.send(registration.parts)
+            self._report(Channel.INPUT, Direction.TO_FRONTEND, engine, client, registration.parts)
+            nursery.start_soon(self._serve, engine, client, dealer)
+        ready = self._recorded("READY", engine)
+        await handshake.send(ready.parts)
+        self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine, None, ready.parts)
+
+    def _compare_init(self, payload: bytes) -> None:
+        recorded = self._recorded("INIT", self.recording.engines[0]).decoded or {}
+        new = decode_msgpack(payload)
+        for key in sorted(set(recorded) ^ set(new)):
+            self.outcome.findings.append(Finding(
+                "schema", Severity.WARNING, "init_key_changed",
+                f"INIT {'lacks' if key in recorded else 'has a new key'} {key!r}", message_kind="INIT",
+                struct="EngineHandshakeMetadata", field=key))
+        if recorded.get("parallel_config") != new.get("parallel_config"):
+            self.outcome.findings.append(Finding(
+                "behaviour", Severity.WARNING, "init_parallel_config_changed",
+                "INIT parallel_config differs from the recording", message_kind="INIT",
+                baseline=recorded.get("parallel_config"), candidate=new.get("parallel_config")))
+
+    async def _serve(self, engine: int, client: int, dealer: ZmqSocket) -> None:
+        try:
+            async with trio.open_nursery() as streams:
+                while True:
+                    frames = await dealer.receive()
+                    self._report(Channel.INPUT, Direction.TO_ENGINE, engine, client, frames)
+                    message = self.decoder.decode(Channel.INPUT, Direction.TO_ENGINE, frames)
+                    if message.kind is Kind.ADD:
+                        self._answer_add(engine, message.fields, streams)
+                    elif message.kind is Kind.ABORT:
+                        for request_id in message.fields["request_ids"]:
+                            if request_id in self._streams:
+                                self._streams[request_id].cancel()
+                    elif message.kind is Kind.UTILITY:
+                        await self._answer_utility(engine, client, message.fields)
+        except SocketClosed:
+            return
+
+    def _answer_add(self, engine: int, fields: dict, streams: trio.Nursery) -> None:
+        recorded = self._match(fields)
+        request_id = fields["request_id"]
+        if recorded is None:
+            self.outcome.findings.append(Finding(
+                "behaviour", Severity.REGRESSION, "request_unexpected",
+                f"the frontend sent a request ({len(fields.get('prompt_token_ids') or [])} prompt tokens) that "
+                "matches no recorded one", message_kind="ADD", request_id=request_id))
+            return
+        self.outcome.matched[recorded.decoded["request_id"]] = request_id
+        scope = trio.CancelScope()
+        self._streams[request_id] = scope
+        client = fields.get("client_index") or 0
+        streams.start_soon(self._stream_outputs, engine, client, recorded, request_id, scope)
+
+    def _match(self, fields: dict) -> RecordedFrame | None:
+        schema = self.decoder.schema
+        keys = self.rules["match_sampling_keys"]
+        wanted = (fields.get("prompt_token_ids"), effective(fields.get("sampling_params") or {}, schema, keys))
+        for frame in self._unmatched:
+            mine = (frame.decoded.get("prompt_token_ids"),
+                    effective(frame.decoded.get("sampling_params") or {}, schema, keys))
+            if mine == wanted:
+                self._unmatched.remove(frame)
+                return frame
+        return None
+
+    async def _stream_outputs(self, engine: int, client: int, recorded: RecordedFrame, request_id: str,
+                              scope: trio.CancelScope) -> None:
+        start = trio.current_time()
+        with scope:
+            rid = recorded.decoded["request_id"]
+            for frame, position in self._recorded_outputs.get(rid, []):
+                if self.factor is not None:
+                    await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
+                body = decode_msgpack(frame.parts[0])
+                output = list(body[1][position])
+                output[0] = request_id  # the one thing that must change
+                body[1] = [output]
+                body[2] = None  # scheduler stats went out once, with the batch they belonged to
+                if len(body) > 5 and body[5]:
+                    body[5] = [request_id] if recorded.decoded["request_id"] in body[5] else None
+                parts = [encode(body), *frame.parts[1:]]
+                await self._outputs[(engine, client)].send(parts)
+                self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
+            if rid in self._aborted:
+                await trio.sleep_forever()  # the recorded engine was still generating when the ABORT came
+        del self._streams[request_id]
+        self._stream_ended.set()
+        self._stream_ended = trio.Event()
+
+    async def _answer_utility(self, engine: int, client: int, fields: dict) -> None:
+        method, call_id = fields["method"], fields["call_id"]
+        recorded = self._utility_results.get(method)
+        if recorded is None:
+            self.outcome.findings.append(Finding(
+                "behaviour", Severity.WARNING, "utility_call_unexpected",
+                f"the frontend called {method!r}, which the recorded frontend never did; answered with a failure",
+                message_kind="UTILITY", field=method))
+            body = [engine, [], None, 0.0, [call_id, f"{method} is not in the recording", None]]
+        else:
+            body = decode_msgpack(recorded.parts[0])
+            body[4] = [call_id, *body[4][1:]]
+        parts = [encode(body)]
+        await self._outputs[(engine, client)].send(parts)
+        self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
+
+    # --- the user side ----------------------------------------------------------------------
+
+    async def _wait_http_ready(self) -> str:
+        """Poll /v1/models until it answers; return the served model's name."""
+        while True:
+            try:
+                models = await trio.to_thread.run_sync(_get_json, f"{self.http}/v1/models", 2.0)
+                return models["data"][0]["id"]
+            except (OSError, ValueError, KeyError, IndexError):
+                await trio.sleep(0.5)
+
+    async def _http_request(self, model: str, frame: RecordedFrame) -> None:
+        recorded = frame.decoded
+        params = recorded.get("sampling_params") or {}
+        body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
+                **{k: params[k] for k in HTTP_PARAMS if k in params}}
+        aborted_after = next((f.progress[recorded["request_id"]] for f in self.recording.inputs
+                              if f.kind == "ABORT" and recorded["request_id"] in f.progress), None)
+        stream = params.get("output_kind") == DELTA or aborted_after is not None
+        with trio.move_on_after(self.finish_timeout) as waiting:
+            try:
+                seen = await trio.to_thread.run_sync(_completion, f"{self.http}/v1/completions", body, stream,
+                                                     aborted_after, self.finish_timeout, abandon_on_cancel=True)
+            except (OSError, ValueError) as exc:
+                seen = {"error": f"{type(exc).__name__}: {exc}"}
+        if waiting.cancelled_caught:
+            seen = {"error": f"no complete response within {self.finish_timeout:g} s"}
+        seen["aborted_after"] = aborted_after
+        self.outcome.http[recorded["request_id"]] = seen
+
+    def _request_findings(self) -> list[Finding]:
+        """What the users saw, and how the new frontend's requests differ from the recorded ones."""
+        findings = []
+        for frame in self._adds:
+            rid = frame.decoded["request_id"]
+            seen = self.outcome.http.get(rid, {"error": "never sent"})
+            tokens = [t for o in self._recorded_outputs.get(rid, []) for t in _output_tokens(o)]
+            finish = next((_finish(o, self.decoder.schema) for o in self._recorded_outputs.get(rid, [])
+                           if _finish(o, self.decoder.schema)), None)
+            if "error" in seen:
+                findings.append(Finding("behaviour", Severity.REGRESSION, "http_failed",
+                                        f"the HTTP request failed: {seen['error']}", request_id=rid))
+            elif seen["aborted_after"] is None and (seen["token_ids"], seen["finish_reason"]) != (tokens, finish):
+                findings.append(Finding(
+                    "behaviour", Severity.REGRESSION, "http_response_differs",
+                    f"the user got {len(seen['token_ids'])} tokens ({seen['finish_reason']}), the recorded engine "
+                    f"produced {len(tokens)} ({finish})", request_id=rid,
+                    baseline=tokens[:8], candidate=seen["token_ids"][:8]))
+        return findings
+
+
+def _outputs_by_request(recording: Recording) -> dict[str, list[tuple[RecordedFrame, int]]]:
+    """Recorded output messages per request id, with the position of its output in each."""
+    by_request: dict[str, list[tuple[RecordedFrame, int]]] = defaultdict(list)
+    for frame in recording.outputs:
+        for position, output in enumerate((frame.decoded or {}).get("outputs") or []):
+            by_request[output["request_id"]].append((frame, position))
+    return by_request
+
+
+def _utility_results(recording: Recording) -> dict[str, RecordedFrame]:
+    calls = {f.decoded["call_id"]: f.decoded["method"] for f in recording.inputs if f.kind == "UTILITY"}
+    results = {}
+    for frame in recording.outputs:
+        utility = (frame.decoded or {}).get("utility_output") if frame.kind == "UTILITY_OUTPUT" else None
+        if utility and utility.get("call_id") in calls:
+            results.setdefault(calls[utility["call_id"]], frame)
+    return results
+
+
+def _output_tokens(entry: tuple[RecordedFrame, int]) -> list[int]:
+    frame, position = entry
+    return frame.decoded["outputs"][position].get("new_token_ids") or []
+
+
+def _finish(entry: tuple[RecordedFrame, int], schema) -> str | None:
+    frame, position = entry
+    return finish_name(schema, frame.decoded["outputs"][position].get("finish_reason"))
+
+
+def _get_json(url: str, timeout: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def _completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
+    """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort)."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": stream}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            if not stream:
+                choice = json.load(response)["choices"][0]
+                return {"token_ids": choice.get("token_ids") or [], "finish_reason": choice.get("finish_reason")}
+            tokens, finish = [], None
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    tokens += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason") or finish
+                if stop_after_tokens is not None and len(tokens) >= stop_after_tokens:
+                    break  # closing the connection makes the frontend abort the request
+            return {"token_ids": tokens, "finish_reason": finish}
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"}
