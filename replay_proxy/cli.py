@@ -138,6 +138,17 @@ def query(
     render(rows, "json" if as_json else "csv" if as_csv else "table")
 
 
+@app.command("datasette-metadata")
+def datasette_metadata(
+    databases: Annotated[list[Path], typer.Argument(help="The recording databases Datasette will serve.")],
+) -> None:
+    """Print Datasette metadata whose canned queries are the query presets.
+
+    Example: replay-proxy datasette-metadata recordings/*.db > metadata.json && datasette recordings/*.db -m metadata.json
+    """
+    sys.stdout.write(json.dumps(queries.datasette_metadata(databases), indent=1) + "\n")
+
+
 def render(rows: list[dict[str, Any]], form: Literal["table", "json", "csv"], title: str | None = None) -> None:
     if form == "json":
         sys.stdout.write(json.dumps(rows, indent=1, default=_bytes_hex) + "\n")
@@ -399,7 +410,13 @@ def sim_engine(
 
 
 def run() -> None:
-    """The console script: click's errors as one line, Ctrl-C as exit code 130."""
+    """The console script: click's errors as one line, Ctrl-C and SIGTERM as exit code 130.
+
+    SIGTERM is turned into SIGINT so that it unwinds like Ctrl-C (trio raises it at a
+    safe point): cleanup runs, a replay's peer under test is stopped. `record` handles
+    both signals itself and exits 0 once its recording is complete.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     try:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort):

@@ -1,15 +1,19 @@
-"""Build a tiny random-weights Llama and a byte-level BPE tokenizer, offline.
+"""Build a tiny random-weights model and a byte-level BPE tokenizer, offline.
 
-Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR`.
+Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe]`.
 Sizes follow REAL_VLLM.md: the CPU attention backend needs a head size of
-32 or more, so hidden 128 with 4 heads.
+32 or more, so hidden 128 with 4 heads. --moe makes a Mixtral (4 experts, 2
+per token) instead of a Llama: under data parallelism vLLM's CPU build fails
+at its first request and every engine sends ENGINE_CORE_DEAD, a real fatal
+error sequence for the tests.
 """
 
 import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          PreTrainedTokenizerFast)
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while engines stream tokens to "
@@ -23,7 +27,7 @@ def corpus():
         yield " ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 12))
 
 
-def main(out: str) -> None:
+def main(out: str, moe: bool) -> None:
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -44,7 +48,7 @@ def main(out: str) -> None:
     tokenizer.save_pretrained(out)
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    sizes = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
@@ -57,8 +61,12 @@ def main(out: str) -> None:
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    if moe:
+        model = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--moe" in sys.argv[2:])

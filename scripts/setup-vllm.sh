@@ -8,6 +8,7 @@
 #     src/vllm-0.31.0/    message classes of older releases (no engine), for
 #     src/vllm-0.30.0/    `replay-proxy schema extract`
 #     tiny-model/         random Llama + BPE tokenizer, built offline
+#     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -68,11 +69,14 @@ for version in 0.31.0 0.30.0; do
   fi
 done
 
-if [ ! -f "$CACHE/tiny-model/.complete" ]; then
-  step "tiny random model"
-  rm -rf "$CACHE/tiny-model"
-  timeout 300 "$VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/tiny-model"
-  touch "$CACHE/tiny-model/.complete"
-fi
+for model in tiny-model tiny-moe; do
+  if [ ! -f "$CACHE/$model/.complete" ]; then
+    step "$model, random weights"
+    rm -rf "${CACHE:?}/$model"
+    timeout 300 "$VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
+      $([ "$model" = tiny-moe ] && echo --moe)
+    touch "$CACHE/$model/.complete"
+  fi
+done
 
 step "ready in $CACHE"

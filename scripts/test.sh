@@ -6,6 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
+# The HTML report is checked in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null
+  else
+    echo "[test] chromium missing (apt-get install chromium): the browser test will be skipped" >&2
+  fi
+fi
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec "$VENV/bin/python" -m pytest -m "not real_vllm" "$@"

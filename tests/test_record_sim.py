@@ -99,3 +99,39 @@ async def test_undecodable_frames_are_forwarded_byte_identical_and_recorded(sess
                                                                               "output": garbage_out}
     assert "unknown request type" in rows["input"]["decode_error"]
     assert "malformed" in rows["output"]["decode_error"]
+
+
+async def test_a_vanished_engine_is_noticed_and_the_others_keep_serving(session_factory, db_path):
+    with trio.fail_after(30):
+        session = await session_factory(engines=2)
+        frontend = session.frontend
+        await frontend.add("before", [1, 2], engine=1, max_tokens=2, temperature=0.0)
+        await frontend.wait_for(lambda: "before" in frontend.finish_reasons)
+        gone = session.engines[1]
+        gone.outputs[0].close()  # what a SIGKILL does to its sockets, without ENGINE_CORE_DEAD
+        for sock in gone.inputs:
+            sock.close()
+        while not session.recorder.statistics().engines_dead:
+            await trio.sleep(0.05)
+        await frontend.add("after", [3, 4], engine=0, max_tokens=3, temperature=0.0)
+        await frontend.wait_for(lambda: "after" in frontend.finish_reasons)
+    session.recorder.close()
+    db = sqlite_utils.Database(db_path)
+    events = list(db.query("SELECT engine_index, event, detail FROM engine_events"))
+    assert [(e["engine_index"], e["event"]) for e in events] == [(1, "lost")]
+    assert len(frontend.tokens["after"]) == 3
+    assert db.execute("SELECT COUNT(*) FROM requests WHERE request_id IN ('before', 'after')").fetchone()[0] == 2
+
+
+async def test_engine_core_dead_is_forwarded_and_recorded(session_factory, db_path):
+    from replay_proxy.sim.drift import EngineDrift
+
+    with trio.fail_after(30):
+        session = await session_factory(engine_drift=EngineDrift(die_after_requests=1), api_servers=2)
+        await session.frontend.add("fatal", [5], max_tokens=4)
+        await session.frontend.wait_for(lambda: session.frontend.dead_engines == 2)  # on every output socket
+    stats = session.recorder.close()
+    assert stats.engines_dead == 2
+    db = sqlite_utils.Database(db_path)
+    assert db.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ENGINE_CORE_DEAD'").fetchone()[0] == 2
+    assert [r["event"] for r in db.query("SELECT event FROM engine_events")] == ["ENGINE_CORE_DEAD"] * 2

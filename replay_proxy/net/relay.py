@@ -29,6 +29,7 @@ from typing import Protocol
 import msgspec
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.wire.handshake import HandshakeError, engine_index, parse_init, rewrite_init
@@ -158,7 +159,19 @@ class EngineLink:
                                frontend_side_in, engine_side_in)
             nursery.start_soon(self._pipe, Channel.OUTPUT, Direction.TO_FRONTEND, client,
                                engine_side_out, frontend_side_out)
+            if client == 0:
+                nursery.start_soon(self._watch, engine_side_in)
         return rewrite_init(init, inputs, outputs)
+
+    async def _watch(self, engine_side: ZmqSocket) -> None:
+        """Tell the observer when the engine's connection drops (a SIGKILL sends no ENGINE_CORE_DEAD)."""
+        monitor = engine_side.monitor(zmq.EVENT_DISCONNECTED)
+        self.relay._sockets.append(monitor)
+        try:
+            event = parse_monitor_message(await monitor.receive())
+        except SocketClosed:
+            return
+        self.relay.observer.engine_lost(self.index, f"its connection to the proxy dropped ({event['endpoint']})")
 
     async def _pipe(self, channel: Channel, direction: Direction, client: int,
                     source: ZmqSocket, sink: ZmqSocket) -> None:

@@ -17,6 +17,8 @@ HWM is 0 as in vLLM, so only a peerless socket refuses with EAGAIN).
 
 from __future__ import annotations
 
+import uuid
+
 import trio
 import zmq
 
@@ -29,8 +31,8 @@ class SocketClosed(ReplayProxyError):
 
 class ZmqSocket:
     def __init__(self, context: zmq.Context, socket_type: int, *, identity: bytes | None = None,
-                 linger_ms: int = 0):
-        self._socket = context.socket(socket_type)
+                 linger_ms: int = 0, wrap: zmq.Socket | None = None):
+        self._socket = wrap if wrap is not None else context.socket(socket_type)
         # vLLM's make_zmq_socket: unlimited HWM, or a full ROUTER drops silently.
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
@@ -41,7 +43,18 @@ class ZmqSocket:
             self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._receive_wait: trio.CancelScope | None = None
+        self._monitored = False
         self.closed = False
+
+    def monitor(self, events: int) -> ZmqSocket:
+        """A socket that receives this socket's ``events`` (zmq.utils.monitor message format).
+
+        The endpoint is unique: pyzmq's default names it after the file descriptor, which
+        the next socket reuses once this one is closed.
+        """
+        address = f"inproc://replay-proxy-monitor-{uuid.uuid4().hex}"
+        self._monitored = True
+        return ZmqSocket(self._socket.context, zmq.PAIR, wrap=self._socket.get_monitor_socket(events, address))
 
     def bind(self, address: str) -> str:
         """Bind and return the resolved endpoint (port 0 becomes the real port)."""
@@ -98,5 +111,7 @@ class ZmqSocket:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._monitored:
+                self._socket.disable_monitor()
             trio.lowlevel.notify_closing(self._fd)
             self._socket.close()

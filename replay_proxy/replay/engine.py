@@ -52,6 +52,7 @@ class ReplayOutcome(msgspec.Struct):
     unfinished: list[str] = []
     utility_unanswered: int = 0
     pacing_errors_ms: list[float] = []  # how late each paced send went out
+    send_seconds: float = 0.0  # from the first send to the last
     timed_out: bool = False
     dead_engines: list[int] = []
 
@@ -211,6 +212,7 @@ class EngineReplay:
             if frame.kind == "ABORT":
                 await self._wait_for_progress(frame)
             await self._send(frame)
+        self.outcome.send_seconds = trio.current_time() - start
 
     async def _wait_for_progress(self, frame: RecordedFrame) -> None:
         with trio.move_on_after(self.finish_timeout):

@@ -18,14 +18,18 @@ from typing import Literal
 
 import trio
 
-from replay_proxy.compare.findings import Finding, Report, Severity
+import msgspec
+
+from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.sessions import build_report, load_rules, load_session
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.engine import EngineReplay, ReplayError, ReplayOutcome
 from replay_proxy.replay.frontend import FrontendReplay
 from replay_proxy.replay.recording import load_recording
+from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import Recorder, SessionInfo
+from replay_proxy.wire.values import to_json
 
 
 def replay_session(db: Path, session: str, against: Literal["engine", "frontend"], address: str, *,
@@ -81,7 +85,21 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
                           load_session(db, str(recorder.session_id), rules), rules,
                           frontend_under_test=against == "frontend")
     report.findings += outcome.findings if against == "frontend" else outcome_findings(outcome, finish_timeout)
+    save_findings(db, recorder.session_id, recording.session_id, report.findings)
     return report, outcome
+
+
+def save_findings(db: Path, session_id: int, baseline_session_id: int, findings: list[Finding]) -> None:
+    """Keep a replay's findings beside its frames (table ``findings``, preset ``findings``)."""
+    rows = []
+    for f in worst_first(findings):
+        row = msgspec.to_builtins(f)
+        rows.append({**row, "severity": f.severity.name.lower(), "session_id": session_id,
+                     "baseline_session_id": baseline_session_id, "breaks": ",".join(f.breaks) or None,
+                     "baseline": to_json(f.baseline), "candidate": to_json(f.candidate)})
+    database = open_database(db)
+    database["findings"].insert_all(rows)
+    database.close()
 
 
 async def _watch(child: Child) -> None:

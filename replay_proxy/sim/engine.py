@@ -60,7 +60,7 @@ class SimEngine:
             handshake.connect(self.address)
             await handshake.send([encode({"status": "HELLO", "local": False, "headless": True})])
             _, addresses = parse_init((await handshake.receive())[0])
-            inputs = [self._socket(sockets, zmq.DEALER) for _ in addresses.inputs]
+            self.inputs = inputs = [self._socket(sockets, zmq.DEALER) for _ in addresses.inputs]
             self.outputs = [self._socket(sockets, zmq.PUSH) for _ in addresses.outputs]
             for sock, address in zip(inputs, addresses.inputs):
                 sock.connect(address)

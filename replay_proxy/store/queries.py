@@ -9,6 +9,7 @@ from typing import Any
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.tables import ensure_schema
 
 
 class QueryError(ReplayProxyError):
@@ -34,21 +35,37 @@ PRESETS: dict[str, str] = {
     "decode-problems": """
         SELECT session_id, seq, channel, direction, kind, decode_error, flags
         FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL ORDER BY session_id, seq""",
+    "findings": """
+        SELECT f.session_id, s.name AS replay, f.severity, f.category, f.code, f.struct, f.field, f.position,
+               f.request_id, f.message
+        FROM findings f JOIN sessions s ON s.id = f.session_id ORDER BY f.session_id, f.rowid""",
     "engines": """
         SELECT session_id, engine_index, COUNT(DISTINCT client_index) AS api_servers,
                SUM(kind = 'ADD') AS requests, SUM(kind = 'OUTPUTS') AS output_messages
         FROM frames WHERE engine_index IS NOT NULL GROUP BY session_id, engine_index""",
 }
 
+def datasette_metadata(databases: list[Path]) -> dict[str, Any]:
+    """Datasette metadata giving each recording database (keyed by file stem) the presets as canned queries."""
+    queries = {name: {"sql": " ".join(sql.split()), "title": name.replace("-", " ")} for name, sql in PRESETS.items()}
+    return {"title": "replay-proxy recordings",
+            "description": "Frames, requests, outputs and findings recorded by replay-proxy.",
+            "databases": {Path(db).stem: {"queries": queries} for db in databases}}
+
+
 SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vllm_version",
                    "schema_release", "frames_seen", "frames_recorded", "frames_dropped")
 
 
 def open_existing(path: str | Path) -> sqlite_utils.Database:
+    """An existing recording, brought up to this version's tables and views (adds what is missing)."""
     path = Path(path)
     if not path.exists():
         raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
-    return sqlite_utils.Database(path)
+    db = sqlite_utils.Database(path)
+    if db["sessions"].exists():
+        ensure_schema(db)
+    return db
 
 
 def list_sessions(path: str | Path) -> list[dict[str, Any]]:

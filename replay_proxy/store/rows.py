@@ -54,10 +54,12 @@ class Rows:
                   flags=to_json(message.flags) if message.flags else None)
 
     def _concepts(self, where: dict, event, message: Message, schema: Schema) -> None:
-        fields = message.fields
+        fields, kind = message.fields, message.kind
+        if kind is Kind.ENGINE_CORE_DEAD:  # a bare sentinel: no fields
+            self.add_engine_event(where["session_id"], where["seq"], event.ts_ns, event.engine_index,
+                                  "ENGINE_CORE_DEAD", f"on the output socket of API server {event.client_index}")
         if not isinstance(fields, dict):
             return
-        kind = message.kind
         if kind in HANDSHAKE_KINDS:
             rewritten = None
             if event.forwarded:
@@ -74,9 +76,6 @@ class Rows:
         elif kind is Kind.UTILITY:
             self._add("utility_requests", **where, call_id=fields["call_id"],
                       method=fields["method"], args=to_json(fields["args"]))
-        elif kind is Kind.ENGINE_CORE_DEAD:
-            self.add_engine_event(where["session_id"], where["seq"], event.ts_ns, event.engine_index,
-                                  "ENGINE_CORE_DEAD", f"on the output socket of API server {event.client_index}")
 
     def add_engine_event(self, session_id: int, seq: int, ts_ns: int, engine_index: int | None,
                          name: str, detail: str) -> None:

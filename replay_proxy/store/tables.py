@@ -34,12 +34,12 @@ def sampling_columns() -> dict[str, type]:
     return columns
 
 
-TABLES: dict[str, tuple[dict, list[str] | str]] = {
+TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "sessions": ({
         "id": int, "name": str, "mode": str, "baseline_session_id": int, "started_at": str,
         "ended_at": str, "status": str, "listen": str, "upstream": str, "vllm_version": str,
         "schema_release": str, "schema_exact": int, "proxy_version": str, "frames_seen": int,
-        "frames_recorded": int, "frames_dropped": int, "bytes_seen": int, "error": str,
+        "frames_recorded": int, "frames_dropped": int, "bytes_seen": int, "engines_dead": int, "error": str,
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,
@@ -75,6 +75,11 @@ TABLES: dict[str, tuple[dict, list[str] | str]] = {
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
         "call_id": int, "failure_message": str, "result": str,
     }, ["session_id", "seq"]),
+    "findings": ({
+        "session_id": int, "baseline_session_id": int, "category": str, "severity": str, "code": str,
+        "message": str, "message_kind": str, "struct": str, "field": str, "position": int, "baseline": str,
+        "candidate": str, "request_id": str, "breaks": str,
+    }, None),  # one row per finding of a replay, in report order
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
     }, ["session_id", "seq"]),
@@ -147,5 +152,8 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     for name, indexes in INDEXES.items():
         for columns in indexes:
             db[name].create_index(columns, if_not_exists=True)
+    existing = {row["name"]: row["sql"] for row in db.query("SELECT name, sql FROM sqlite_master WHERE type = 'view'")}
     for name, sql in VIEWS.items():
-        db.create_view(name, sql, replace=True)
+        stored = " ".join(existing.get(name, "").replace('"', "").split())
+        if stored != " ".join(f"CREATE VIEW {name} AS {sql}".split()):
+            db.create_view(name, sql, replace=True)  # only when missing or changed: opening must not write

@@ -17,6 +17,7 @@ at the cost of latency. The writer batches frames into one transaction of
 from __future__ import annotations
 
 import datetime
+import os
 import shutil
 import struct
 import subprocess
@@ -90,6 +91,7 @@ class Recorder:
         tap, progress = f"ipc://{self._folder}/tap", f"ipc://{self._folder}/progress"
         context = zmq.Context.instance()
         self._progress = context.socket(zmq.PULL)
+        self._progress.setsockopt(zmq.CONFLATE, 1)  # counts are cumulative: only the newest matters
         self._progress.bind(progress)
         self._counters = (0, 0, 0, 0)
         # We connect, the writer binds: a connecting PUSH queues from the first frame on,
@@ -102,13 +104,15 @@ class Recorder:
         self._flags = 0 if on_full == "block" else zmq.NOBLOCK
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(max(1, queue_size // 2))], stdin=subprocess.DEVNULL,
+             progress, str(max(1, queue_size // 2)), str(os.getpid())], stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
         self.status = "recording"
 
     # --- the hot path: called by the relay's forwarding tasks --------------------------
 
     def frame(self, event: FrameEvent) -> None:
+        if self._tap.closed:  # the session is over: a late report from a peer shutting down
+            return
         self._seen += 1
         self._bytes += sum(len(f) for f in event.frames)
         changed = len(event.forwarded) if event.forwarded else 0
@@ -121,6 +125,8 @@ class Recorder:
             self._dropped += 1
 
     def engine_lost(self, engine_index: int, reason: str) -> None:
+        if self._tap.closed:
+            return
         header = _HEADER.pack(time.time_ns(), _ENGINE_LOST, 0, engine_index, -1, 0)
         self._tap.send_multipart([header, reason.encode()])
 
@@ -146,17 +152,20 @@ class Recorder:
         if code != 0:
             status, error = "incomplete", error or f"the writer process exited with {code}"
         self.status = status
-        stats = self.statistics()
         self._tap.close(linger=0)
         self._progress.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
-        # Whatever was seen and not written is lost: dropped at the queue, failed, or cut off.
-        stats = msgspec.structs.replace(stats, frames_dropped=stats.frames_seen - stats.frames_recorded,
-                                        queue_depth=0)
+        # The final counts come from the database, where the writer left them: the progress
+        # socket only keeps the newest live report, and the last one may still be in flight.
         db = open_database(self.db_path)
+        row = db["sessions"].get(self.session_id)
+        recorded = row["frames_recorded"] or 0
+        requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
+        # Whatever was seen and not written is lost: dropped at the queue, failed, or cut off.
+        stats = RecorderStats(self._seen, recorded, self._seen - recorded, self._bytes, requests, 0,
+                              row["engines_dead"] or 0)
         db["sessions"].update(self.session_id, {
-            "ended_at": _now(), "status": status, "error": error or db["sessions"].get(self.session_id)["error"],
-            "frames_seen": stats.frames_seen, "frames_recorded": stats.frames_recorded,
+            "ended_at": _now(), "status": status, "error": error or row["error"], "frames_seen": stats.frames_seen,
             "frames_dropped": stats.frames_dropped, "bytes_seen": stats.bytes_seen,
         })
         db.close()
@@ -164,23 +173,25 @@ class Recorder:
 
 
 def _write_session(db_path: str, session_id: int, tap_address: str, progress_address: str,
-                   receive_hwm: int) -> None:
+                   receive_hwm: int, parent: int) -> None:
     """The writer process: frames from the tap, decoded, into SQLite in batches.
 
     It runs in a session of its own, so the signals that stop the proxy's
     process group do not reach it: the proxy sends STOP after its last frame
     and the writer finishes the queue first. If the proxy dies without STOP,
-    the writer notices its new parent and stops once the queue is empty.
+    the writer notices it has another parent than ``parent`` (the proxy's PID,
+    given, not read at start: the proxy may already be gone by then) and stops
+    once the queue is empty.
     """
-    import os
     import sqlite3
 
-    parent = os.getppid()
     context = zmq.Context()
     tap = context.socket(zmq.PULL)
     tap.setsockopt(zmq.RCVHWM, receive_hwm)
     tap.bind(tap_address)
     progress = context.socket(zmq.PUSH)
+    # Only the newest count matters, and a send must never block on a proxy that is gone.
+    progress.setsockopt(zmq.CONFLATE, 1)
     progress.setsockopt(zmq.LINGER, 5000)
     progress.connect(progress_address)
     connection = sqlite3.connect(db_path)
@@ -240,8 +251,10 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
         progress.send(_PROGRESS.pack(written, requests, dead, failed))
     with connection:
         connection.execute(
-            "UPDATE sessions SET vllm_version = ?, schema_release = ?, schema_exact = ?, error = ? WHERE id = ?",
-            (decoder.vllm_version, decoder.schema.release, int(decoder.schema_exact), write_error, session_id))
+            "UPDATE sessions SET vllm_version = ?, schema_release = ?, schema_exact = ?, error = ?, "
+            "frames_recorded = ?, engines_dead = ? WHERE id = ?",
+            (decoder.vllm_version, decoder.schema.release, int(decoder.schema_exact), write_error, written, dead,
+             session_id))
     connection.close()
     tap.close(linger=0)
     progress.close()
@@ -249,4 +262,4 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
 
 
 if __name__ == "__main__":
-    _write_session(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    _write_session(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ VENV = CACHE / "vllm-0.32.0"
 VLLM = VENV / "bin" / "vllm"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
+MOE_MODEL = CACHE / "tiny-moe"
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.32.0", "0.33.0")}
 READY_TIMEOUT_S = 240
 COMMON = ["--max-model-len", "256", "--dtype", "float32"]
@@ -29,12 +31,16 @@ PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 
 
 def installed() -> bool:
-    return (MODEL / ".complete").exists() and all(p.exists() for p in VLLM_RS.values()) and all(
+    return (MODEL / ".complete").exists() and (MOE_MODEL / ".complete").exists() and all(p.exists() for p in VLLM_RS.values()) and all(
         (CACHE / f"vllm-{r}" / ".complete").exists() for r in ENGINE_RELEASES)
 
 
-def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
-    scratch.mkdir(parents=True, exist_ok=True)
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment REAL_VLLM.md gives, with a fresh scratch folder for vLLM's files and IPC sockets.
+
+    The folder is short on purpose: IPC socket paths must fit in 107 bytes (sun_path).
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
     return {
         **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -43,47 +49,48 @@ def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, **env: str) -> Child:
-    return Child(python_frontend_argv(http_port, rpc_port, dp), logs / "frontend.log",
-                 env=vllm_env(logs / "scratch-frontend", **env), name="vllm frontend")
+def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
+                    **env: str) -> Child:
+    return Child(python_frontend_argv(http_port, rpc_port, dp, model), logs / "frontend.log",
+                 env=vllm_env(**env), name="vllm frontend")
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
     return Child(rust_frontend_argv(http_port, rpc_port, version, dp), logs / f"vllm-rs-{version}.log",
-                 env=vllm_env(logs / "scratch-rs"), name=f"vllm-rs {version}")
+                 env=vllm_env(), name=f"vllm-rs {version}")
 
 
 def headless_engine_argv(rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
-                         release: str = "0.32.0") -> list[str]:
+                         release: str = "0.32.0", model: Path = MODEL) -> list[str]:
     rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
-    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(MODEL), "--headless",
+    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(model), "--headless",
             "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY]
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
-                    name: str = "engine", **env: str) -> Child:
-    return Child(headless_engine_argv(rpc_port, dp, start_rank, local), logs / f"{name}.log",
-                 env=vllm_env(logs / f"scratch-{name}", **env), name=name)
+                    name: str = "engine", model: Path = MODEL, **env: str) -> Child:
+    return Child(headless_engine_argv(rpc_port, dp, start_rank, local, model=model), logs / f"{name}.log",
+                 env=vllm_env(**env), name=name)
 
 
-def command(argv: list[str], scratch: Path) -> str:
+def command(argv: list[str]) -> str:
     """A shell-safe --engine-cmd / --frontend-cmd: ``argv`` with the vLLM environment."""
     import shlex
 
-    env = vllm_env(scratch)
+    env = vllm_env()
     settings = [f"{k}={env[k]}" for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
                                            "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK",
                                            "VLLM_HOST_IP", "TMPDIR", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH")]
     return shlex.join(["env", *settings, *argv])
 
 
-def engine_command(logs: Path, rpc_port: int, release: str = "0.32.0") -> str:
-    return command(headless_engine_argv(rpc_port, release=release), logs / f"scratch-engine-{release}")
+def engine_command(rpc_port: int, release: str = "0.32.0") -> str:
+    return command(headless_engine_argv(rpc_port, release=release))
 
 
-def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1) -> list[str]:
-    return [str(VLLM), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
+def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL) -> list[str]:
+    return [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(http_port),
             "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
             *COMMON, *PYTHON_ONLY]

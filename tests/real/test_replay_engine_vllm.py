@@ -26,7 +26,7 @@ def replay(tmp_path, release):
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
          "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-         "--engine-cmd", peers.engine_command(tmp_path, port, release), "--ready-timeout", "240",
+         "--engine-cmd", peers.engine_command(port, release), "--ready-timeout", "240",
          "--finish-timeout", "60", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=420)
     report = json.loads((tmp_path / "report.json").read_text())

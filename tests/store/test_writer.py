@@ -1,5 +1,7 @@
 """The recorder's bounded queue: drops are counted, never silent; 'block' loses nothing."""
 
+from pathlib import Path
+
 import sqlite_utils
 
 from replay_proxy.net.relay import FrameEvent
@@ -33,3 +35,31 @@ def test_block_policy_records_everything(db_path):
     recorder, stats = record_burst(db_path, "block")
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (3000, 3000, 0)
     assert sqlite_utils.Database(db_path)["aborts"].count == 3000
+
+
+def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
+    """A SIGKILLed proxy sends no STOP: the writer notices its new parent and exits, keeping what it had."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys, time\n"
+        "from replay_proxy.store.writer import Recorder, SessionInfo\n"
+        "from tests.store.test_writer import FRAME\n"
+        "r = Recorder(sys.argv[1], SessionInfo(name='killed'))\n"
+        "[r.frame(FRAME) for _ in range(50)]\n"
+        "while r.statistics().frames_recorded < 50: time.sleep(0.05)\n"
+        "print(r._process.pid, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    db = tmp_path / "r.db"
+    proxy = subprocess.run([sys.executable, "-c", script, str(db)], capture_output=True, text=True, timeout=60,
+                           cwd=Path(__file__).resolve().parents[2])
+    writer = int(proxy.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{writer}").exists() and \
+            "Z" not in Path(f"/proc/{writer}/stat").read_text().split()[2]:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{writer}").exists() or "Z" in Path(f"/proc/{writer}/stat").read_text().split()[2]
+    assert sqlite_utils.Database(db)["aborts"].count == 50

@@ -1,0 +1,170 @@
+"""Data parallelism through `replay-proxy record` with real vLLM 0.32.0: two engines, several API servers.
+
+Each bring-up needs ~8 GB and ~50 s; they run one after another and every
+process is stopped by PID. Engines run one process per rank, rank 1 started
+first (start order does not matter), each bound to one core: that changes
+float reduction order, so greedy tokens are compared with a direct DP=2 run
+of the same layout, not with the single-engine recording.
+"""
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import sqlite_utils
+
+from tests.real import peers
+
+pytestmark = pytest.mark.real_vllm
+RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
+
+
+def recorded_prompts():
+    """(prompt, max_tokens) of the greedy requests of the recording: the workload for every DP run."""
+    db = sqlite_utils.Database(RECORDING)
+    rows = db.query("""SELECT prompt_token_ids, max_tokens FROM requests
+                       WHERE temperature = 0 AND request_id NOT IN (SELECT request_id FROM aborts) ORDER BY seq""")
+    return [(json.loads(r["prompt_token_ids"]), r["max_tokens"]) for r in rows]
+
+
+def run_pairs(http, prompts):
+    """Two requests at a time: one per engine, never batched."""
+    with ThreadPoolExecutor(2) as pool:
+        return [tokens for i in range(0, len(prompts), 2)
+                for tokens in pool.map(lambda e: complete(http, *e), prompts[i:i + 2])]
+
+
+def complete(http, prompt, max_tokens):
+    body = {"model": str(peers.MODEL), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
+    return peers.post(http, "/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def bring_up(logs, frontend, db=None, model=peers.MODEL):
+    """Frontend (DP=2) + the recording proxy (when ``db`` is given) + one engine process per rank, rank 1 first."""
+    http, upstream = peers.free_port(), peers.free_port()
+    children = [frontend(http, upstream)]
+    listen = upstream
+    if db is not None:
+        listen = peers.free_port()
+        children.append(peers.proxy(logs, listen, upstream, db, "dp2"))
+    for rank in (1, 0):
+        children.append(peers.headless_engine(logs, listen, dp=2, start_rank=rank, name=f"engine-{rank}",
+                                              model=model, VLLM_CPU_OMP_THREADS_BIND=str(rank)))
+    return http, children
+
+
+def stop(children):
+    for child in reversed(children):
+        child.stop(timeout=30)
+    return children[1].process.returncode  # the proxy's
+
+
+def check_recording(db, api_servers):
+    sessions = list(db.query("SELECT status, frames_seen, frames_recorded, frames_dropped FROM sessions"))
+    assert sessions == [{"status": "complete", "frames_seen": sessions[0]["frames_seen"],
+                         "frames_recorded": sessions[0]["frames_seen"], "frames_dropped": 0}]
+    assert list(db.query("SELECT * FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL")) == []
+    inits = list(db.query("SELECT engine_index, payload, rewritten FROM handshakes WHERE kind = 'INIT'"))
+    assert sorted(i["engine_index"] for i in inits) == [0, 1]
+    for init in inits:
+        original, rewritten = json.loads(init["payload"])["addresses"], json.loads(init["rewritten"])["addresses"]
+        assert len(original["inputs"]) == len(rewritten["inputs"]) == api_servers
+        assert len(original["outputs"]) == len(rewritten["outputs"]) == api_servers
+        assert set(original["inputs"]).isdisjoint(rewritten["inputs"])
+        for key in ("coordinator_input", "coordinator_output", "frontend_stats_publish_address"):
+            assert rewritten[key] == original[key]  # the coordinator is not relayed by default
+    registrations = {(r["engine_index"], r["client_index"]) for r in db.query(
+        "SELECT engine_index, client_index FROM handshakes WHERE kind = 'REGISTRATION'")}
+    assert registrations == {(e, c) for e in (0, 1) for c in range(api_servers)}
+
+
+@pytest.fixture(scope="module")
+def direct(tmp_path_factory):
+    """Greedy tokens of the workload without the proxy, same DP=2 layout."""
+    logs = tmp_path_factory.mktemp("direct")
+    http, children = bring_up(logs, lambda h, u: peers.python_frontend(logs, h, u, dp=2))
+    try:
+        peers.wait_http_ready(http, children, timeout=300)
+        return run_pairs(http, recorded_prompts())
+    finally:
+        for child in reversed(children):
+            child.stop(timeout=30)
+
+
+def test_python_frontend_two_api_servers_two_engines(tmp_path, direct):
+    db = tmp_path / "dp.db"
+    http, children = bring_up(tmp_path, lambda h, u: peers.python_frontend(tmp_path, h, u, dp=2), db)
+    try:
+        peers.wait_http_ready(http, children, timeout=300)
+        got = run_pairs(http, recorded_prompts())
+    finally:
+        proxy_code = stop(children)
+    assert proxy_code == 0
+    assert got == direct
+    db = sqlite_utils.Database(db)
+    check_recording(db, api_servers=2)
+    assert {r["engine_index"] for r in db.query("SELECT engine_index FROM requests")} == {0, 1}
+    calls = {(r["engine_index"], r["client_index"]) for r in db.query("SELECT * FROM utility_calls")}
+    assert calls == {(0, 0), (0, 1), (1, 0), (1, 1)}  # each API server calls each engine at start
+    init = json.loads(next(db.query("SELECT payload FROM handshakes WHERE kind = 'INIT'"))["payload"])
+    assert init["addresses"]["coordinator_input"]  # the Python frontend runs a DP coordinator
+
+
+def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, direct):
+    db_path = tmp_path / "dp.db"
+    prompts = recorded_prompts()
+    http, children = bring_up(tmp_path, lambda h, u: peers.rust_frontend(tmp_path, h, u, dp=2), db_path)
+    try:
+        peers.wait_http_ready(http, children, timeout=300)
+        got = run_pairs(http, prompts[:2])
+        os.killpg(children[2].pid, signal.SIGKILL)  # engine rank 1 vanishes: no ENGINE_CORE_DEAD
+        db = sqlite_utils.Database(db_path)
+        deadline = time.monotonic() + 30
+        while not list(db.query("SELECT * FROM engine_events")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = complete(http, *prompts[0])  # idle: routed to engine 0
+    finally:
+        proxy_code = stop(children)
+    assert proxy_code == 0
+    # Greedy tokens are the same across the Python and Rust frontends (REAL_VLLM.md), and on
+    # either engine (both bound to one core).
+    assert got == direct[:2] and after == direct[0]
+    db = sqlite_utils.Database(db_path)
+    check_recording(db, api_servers=1)
+    assert {r["engine_index"] for r in db.query("SELECT engine_index FROM requests")} == {0, 1}
+    events = list(db.query("SELECT seq, engine_index, event FROM engine_events ORDER BY seq"))
+    last_request = db.execute("SELECT MAX(seq) FROM requests").fetchone()[0]
+    # Engine 1 is lost before the last request; engine 0 only when the test stops it, at the end.
+    assert (events[0]["engine_index"], events[0]["event"]) == (1, "lost") and events[0]["seq"] < last_request
+    assert all(e["seq"] > last_request for e in events[1:])
+    assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3
+
+
+def test_a_fatal_engine_error_is_recorded_and_the_proxy_exits_cleanly(tmp_path):
+    db_path = tmp_path / "moe.db"
+    http, children = bring_up(tmp_path, lambda h, u: peers.python_frontend(tmp_path, h, u, dp=2,
+                                                                            model=peers.MOE_MODEL),
+                              db_path, model=peers.MOE_MODEL)
+    try:
+        peers.wait_http_ready(http, children, timeout=300)
+        body = {"model": str(peers.MOE_MODEL), "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
+        with pytest.raises(OSError):  # the frontend answers 500, or drops the connection
+            peers.post(http, "/v1/completions", body)
+        db = sqlite_utils.Database(db_path)
+        deadline = time.monotonic() + 60
+        while db.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ENGINE_CORE_DEAD'").fetchone()[0] < 4 \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        proxy_code = stop(children)
+    assert proxy_code == 0
+    db = sqlite_utils.Database(db_path)
+    dead = {(r["engine_index"], r["client_index"]) for r in db.query(
+        "SELECT engine_index, client_index FROM frames WHERE kind = 'ENGINE_CORE_DEAD'")}
+    assert dead == {(0, 0), (0, 1), (1, 0), (1, 1)}  # every engine, on every API server's socket
+    assert db["sessions"].get(1)["status"] == "complete"

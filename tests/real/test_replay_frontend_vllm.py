@@ -1,0 +1,55 @@
+"""Replay a real recording against real frontends, with no engine running: the proxy is the engine.
+
+The recording (recordings/vllm-0.32.0-python.db) was made by our recorder
+between the Python frontend and a headless vLLM 0.32.0 engine.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.real import peers
+
+pytestmark = pytest.mark.real_vllm
+RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
+
+
+def replay(tmp_path, argv):
+    db = tmp_path / "replay.db"
+    shutil.copy(RECORDING, db)
+    http, rpc = peers.free_port(), peers.free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
+         "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
+         "--frontend-cmd", peers.command(argv(http, rpc)), "--ready-timeout", "180",
+         "--finish-timeout", "60", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=420)
+    report = json.loads((tmp_path / "report.json").read_text())
+    return result, {(f["code"], f.get("field")): f for f in report["findings"]}
+
+
+def test_the_python_frontend_against_its_own_recording_gives_nothing(tmp_path):
+    result, findings = replay(tmp_path, peers.python_frontend_argv)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [k for k, f in findings.items() if f["severity"] != "info"] == []
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_vllm_rs_accepts_the_registration_and_serves_the_recorded_tokens(tmp_path, version):
+    result, findings = replay(tmp_path, lambda http, rpc: peers.rust_frontend_argv(http, rpc, version))
+    assert not any(code in ("replay_failed", "http_failed", "http_response_differs", "request_unexpected")
+                   for code, _ in findings), result.stdout + result.stderr
+    # The real differences between the Python and Rust frontends' requests, classified:
+    assert findings[("sampling_key_order", None)]["severity"] == "info"  # another key order: compatible
+    for key in ("top_k", "min_tokens", "routed_experts_prompt_start"):  # defaults Rust always sends
+        assert findings[("sampling_key_default_sent", key)]["severity"] == "info"
+    assert findings[("sampling_key_handled_by_the_frontend", "output_kind")]["severity"] == "info"
+    assert findings[("sampling_key_f32", "temperature")]["severity"] == "info"
+    # vllm-rs sends watermarking=true where the Python frontend sends false
+    assert findings[("sampling_key_changed", "watermarking")]["severity"] == "regression"
+    assert findings[("utility_call_missing", "reset_mm_cache")]["severity"] == "warning"
+    assert result.returncode == 4
