@@ -119,20 +119,18 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
 def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ...],
                  old: str, new: str) -> list[Finding]:
     findings = []
-    for key in [f for f in b.fields if f.name not in a.by_name]:
-        severity = Severity.BREAKING if key.required else Severity.INFO
-        why = (f"required: {new} readers reject {old} messages without it" if key.required else
-               f"{old} readers ignore it: what it controls is silently not applied by an {old} peer")
-        findings.append(Finding("schema", severity, "key_added", f"{name}.{key.name} added ({why})",
-                                struct=name, field=key.name, candidate=key.type,
-                                breaks=who if key.required else ()))
-    for key in [f for f in a.fields if f.name not in b.by_name]:
-        severity = Severity.BREAKING if key.required else Severity.INFO
-        why = (f"required by {old} readers, which reject {new} messages" if key.required else
-               f"{new} readers ignore it when an {old} peer sends it")
-        findings.append(Finding("schema", severity, "key_removed", f"{name}.{key.name} removed ({why})",
-                                struct=name, field=key.name, baseline=key.type,
-                                breaks=who if key.required else ()))
+    directions = (  # (code, where the key is, where it is not, why if required, why if optional, side)
+        ("key_added", b, a, f"required: {new} readers reject {old} messages without it",
+         f"{old} readers ignore it: what it controls is silently not applied by an {old} peer", "candidate"),
+        ("key_removed", a, b, f"required by {old} readers, which reject {new} messages",
+         f"{new} readers ignore it when an {old} peer sends it", "baseline"),
+    )
+    for code, present, absent, if_required, if_optional, side in directions:
+        for key in [f for f in present.fields if f.name not in absent.by_name]:
+            findings.append(Finding(
+                "schema", Severity.BREAKING if key.required else Severity.INFO, code,
+                f"{name}.{key.name} {code.removeprefix('key_')} ({if_required if key.required else if_optional})",
+                struct=name, field=key.name, breaks=who if key.required else (), **{side: key.type}))
     for field_a in a.fields:
         field_b = b.by_name.get(field_a.name)
         if field_b is not None:  # map fields have no position on the wire

@@ -177,5 +177,22 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
                              f"{children[1].log_tail()}")
 
 
+RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
+
+
+def replay_cli(tmp_path: Path, *target: str) -> tuple:
+    """Run `replay-proxy replay` on a copy of the Python-frontend recording; return (result, report JSON)."""
+    import shutil
+    import subprocess
+
+    db = tmp_path / "replay.db"
+    shutil.copy(RECORDING, db)
+    result = subprocess.run(
+        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
+         *target, "--ready-timeout", "240", "--finish-timeout", "60", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=420)
+    return result, json.loads((tmp_path / "report.json").read_text())
+
+
 __all__ = ["Child", "free_port", "headless_engine", "installed", "post", "proxy", "python_frontend",
            "run_pair", "rust_frontend", "stream", "wait_http_ready"]

@@ -4,33 +4,19 @@ The recording (recordings/vllm-0.32.0-python.db) was made by our recorder
 between the Python frontend and a headless vLLM 0.32.0 engine.
 """
 
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import sqlite_utils
 
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
-RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
 
 
 def replay(tmp_path, release):
-    db = tmp_path / "replay.db"
-    shutil.copy(RECORDING, db)
     port = peers.free_port()
-    result = subprocess.run(
-        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
-         "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-         "--engine-cmd", peers.engine_command(port, release), "--ready-timeout", "240",
-         "--finish-timeout", "60", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=420)
-    report = json.loads((tmp_path / "report.json").read_text())
-    return result, report, sqlite_utils.Database(db)
+    result, report = peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+                                      "--engine-cmd", peers.engine_command(port, release))
+    return result, report, sqlite_utils.Database(tmp_path / "replay.db")
 
 
 def significant(report, *categories):

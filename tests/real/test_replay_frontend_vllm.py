@@ -4,31 +4,18 @@ The recording (recordings/vllm-0.32.0-python.db) was made by our recorder
 between the Python frontend and a headless vLLM 0.32.0 engine.
 """
 
-import json
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
-RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
 
 
 def replay(tmp_path, argv):
-    db = tmp_path / "replay.db"
-    shutil.copy(RECORDING, db)
     http, rpc = peers.free_port(), peers.free_port()
-    result = subprocess.run(
-        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
-         "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
-         "--frontend-cmd", peers.command(argv(http, rpc)), "--ready-timeout", "180",
-         "--finish-timeout", "60", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=420)
-    report = json.loads((tmp_path / "report.json").read_text())
+    result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}",
+                                      "--http", f"http://127.0.0.1:{http}",
+                                      "--frontend-cmd", peers.command(argv(http, rpc)))
     return result, {(f["code"], f.get("field")): f for f in report["findings"]}
 
 

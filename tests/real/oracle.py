@@ -1,0 +1,58 @@
+"""Run by the vLLM venv's Python: vLLM's own classes as the oracle for our codec.
+
+`encode`: build messages with vLLM's classes, encode them with vLLM's
+MsgpackEncoder, print their frames (hex) and the values they hold.
+`decode`: read frames (hex, JSON on stdin) made by our sim peers, decode them
+with vLLM's MsgpackDecoder into its classes, print the values it got.
+"""
+
+import json
+import sys
+
+sys.stdout, out = sys.stderr, sys.stdout  # vLLM logs to stdout at import
+
+import numpy as np  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, UtilityOutput  # noqa: E402
+from vllm.v1.outputs import LogprobsLists  # noqa: E402
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+
+
+def encode() -> dict:
+    request = EngineCoreRequest(
+        request_id="oracle-1", prompt_token_ids=[5, 6, 7], mm_features=None,
+        sampling_params=SamplingParams(temperature=0.5, top_k=3, max_tokens=9, seed=11, stop_token_ids=[4]),
+        pooling_params=None, arrival_time=12.5, lora_request=None, cache_salt="salt", data_parallel_rank=None,
+        client_index=1, priority=2)
+    logprobs = LogprobsLists(np.arange(80, dtype=np.int64).reshape(1, 80), np.full((1, 80), -0.5, dtype=np.float32),
+                             np.array([3], dtype=np.int64), None)
+    outputs = EngineCoreOutputs(engine_index=1, outputs=[EngineCoreOutput(
+        request_id="oracle-1", new_token_ids=[42], new_logprobs=logprobs, finish_reason=1, num_nans_in_logits=0)],
+        utility_output=UtilityOutput(call_id=77, failure_message="boom"))
+    encoder = MsgpackEncoder()
+    return {
+        "request": {"frames": [bytes(f).hex() for f in encoder.encode(request)],
+                    "values": {"request_id": "oracle-1", "prompt_token_ids": [5, 6, 7], "arrival_time": 12.5,
+                               "cache_salt": "salt", "client_index": 1, "priority": 2,
+                               "sampling_params": {"temperature": 0.5, "top_k": 3, "max_tokens": 9, "seed": 11}}},
+        "outputs": {"frames": [bytes(f).hex() for f in encoder.encode(outputs)],
+                    "values": {"engine_index": 1, "request_id": "oracle-1", "new_token_ids": [42], "finish_reason": 1,
+                               "logprob_token_ids": list(range(80)), "logprobs": [-0.5] * 80, "ranks": [3],
+                               "call_id": 77, "failure_message": "boom"}},
+    }
+
+
+def decode(frames: dict) -> dict:
+    request = MsgpackDecoder(EngineCoreRequest).decode([bytes.fromhex(f) for f in frames["request"]])
+    outputs = MsgpackDecoder(EngineCoreOutputs).decode([bytes.fromhex(f) for f in frames["outputs"]])
+    output = outputs.outputs[0]
+    return {"request_id": request.request_id, "prompt_token_ids": request.prompt_token_ids,
+            "client_index": request.client_index, "max_tokens": request.sampling_params.max_tokens,
+            "temperature": request.sampling_params.temperature, "seed": request.sampling_params.seed,
+            "output_request_id": output.request_id, "new_token_ids": output.new_token_ids,
+            "finish_reason": int(output.finish_reason), "engine_index": outputs.engine_index}
+
+
+if __name__ == "__main__":
+    result = encode() if sys.argv[1] == "encode" else decode(json.load(sys.stdin))
+    json.dump(result, out)

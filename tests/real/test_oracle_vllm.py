@@ -1,0 +1,67 @@
+"""vLLM 0.32.0's own classes as the oracle: what they encode, we decode to the same values; what our
+sim peers encode, vLLM's decoder reads back to the values we meant."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from replay_proxy.sim.engine import token_at
+from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.schema import load_schema
+from tests.real import peers
+
+pytestmark = pytest.mark.real_vllm
+ORACLE = [str(peers.VENV / "bin" / "python"), str(Path(__file__).with_name("oracle.py"))]
+
+
+def oracle(mode, stdin=None):
+    result = subprocess.run([*ORACLE, mode], input=stdin, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_frames_vllm_encodes_decode_to_the_same_named_values():
+    made = oracle("encode")
+    decoder = WireDecoder(load_schema("0.32.0"))
+    request = decoder.decode(Channel.INPUT, Direction.TO_ENGINE,
+                             [b"\x00", *(bytes.fromhex(f) for f in made["request"]["frames"])])
+    assert (request.kind, request.flags, request.error) == (Kind.ADD, (), None)
+    expected = made["request"]["values"]
+    for key in ("request_id", "prompt_token_ids", "arrival_time", "cache_salt", "client_index", "priority"):
+        assert request.fields[key] == expected[key], key
+    for key, value in expected["sampling_params"].items():
+        assert request.fields["sampling_params"][key] == value, key
+    frames = [bytes.fromhex(f) for f in made["outputs"]["frames"]]
+    assert len(frames) == 3  # ids (640 bytes) and logprobs (320 bytes) are over the 256-byte threshold
+    outputs = decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, frames)
+    assert (outputs.kind, outputs.flags, outputs.error) == (Kind.OUTPUTS, (), None)
+    expected = made["outputs"]["values"]
+    output = outputs.fields["outputs"][0]
+    assert (outputs.fields["engine_index"], output["request_id"], output["new_token_ids"], output["finish_reason"]) \
+        == (expected["engine_index"], expected["request_id"], expected["new_token_ids"], expected["finish_reason"])
+    logprobs = output["new_logprobs"]
+    assert (logprobs["logprob_token_ids"].aux_frame, logprobs["logprobs"].aux_frame) == (1, 2)
+    assert logprobs["logprob_token_ids"].values == expected["logprob_token_ids"]
+    assert logprobs["logprobs"].values == expected["logprobs"] and logprobs["sampled_token_ranks"].values == [3]
+    utility = outputs.fields["utility_output"]
+    assert (utility["call_id"], utility["failure_message"]) == (expected["call_id"], expected["failure_message"])
+
+
+def test_frames_the_sim_peers_encode_decode_under_vllms_decoder():
+    schema = load_schema("0.32.0")
+    request = struct_value(schema, "EngineCoreRequest", {
+        "request_id": "sim-1", "prompt_token_ids": [1, 2, 3], "mm_features": None,
+        "sampling_params": struct_value(schema, "SamplingParams", {"temperature": 0.0, "max_tokens": 5, "seed": 9}),
+        "pooling_params": None, "arrival_time": 1.0, "lora_request": None, "cache_salt": None,
+        "data_parallel_rank": None, "client_index": 1})
+    token = token_at([1, 2, 3], 9, 0)
+    outputs = struct_value(schema, "EngineCoreOutputs", {
+        "engine_index": 1, "timestamp": 2.0,
+        "outputs": [{"request_id": "sim-1", "new_token_ids": [token], "finish_reason": 1}]})
+    got = oracle("decode", json.dumps({"request": [encode(request).hex()], "outputs": [encode(outputs).hex()]}))
+    assert got == {"request_id": "sim-1", "prompt_token_ids": [1, 2, 3], "client_index": 1, "max_tokens": 5,
+                   "temperature": 0.0, "seed": 9, "output_request_id": "sim-1", "new_token_ids": [token],
+                   "finish_reason": 1, "engine_index": 1}
