@@ -333,9 +333,11 @@ def replay(
     try:
         report, outcome = replay_session(db, session, against, address, http=http, command=command, pace=pace,
                                          ready_timeout=ready_timeout, finish_timeout=finish_timeout,
-                                         rules_path=rules, logs=report_dir)
+                                         rules_path=rules, logs=report_dir, console=err)
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
+    if outcome is not None:
+        err.print(outcome.summary)
     print_summary(report, out)
     if report_dir is not None:
         for path in write_reports(report, report_dir):

@@ -53,6 +53,7 @@ class ReplayOutcome(msgspec.Struct):
     utility_unanswered: int = 0
     pacing_errors_ms: list[float] = []  # how late each paced send went out
     send_seconds: float = 0.0  # from the first send to the last
+    summary: str = ""
     timed_out: bool = False
     dead_engines: list[int] = []
 
@@ -89,6 +90,12 @@ class EngineReplay:
         self._answered: set[int] = set()
         self._progress = trio.Event()
         self._sockets: list[ZmqSocket] = []
+
+    def progress(self) -> tuple[int, int, int, int]:
+        """Requests sent, requests finished, requests recorded, tokens received."""
+        sent = sum(1 for f in self.recording.inputs[:self.outcome.sent] if f.kind == "ADD")
+        total = sum(1 for f in self.recording.inputs if f.kind == "ADD")
+        return sent, len(self._finished), total, sum(self._tokens.values())
 
     def _socket(self, socket_type: int) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, linger_ms=1000)

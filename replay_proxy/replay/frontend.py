@@ -54,6 +54,7 @@ class FrontendOutcome(msgspec.Struct):
     http: dict[str, dict[str, Any]] = {}  # recorded request id -> what the HTTP client saw
     matched: dict[str, str] = {}  # recorded request id -> the frontend's request id
     findings: list[Finding] = []
+    summary: str = ""
 
 
 class FrontendReplay:
@@ -80,6 +81,11 @@ class FrontendReplay:
         self._streams: dict[str, trio.CancelScope] = {}  # open engine-side streams by the frontend's request id
         self._stream_ended = trio.Event()
         self._aborted = {rid for f in recording.inputs if f.kind == "ABORT" for rid in f.progress}
+
+    def progress(self) -> tuple[int, int, int, int]:
+        """Requests sent (HTTP), requests answered, requests recorded, tokens users got."""
+        tokens = sum(len(seen.get("token_ids") or []) for seen in self.outcome.http.values())
+        return len(self._adds) - len(self._unmatched), len(self.outcome.http), len(self._adds), tokens
 
     def _socket(self, socket_type: int, identity: bytes | None = None) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, identity=identity, linger_ms=1000)

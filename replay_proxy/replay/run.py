@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 import trio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 import msgspec
 
@@ -35,9 +37,11 @@ from replay_proxy.wire.values import to_json
 def replay_session(db: Path, session: str, against: Literal["engine", "frontend"], address: str, *,
                    http: str | None = None, command: str | None = None, pace: str = "original",
                    ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules_path: Path | None = None,
-                   logs: Path | None = None) -> tuple[Report, ReplayOutcome | None]:
+                   logs: Path | None = None, console: Console | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against a new engine (at ``address``, the handshake it dials)
-    or a new frontend (at ``address``, its handshake; ``http``, its API); return the report."""
+    or a new frontend (at ``address``, its handshake; ``http``, its API); return the report.
+
+    With a terminal ``console``, a progress bar shows while it runs."""
     recording = load_recording(db, session)
     rules = load_rules(rules_path)
     title = f"replay against {against}"
@@ -64,11 +68,15 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
                 peer = Child(shlex.split(command), logs / f"{against}.log", name=f"{against} under test")
                 nursery.start_soon(_watch, peer)
             nursery.start_soon(play)
+            if console is not None and console.is_terminal:
+                nursery.start_soon(_show_progress, console, player)
         return player.outcome
 
     failure = None
     try:
         outcome = trio.run(main)
+        sent, finished, total, tokens = player.progress()
+        outcome.summary = f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
@@ -100,6 +108,18 @@ def save_findings(db: Path, session_id: int, baseline_session_id: int, findings:
     database = open_database(db)
     database["findings"].insert_all(rows)
     database.close()
+
+
+async def _show_progress(console: Console, player) -> None:
+    """A progress bar on the terminal: requests sent and finished, tokens."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[detail]}"), console=console, transient=True) as bar:
+        task = bar.add_task("replaying", total=None, detail="")
+        while True:
+            sent, finished, total, tokens = player.progress()
+            bar.update(task, completed=finished, total=total,
+                       detail=f"sent {sent}, finished {finished}, {tokens:,} tokens")
+            await trio.sleep(0.25)
 
 
 async def _watch(child: Child) -> None:

