@@ -135,3 +135,29 @@ async def test_engine_core_dead_is_forwarded_and_recorded(session_factory, db_pa
     db = sqlite_utils.Database(db_path)
     assert db.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ENGINE_CORE_DEAD'").fetchone()[0] == 2
     assert [r["event"] for r in db.query("SELECT event FROM engine_events")] == ["ENGINE_CORE_DEAD"] * 2
+
+
+async def test_the_engine_may_start_before_the_frontend(nursery, db_path):
+    from replay_proxy.net.relay import Relay
+    from replay_proxy.processes import free_port
+    from replay_proxy.sim.engine import SimEngine
+    from replay_proxy.sim.frontend import SimFrontend
+    from replay_proxy.store.writer import Recorder, SessionInfo
+
+    upstream = f"tcp://127.0.0.1:{free_port()}"
+    recorder = Recorder(db_path, SessionInfo(name="engine-first", upstream=upstream))
+    relay = Relay("tcp://127.0.0.1:0", upstream, recorder)
+    nursery.start_soon(relay.run)
+    await relay.listening.wait()
+    nursery.start_soon(SimEngine(relay.listen).run)  # HELLO goes out while nothing listens upstream
+    await trio.sleep(0.5)
+    frontend = SimFrontend(upstream)
+    with trio.fail_after(20):
+        await nursery.start(frontend.run)
+        await frontend.ready.wait()
+        await frontend.add("late", [1], max_tokens=2, temperature=0.0)
+        await frontend.wait_for(lambda: "late" in frontend.finish_reasons)
+    assert len(frontend.tokens["late"]) == 2
+    recorder.close()
+    kinds = [r["kind"] for r in sqlite_utils.Database(db_path).query("SELECT kind FROM frames ORDER BY seq")]
+    assert kinds[:3] == ["HELLO", "INIT", "READY"] or kinds[:3] == ["HELLO", "INIT", "REGISTRATION"]
