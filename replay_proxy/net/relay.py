@@ -103,8 +103,8 @@ class Relay:
                     if link is None:
                         link = self.engines[identity] = EngineLink(self, identity)
                         nursery.start_soon(link.relay_handshake_replies, nursery)
-                    self._report(ts_ns, Channel.HANDSHAKE, Direction.TO_FRONTEND, link.index, None, frames)
                     await link.handshake.send(frames)
+                    self._report(ts_ns, Channel.HANDSHAKE, Direction.TO_FRONTEND, link.index, None, frames)
         finally:
             for sock in self._sockets:
                 sock.close()
