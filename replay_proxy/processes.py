@@ -81,12 +81,6 @@ class Child:
             time.sleep(0.1)
         raise ChildError(f"{self.name} did not print {text!r} within {timeout:g} s:\n{self.log_tail()}")
 
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

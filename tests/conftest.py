@@ -1,5 +1,4 @@
 import pytest
-import trio
 
 from replay_proxy.net.relay import Relay
 from replay_proxy.sim.engine import SimEngine

@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from rich.console import Console
