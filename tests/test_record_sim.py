@@ -129,7 +129,7 @@ async def test_engine_core_dead_is_forwarded_and_recorded(session_factory, db_pa
     with trio.fail_after(30):
         session = await session_factory(engine_drift=EngineDrift(die_after_requests=1), api_servers=2)
         await session.frontend.add("fatal", [5], max_tokens=4)
-        await session.frontend.wait_for(lambda: session.frontend.dead_engines == 2)  # on every output socket
+        await session.frontend.wait_for(lambda: session.frontend.dead_sentinels == 2)  # on every output socket
     stats = session.recorder.close()
     assert stats.engines_dead == 2
     db = sqlite_utils.Database(db_path)

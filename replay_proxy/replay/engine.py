@@ -55,7 +55,7 @@ class ReplayOutcome(msgspec.Struct):
     send_seconds: float = 0.0  # from the first send to the last
     summary: str = ""
     timed_out: bool = False
-    dead_engines: list[int] = []
+    dead_on_api_servers: list[int] = []  # API servers whose output socket got ENGINE_CORE_DEAD
 
 
 def pace_factor(pace: str) -> float | None:
@@ -192,7 +192,7 @@ class EngineReplay:
                 self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine if isinstance(engine, int) else None,
                              client, frames)
                 if message.kind is Kind.ENGINE_CORE_DEAD:
-                    self.outcome.dead_engines.append(client)
+                    self.outcome.dead_on_api_servers.append(client)
                 for output in fields.get("outputs") or []:
                     if isinstance(output, dict) and isinstance(output.get("request_id"), str):
                         self._tokens[output["request_id"]] += len(output.get("new_token_ids") or [])

@@ -52,7 +52,6 @@ DELTA = 1  # RequestOutputKind.DELTA: the Python frontend streams
 
 class FrontendOutcome(msgspec.Struct):
     http: dict[str, dict[str, Any]] = {}  # recorded request id -> what the HTTP client saw
-    matched: dict[str, str] = {}  # recorded request id -> the frontend's request id
     findings: list[Finding] = []
     summary: str = ""
 
@@ -197,7 +196,6 @@ class FrontendReplay:
                 f"the frontend sent a request ({len(fields.get('prompt_token_ids') or [])} prompt tokens) that "
                 "matches no recorded one", message_kind="ADD", request_id=request_id))
             return
-        self.outcome.matched[recorded.decoded["request_id"]] = request_id
         scope = trio.CancelScope()
         self._streams[request_id] = scope
         client = fields.get("client_index") or 0

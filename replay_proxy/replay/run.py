@@ -137,7 +137,7 @@ def outcome_findings(outcome: ReplayOutcome, finish_timeout: float) -> list[Find
             "replay", Severity.INFO, "finish_timeout",
             f"stopped waiting after {finish_timeout:g} s: {len(outcome.unfinished)} request(s) unfinished, "
             f"{outcome.utility_unanswered} utility call(s) unanswered", candidate=outcome.unfinished[:10]))
-    for engine in outcome.dead_engines:
+    for client in outcome.dead_on_api_servers:
         findings.append(Finding("behaviour", Severity.REGRESSION, "engine_dead",
-                                f"ENGINE_CORE_DEAD on the output socket of API server {engine}"))
+                                f"ENGINE_CORE_DEAD on the output socket of API server {client}"))
     return findings

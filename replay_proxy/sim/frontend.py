@@ -47,7 +47,7 @@ class SimFrontend:
         self.finish_reasons: dict[str, int] = {}
         self.utility_results: dict[int, list] = {}
         self.outputs_received: list[tuple[int, list[bytes]]] = []  # (api server, frames)
-        self.dead_engines = 0
+        self.dead_sentinels = 0  # ENGINE_CORE_DEAD frames received, one per engine per API server
         self.undecodable = 0
         self.ready = trio.Event()
         self._changed = trio.Event()
@@ -107,7 +107,7 @@ class SimFrontend:
                 frames = await sock.receive()
                 self.outputs_received.append((client, frames))
                 if frames == [ENGINE_CORE_DEAD]:
-                    self.dead_engines += 1
+                    self.dead_sentinels += 1
                 else:
                     try:
                         self._absorb(decode_msgpack(frames[0]))

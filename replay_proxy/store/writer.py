@@ -43,6 +43,8 @@ STOP_TIMEOUT_S = 120.0
 _HEADER = struct.Struct("<qBBiiH")
 _CHANNELS = list(Channel)
 _DIRECTIONS = list(Direction)
+_CHANNEL_CODE = {c: i for i, c in enumerate(_CHANNELS)}  # dict lookups: this runs for every frame
+_DIRECTION_CODE = {d: i for i, d in enumerate(_DIRECTIONS)}
 _ENGINE_LOST = 255  # channel code of an engine event rather than a frame
 # Counters the writer reports after every batch: frames written, requests, engines dead, frames failed.
 _PROGRESS = struct.Struct("<qqqq")
@@ -116,7 +118,7 @@ class Recorder:
         self._seen += 1
         self._bytes += sum(len(f) for f in event.frames)
         changed = len(event.forwarded) if event.forwarded else 0
-        header = _HEADER.pack(event.ts_ns, _CHANNELS.index(event.channel), _DIRECTIONS.index(event.direction),
+        header = _HEADER.pack(event.ts_ns, _CHANNEL_CODE[event.channel], _DIRECTION_CODE[event.direction],
                               -1 if event.engine_index is None else event.engine_index,
                               -1 if event.client_index is None else event.client_index, changed)
         try:
