@@ -306,6 +306,12 @@ def replay(
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
     finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
+    noise_runs: Annotated[int, typer.Option(min=0, help=(
+        "First replay the session this many times against --baseline-cmd: what varies between "
+        "those runs of one build is the noise floor, not reported as regression."))] = 0,
+    baseline_cmd: Annotated[str | None, typer.Option(
+        help="--noise-runs: start the baseline build (the one the recording was made with) with this command.")]
+        = None,
     report_dir: Annotated[Path | None, typer.Option(help="Write report.json, junit.xml, report.html here.")] = None,
 ) -> None:
     """Replay a recorded session against a new engine or frontend build and report what changed.
@@ -329,11 +335,14 @@ def replay(
         address, command = upstream, frontend_cmd
     else:
         raise fail(f"--against takes 'engine' or 'frontend', not {against!r}", ExitCode.USAGE)
+    if noise_runs and not baseline_cmd:
+        raise fail("--noise-runs needs --baseline-cmd (the build the recording was made with)", ExitCode.USAGE)
     err.print(f"replaying {session!r} against the {against} at {address}")
     try:
         report, outcome = replay_session(db, session, against, address, http=http, command=command, pace=pace,
                                          ready_timeout=ready_timeout, finish_timeout=finish_timeout,
-                                         rules_path=rules, logs=report_dir, console=err)
+                                         rules_path=rules, logs=report_dir, console=err, noise_runs=noise_runs,
+                                         baseline_command=baseline_cmd)
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
     if outcome is not None:

@@ -57,6 +57,8 @@ async def test_sigterm_flushes_the_recording_and_exits_0(tmp_path):
     (["record", "--listen", "tcp://127.0.0.1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"], "has no port"),
     (["record", "--listen", "tcp://127.0.0.1:1"], "Missing option '--upstream'"),
     (["query", "--db", "x.db"], "give either SQL or --preset"),
+    (["replay", "--db", "x.db", "--session", "s", "--against", "engine", "--listen", "tcp://127.0.0.1:1",
+      "--noise-runs", "2"], "--noise-runs needs --baseline-cmd"),
     (["nonsense"], "No such command"),
 ])
 def test_bad_arguments_get_one_line_and_exit_2(args, message, tmp_path):

@@ -52,6 +52,7 @@ class Report(msgspec.Struct, kw_only=True):
     samples: dict[str, dict[str, list[float]]] = {}
     # Side by side structs with findings: {struct: {"baseline": [field lines], "candidate": [...]}}
     schemas: dict[str, dict[str, list[str]]] = {}
+    noise: list[str] = []  # repeat runs of the baseline build that set the noise floor
     checks: list[str] = []  # what was compared (JUnit testcases that passed are named from these)
 
 

@@ -549,4 +549,4 @@ def build_report(title: str, baseline: SessionData, candidate: SessionData, rule
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas={s: {"baseline": schema_lines(baseline.schema.structs[s].fields),
                      "candidate": schema_lines(candidate.schema.structs[s].fields)} for s in structs},
-        checks=checks(baseline))
+        noise=[n.label for n in noise], checks=checks(baseline))

@@ -11,10 +11,11 @@ with the recording by the same code as ``replay-proxy diff``.
 from __future__ import annotations
 
 import datetime
+import functools
 import shlex
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import trio
 from rich.console import Console
@@ -28,7 +29,7 @@ from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.engine import EngineReplay, ReplayError, ReplayOutcome
 from replay_proxy.replay.frontend import FrontendReplay
-from replay_proxy.replay.recording import load_recording
+from replay_proxy.replay.recording import Recording, load_recording
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import Recorder, SessionInfo
 from replay_proxy.wire.values import to_json
@@ -37,18 +38,48 @@ from replay_proxy.wire.values import to_json
 def replay_session(db: Path, session: str, against: Literal["engine", "frontend"], address: str, *,
                    http: str | None = None, command: str | None = None, pace: str = "original",
                    ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules_path: Path | None = None,
-                   logs: Path | None = None, console: Console | None = None) -> tuple[Report, ReplayOutcome | None]:
+                   logs: Path | None = None, console: Console | None = None, noise_runs: int = 0,
+                   baseline_command: str | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against a new engine (at ``address``, the handshake it dials)
     or a new frontend (at ``address``, its handshake; ``http``, its API); return the report.
 
+    With ``noise_runs``, the session is first replayed that many times against the baseline build
+    (``baseline_command``); what varies between those runs is the noise floor, not regression.
     With a terminal ``console``, a progress bar shows while it runs."""
+    if noise_runs and not baseline_command:
+        raise ValueError("noise runs need the baseline build's command")
     recording = load_recording(db, session)
     rules = load_rules(rules_path)
     title = f"replay against {against}"
-    name = f"{recording.name}-replay-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    recorder = Recorder(db, SessionInfo(name=name, mode="replay", listen=address,
-                                        baseline_session_id=recording.session_id))
     logs = logs or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    run = functools.partial(_replay_once, recording, against, address, http=http, pace=pace,
+                            ready_timeout=ready_timeout, finish_timeout=finish_timeout, rules=rules, console=console)
+    noise = []
+    for i in range(1, noise_runs + 1):
+        name = f"{recording.name}-noise-{stamp}-{i}"
+        session_id, _, failure = run(name, baseline_command, logs / f"baseline-{i}.log")
+        if failure:
+            return _failed(title, recording.name, name, f"noise run {i} against the baseline build: {failure}"), None
+        noise.append(load_session(db, str(session_id), rules))
+    name = f"{recording.name}-replay-{stamp}"
+    session_id, outcome, failure = run(name, command, logs / f"{against}.log")
+    if failure:
+        return _failed(title, recording.name, name, failure), None
+    report = build_report(title, load_session(db, str(recording.session_id), rules),
+                          load_session(db, str(session_id), rules), rules, noise,
+                          frontend_under_test=against == "frontend")
+    report.findings += outcome.findings if against == "frontend" else outcome_findings(outcome, finish_timeout)
+    save_findings(db, session_id, recording.session_id, report.findings)
+    return report, outcome
+
+
+def _replay_once(recording: Recording, against: str, address: str, name: str, command: str | None, log: Path, *,
+                 http: str | None, pace: str, ready_timeout: float, finish_timeout: float, rules: dict[str, Any],
+                 console: Console | None) -> tuple[int, ReplayOutcome | None, str | None]:
+    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
+    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=address,
+                                                       baseline_session_id=recording.session_id))
     if against == "engine":
         player = EngineReplay(recording, address, recorder, pace=pace, ready_timeout=ready_timeout,
                               finish_timeout=finish_timeout)
@@ -65,14 +96,14 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
                 nursery.cancel_scope.cancel()  # done: stop watching the peer
 
             if command:  # ZMQ connects retry, so the peer may start before or after us
-                peer = Child(shlex.split(command), logs / f"{against}.log", name=f"{against} under test")
+                peer = Child(shlex.split(command), log, name=f"{against} under test")
                 nursery.start_soon(_watch, peer)
             nursery.start_soon(play)
             if console is not None and console.is_terminal:
                 nursery.start_soon(_show_progress, console, player)
         return player.outcome
 
-    failure = None
+    outcome = failure = None
     try:
         outcome = trio.run(main)
         sent, finished, total, tokens = player.progress()
@@ -80,21 +111,17 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
-        failure = str(leaf(exc))
+        failure = str(leaf(exc)) + (f" (log: {log})" if command else "")
     finally:
         recorder.close("failed" if failure else "complete", failure)
         if peer is not None:
             peer.stop(timeout=30)
-    if failure:
-        where = f" ({against} log: {peer.log_path})" if peer else ""
-        return Report(title=title, baseline=recording.name, candidate=name,
-                      findings=[Finding("replay", Severity.REGRESSION, "replay_failed", failure + where)]), None
-    report = build_report(title, load_session(db, str(recording.session_id), rules),
-                          load_session(db, str(recorder.session_id), rules), rules,
-                          frontend_under_test=against == "frontend")
-    report.findings += outcome.findings if against == "frontend" else outcome_findings(outcome, finish_timeout)
-    save_findings(db, recorder.session_id, recording.session_id, report.findings)
-    return report, outcome
+    return recorder.session_id, outcome, failure
+
+
+def _failed(title: str, baseline: str, candidate: str, why: str) -> Report:
+    return Report(title=title, baseline=baseline, candidate=candidate,
+                  findings=[Finding("replay", Severity.REGRESSION, "replay_failed", why)])
 
 
 def save_findings(db: Path, session_id: int, baseline_session_id: int, findings: list[Finding]) -> None:

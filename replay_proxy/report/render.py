@@ -30,7 +30,8 @@ def where(finding: Finding) -> str:
 
 def print_summary(report: Report, console: Console, show_info: bool = False) -> None:
     findings = [f for f in worst_first(report.findings) if show_info or f.severity > Severity.INFO]
-    table = Table(title=f"{report.title}: {report.baseline} -> {report.candidate}", title_justify="left")
+    noise = f" (noise floor: {len(report.noise)} baseline runs)" if report.noise else ""
+    table = Table(title=f"{report.title}: {report.baseline} -> {report.candidate}{noise}", title_justify="left")
     for column in ("severity", "category", "code", "where", "finding"):
         table.add_column(column, overflow="fold")
     for f in findings:
@@ -128,6 +129,7 @@ tr.s3 td:first-child{{background:#f4b6b6}}tr.s2 td:first-child{{background:#f8d0
 td.diff{{background:#fde2c8}}.plots svg{{margin-right:1em;border:1px solid #eee}}</style></head><body>
 <h1>{html.escape(report.title)}</h1><p>baseline <b>{html.escape(report.baseline)}</b>, candidate
 <b>{html.escape(report.candidate)}</b>: {len(report.findings)} findings, exit code {code}</p>
+{"<p>noise floor from " + html.escape(", ".join(report.noise)) + "</p>" if report.noise else ""}
 <h2>Findings</h2><table><tr><th>severity</th><th>category</th><th>code</th><th>where</th><th>finding</th></tr>{rows}</table>
 {'<h2>Latency</h2><div class="plots">' + plots + '</div>' if plots else ''}
 {'<h2>Schemas side by side</h2>' + schemas if schemas else ''}

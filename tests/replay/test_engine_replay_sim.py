@@ -44,17 +44,20 @@ def recorded(tmp_path_factory):
     return db
 
 
-def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20):
-    db = tmp_path / "replay.db"
-    shutil.copy(recorded, db)
-    port = free_port()
-    listen = f"tcp://127.0.0.1:{port}"
+def engines_command(listen, drift=None, engines=1):
     drift_args = ["--drift", json.dumps(drift)] if drift else []
     command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), *drift_args])
                          for i in range(engines))
-    report, outcome = replay_session(db, "baseline", "engine", listen,
-                                     command=shlex.join(["bash", "-c", f"{command} & wait"]), pace="fast",
-                                     ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path)
+    return shlex.join(["bash", "-c", f"{command} & wait"])
+
+
+def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20, noise_runs=0):
+    db = tmp_path / "replay.db"
+    shutil.copy(recorded, db)
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    report, outcome = replay_session(db, "baseline", "engine", listen, command=engines_command(listen, drift, engines),
+                                     pace="fast", ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path,
+                                     noise_runs=noise_runs, baseline_command=engines_command(listen))
     return report, outcome, db
 
 
@@ -91,6 +94,15 @@ def test_changed_tokens_of_batched_requests_are_only_warnings(tmp_path, recorded
     severity = {f.request_id: f.severity for f in report.findings if f.code == "token_mismatch"}
     assert {severity[f"r{k}"] for k in range(3)} == {Severity.REGRESSION}  # ran alone: reproducible
     assert {severity[f"r{k}"] for k in range(3, 8)} == {Severity.WARNING}  # batched: noise on vLLM CPU
+
+
+def test_noise_runs_of_a_stable_baseline_make_batched_mismatches_regressions(tmp_path, recorded):
+    report, _, db = replay(tmp_path, recorded, {"token_offset": 3}, noise_runs=2)
+    severity = {f.request_id: f.severity for f in report.findings if f.code == "token_mismatch"}
+    assert {severity[f"r{k}"] for k in range(8)} == {Severity.REGRESSION}  # the baseline runs agreed
+    names = [r["name"] for r in sqlite_utils.Database(db).query(
+        "SELECT name FROM sessions WHERE mode = 'replay' AND status = 'complete' ORDER BY id")]
+    assert len(report.noise) == 2 and [n.split("-")[1] for n in names] == ["noise", "noise", "replay"]
 
 
 def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
