@@ -64,7 +64,7 @@ class RecorderStats(msgspec.Struct, frozen=True):
     engines_dead: int
 
 
-class SessionInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+class SessionInfo(msgspec.Struct, frozen=True):
     name: str
     mode: Literal["record", "replay"] = "record"
     listen: str | None = None

@@ -12,10 +12,11 @@ from tests.real import peers
 pytestmark = pytest.mark.real_vllm
 
 
-def replay(tmp_path, release):
+def replay(tmp_path, release, baseline_release=None):
     port = peers.free_port()
+    noise = ["--noise-runs", "1", "--baseline-cmd", peers.engine_command(port, baseline_release)] if baseline_release else []
     result, report = peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-                                      "--engine-cmd", peers.engine_command(port, release))
+                                      "--engine-cmd", peers.engine_command(port, release), *noise)
     return result, report, sqlite_utils.Database(tmp_path / "replay.db")
 
 
@@ -34,9 +35,11 @@ def test_same_release_gives_the_same_tokens_and_abort_point(tmp_path):
     assert (replay_session["mode"], replay_session["vllm_version"]) == ("replay", "0.32.0")
 
 
-def test_an_older_engine_release_shows_its_real_differences(tmp_path):
-    result, report, db = replay(tmp_path, "0.31.0")
-    assert db["sessions"].get(2)["vllm_version"] == "0.31.0"
+def test_an_older_engine_release_shows_its_real_differences_over_the_noise_floor(tmp_path):
+    result, report, db = replay(tmp_path, "0.31.0", baseline_release="0.32.0")
+    assert [(s["mode"], s["vllm_version"]) for s in db["sessions"].rows] == [
+        ("record", "0.32.0"), ("replay", "0.32.0"), ("replay", "0.31.0")]
+    assert report["noise"] == [f"{db['sessions'].get(2)['name']} (#2)"]
     codes = {(f["code"], f.get("struct"), f.get("position")) for f in report["findings"]}
     # 0.32.0 added EngineCoreOutputs.weight_version at position 8; a 0.31.0 engine sends 8 elements.
     assert ("array_shorter", "EngineCoreOutputs", 8) in codes

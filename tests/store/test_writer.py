@@ -27,8 +27,8 @@ def test_a_full_queue_drops_and_counts(db_path):
     db = sqlite_utils.Database(db_path)
     assert db["frames"].count == stats.frames_recorded
     row = db["sessions"].get(recorder.session_id)
-    assert (row["frames_dropped"], row["frames_recorded"], row["status"]) == (
-        stats.frames_dropped, stats.frames_recorded, "complete")
+    assert (row["frames_dropped"], row["frames_recorded"], row["status"], row["mode"]) == (
+        stats.frames_dropped, stats.frames_recorded, "complete", "record")
 
 
 def test_block_policy_records_everything(db_path):
