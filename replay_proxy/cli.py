@@ -360,17 +360,36 @@ def sim_frontend(
     engines: Annotated[int, typer.Option(min=1, help="Engines to wait for.")] = 1,
     api_servers: Annotated[int, typer.Option(min=1, help="Input/output socket pairs (API servers).")] = 1,
     requests: Annotated[int, typer.Option(min=0, help="Requests in the workload.")] = 20,
+    http_port: Annotated[int | None, typer.Option(
+        help="Instead of running the workload, serve an OpenAI-style API on this port until SIGTERM or Ctrl-C.")]
+        = None,
+    drift: Annotated[str | None, typer.Option(
+        help='Drift knobs as JSON, e.g. \'{"require_registration_key": "x"}\' (see sim/drift.py).')] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 60.0,
 ) -> None:
-    """Run a fake frontend: wait for the engines, run a small workload, exit.
+    """Run a fake frontend: wait for the engines, then run a small workload, or serve HTTP.
 
     Example: replay-proxy sim frontend --handshake tcp://127.0.0.1:29550 --engines 2
     """
+    from replay_proxy.sim.api import serve_api
+    from replay_proxy.sim.drift import FrontendDrift
     from replay_proxy.sim.frontend import SimFrontend
     from replay_proxy.sim.workload import run_workload
 
-    async def main() -> SimFrontend:
-        frontend = SimFrontend(handshake, engines=engines, api_servers=api_servers)
+    frontend = SimFrontend(handshake, engines=engines, api_servers=api_servers, drift=parse_drift(drift, FrontendDrift))
+
+    async def serve() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(frontend.run)
+                await frontend.ready.wait()  # like vLLM: the API comes up once the engines are ready
+                port = await nursery.start(serve_api, frontend, http_port)
+                err.print(f"sim frontend: serving http://127.0.0.1:{port}")
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    async def workload() -> None:
         with trio.move_on_after(timeout) as scope:
             async with trio.open_nursery() as nursery:
                 await nursery.start(frontend.run)
@@ -379,12 +398,11 @@ def sim_frontend(
                 nursery.cancel_scope.cancel()
         if scope.cancelled_caught:
             raise fail(f"sim frontend: workload not done after {timeout:g} s", ExitCode.REPLAY_FAILED)
-        return frontend
+        tokens = sum(len(t) for t in frontend.tokens.values())
+        err.print(f"sim frontend: {len(frontend.finish_reasons)} requests finished, {tokens} tokens, "
+                  f"{len(frontend.utility_results)} utility results")
 
-    frontend = trio.run(main)
-    tokens = sum(len(t) for t in frontend.tokens.values())
-    err.print(f"sim frontend: {len(frontend.finish_reasons)} requests finished, {tokens} tokens, "
-              f"{len(frontend.utility_results)} utility results")
+    trio.run(workload if http_port is None else serve)
 
 
 @sim_app.command("engine")
@@ -399,15 +417,10 @@ def sim_engine(
 
     Example: replay-proxy sim engine --handshake tcp://127.0.0.1:29560 --index 0
     """
-    import msgspec
-
     from replay_proxy.sim.drift import EngineDrift
     from replay_proxy.sim.engine import SimEngine
 
-    try:
-        knobs = msgspec.json.decode(drift, type=EngineDrift) if drift else EngineDrift()
-    except msgspec.DecodeError as exc:
-        raise fail(f"--drift: {exc}", ExitCode.USAGE) from None
+    knobs = parse_drift(drift, EngineDrift)
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -418,6 +431,16 @@ def sim_engine(
                     break
 
     trio.run(main)
+
+
+def parse_drift(text: str | None, knobs: type):
+    """``--drift`` JSON as the sim peer's knobs; a bad value is a usage error."""
+    import msgspec
+
+    try:
+        return msgspec.json.decode(text, type=knobs) if text else knobs()
+    except msgspec.DecodeError as exc:
+        raise fail(f"--drift: {exc}", ExitCode.USAGE) from None
 
 
 def run() -> None:

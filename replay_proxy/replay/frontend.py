@@ -274,7 +274,7 @@ class FrontendReplay:
         stream = params.get("output_kind") == DELTA or aborted_after is not None
         with trio.move_on_after(self.finish_timeout) as waiting:
             try:
-                seen = await trio.to_thread.run_sync(_completion, f"{self.http}/v1/completions", body, stream,
+                seen = await trio.to_thread.run_sync(completion, f"{self.http}/v1/completions", body, stream,
                                                      aborted_after, self.finish_timeout, abandon_on_cancel=True)
             except (OSError, ValueError) as exc:
                 seen = {"error": f"{type(exc).__name__}: {exc}"}
@@ -338,7 +338,7 @@ def _get_json(url: str, timeout: float) -> Any:
         return json.load(response)
 
 
-def _completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
+def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
     """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort)."""
     request = urllib.request.Request(url, data=json.dumps({**body, "stream": stream}).encode(),
                                      headers={"Content-Type": "application/json"})

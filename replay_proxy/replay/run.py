@@ -10,8 +10,10 @@ with the recording by the same code as ``replay-proxy diff``.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
+import re
 import shlex
 import tempfile
 from pathlib import Path
@@ -31,7 +33,9 @@ from replay_proxy.replay.engine import EngineReplay, ReplayError, ReplayOutcome
 from replay_proxy.replay.frontend import FrontendReplay
 from replay_proxy.replay.recording import Recording, load_recording
 from replay_proxy.store.tables import open_database
+from replay_proxy.net.relay import FrameEvent
 from replay_proxy.store.writer import Recorder, SessionInfo
+from replay_proxy.wire.messages import Direction, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
@@ -80,11 +84,12 @@ def _replay_once(recording: Recording, against: str, address: str, name: str, co
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
     recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=address,
                                                        baseline_session_id=recording.session_id))
+    observer = LastSent(recorder, Direction.TO_ENGINE if against == "engine" else Direction.TO_FRONTEND)
     if against == "engine":
-        player = EngineReplay(recording, address, recorder, pace=pace, ready_timeout=ready_timeout,
+        player = EngineReplay(recording, address, observer, pace=pace, ready_timeout=ready_timeout,
                               finish_timeout=finish_timeout)
     else:
-        player = FrontendReplay(recording, address, http, recorder, pace=pace, ready_timeout=ready_timeout,
+        player = FrontendReplay(recording, address, http, observer, pace=pace, ready_timeout=ready_timeout,
                                 finish_timeout=finish_timeout, rules=rules)
     peer = None
 
@@ -111,12 +116,52 @@ def _replay_once(recording: Recording, against: str, address: str, name: str, co
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
-        failure = str(leaf(exc)) + (f" (log: {log})" if command else "")
+        failure = f"{leaf(exc)}\n{observer.describe(against)}"
+        if command:
+            rejected = peer_error(log, rules["peer_error_patterns"])
+            failure += (f"\nits log says: {rejected}" if rejected else "") + f"\n(log: {log})"
     finally:
         recorder.close("failed" if failure else "complete", failure)
         if peer is not None:
             peer.stop(timeout=30)
     return recorder.session_id, outcome, failure
+
+
+class LastSent:
+    """The players' observer: the recorder, remembering the last frames sent to the peer under test,
+    so that a peer that rejects something is told which messages it had just been sent."""
+
+    def __init__(self, recorder: Recorder, toward: Direction, keep: int = 3):
+        self.recorder, self.toward = recorder, toward
+        self.events: collections.deque[FrameEvent] = collections.deque(maxlen=keep)
+
+    def frame(self, event: FrameEvent) -> None:
+        if event.direction is self.toward:
+            self.events.append(event)
+        self.recorder.frame(event)
+
+    def describe(self, peer: str) -> str:
+        if not self.events:
+            return f"nothing had been sent to the {peer}"
+        return f"last messages sent to the {peer}: " + ", ".join(map(_name, self.events))
+
+
+def _name(event: FrameEvent) -> str:
+    """``REGISTRATION (engine 0, API server 1)``"""
+    kind = WireDecoder().decode(event.channel, event.direction, event.frames).kind.name
+    where = ", ".join(f"{name} {i}" for name, i in (("engine", event.engine_index),
+                                                    ("API server", event.client_index)) if i is not None)
+    return f"{kind} ({where})"
+
+
+def peer_error(log: Path, patterns: list[str]) -> str | None:
+    """The first line of the peer's log that reports a decode or validation error."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = re.compile("|".join(patterns))
+    return next((line.strip()[:300] for line in lines if found.search(line)), None)
 
 
 def _failed(title: str, baseline: str, candidate: str, why: str) -> Report:

@@ -27,6 +27,7 @@ class FrontendDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     insert_request_field: int | None = None  # a new field at this position of EngineCoreRequest
     rename_sampling_key: tuple[str, str] | None = None  # (old, new)
     add_sampling_key: str | None = None
+    require_registration_key: str | None = None  # a newer frontend requires a key older engines do not send
 
 
 def with_inserted_field(schema: Schema, struct: str, position: int | None) -> Schema:

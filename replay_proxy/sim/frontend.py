@@ -10,6 +10,7 @@ server index) and collects outputs per request.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections import defaultdict
@@ -45,6 +46,7 @@ class SimFrontend:
         self.registrations: dict[tuple[int, int], dict] = {}  # (engine, api server) -> registration
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, int] = {}
+        self.aborted: set[str] = set()  # request ids this frontend aborted
         self.utility_results: dict[int, list] = {}
         self.outputs_received: list[tuple[int, list[bytes]]] = []  # (api server, frames)
         self.dead_sentinels = 0  # ENGINE_CORE_DEAD frames received, one per engine per API server
@@ -52,6 +54,7 @@ class SimFrontend:
         self.ready = trio.Event()
         self._changed = trio.Event()
         self._sockets: list[ZmqSocket] = []
+        self._added = itertools.count()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Bind, hand the handshake address to ``task_status``, handshake, then serve."""
@@ -98,7 +101,12 @@ class SimFrontend:
         for client, sock in enumerate(self.inputs):
             for _ in range(self.engines):
                 identity, payload = await sock.receive()
-                self.registrations[(engine_index(identity), client)] = decode_msgpack(payload)
+                registration = decode_msgpack(payload)
+                required = self.drift.require_registration_key
+                if required and required not in registration:  # worded like msgspec's ValidationError
+                    raise FrontendError(f"engine {engine_index(identity)} registration: "
+                                        f"Object missing required field `{required}`")
+                self.registrations[(engine_index(identity), client)] = registration
         self.ready.set()
 
     async def _collect(self, client: int, sock: ZmqSocket) -> None:
@@ -113,8 +121,7 @@ class SimFrontend:
                         self._absorb(decode_msgpack(frames[0]))
                     except (msgspec.DecodeError, TypeError, KeyError, IndexError):
                         self.undecodable += 1
-                self._changed.set()
-                self._changed = trio.Event()
+                self._notify()
         except SocketClosed:
             return
 
@@ -150,8 +157,18 @@ class SimFrontend:
         })
         await self._send(engine, client, RequestType.ADD, request)
 
+    async def add_balanced(self, request_id: str, prompt: list[int], **sampling) -> tuple[int, int]:
+        """Send to each engine and API server in turn, as vLLM's load balancing would when idle;
+        return the (engine, API server) chosen."""
+        n = next(self._added)
+        engine, client = n % self.engines, (n // self.engines) % self.api_servers
+        await self.add(request_id, prompt, engine=engine, client=client, **sampling)
+        return engine, client
+
     async def abort(self, request_ids: list[str], *, engine: int = 0, client: int = 0) -> None:
         await self._send(engine, client, RequestType.ABORT, request_ids)
+        self.aborted.update(request_ids)
+        self._notify()
 
     async def utility(self, method: str, *args, engine: int = 0, client: int = 0) -> int:
         call_id = uuid.uuid1().int >> 64  # as vLLM's Python client does: an unsigned 64-bit int
@@ -160,6 +177,10 @@ class SimFrontend:
 
     async def _send(self, engine: int, client: int, kind: RequestType, body) -> None:
         await self.inputs[client].send([engine_identity(engine), kind.value, encode(body)])
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
     async def wait_for(self, predicate) -> None:
         """Wait until ``predicate()`` holds (callers bound this with trio.fail_after)."""
