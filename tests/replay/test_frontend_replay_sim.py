@@ -47,6 +47,8 @@ async def _record_requests(db):
                 completion, f"http://127.0.0.1:{port}/v1/completions", body, stream, disconnect_after, 10))
             assert seen["token_ids"] and "error" not in seen
         await session.frontend.wait_for(lambda: session.frontend.aborted)  # the disconnect seen, the ABORT sent
+        while session.frontend.aborted & session.engines[0].running.keys():  # ... and through the relay
+            await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     session.recorder.close()
 
