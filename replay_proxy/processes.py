@@ -8,12 +8,15 @@ processes). Output goes to a log file kept for the report.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 from replay_proxy.errors import ReplayProxyError
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes, as vLLM and vllm-rs write to a terminal-less log
 
 
 class ChildError(ReplayProxyError):
@@ -63,11 +66,15 @@ class Child:
         except ProcessLookupError:
             pass
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_lines(self) -> list[str]:
+        """The log so far, without terminal colour codes."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return ANSI.sub("", self.log_path.read_text(errors="replace")).splitlines()
         except OSError:
-            return ""
+            return []
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_lines()[-lines:])
 
     def wait_for_log(self, text: str, timeout: float) -> None:
         """Wait until ``text`` appears in the log; fail early if the child exits."""

@@ -117,8 +117,8 @@ def _replay_once(recording: Recording, against: str, address: str, name: str, co
         if not isinstance(leaf(exc), ReplayError):
             raise
         failure = f"{leaf(exc)}\n{observer.describe(against)}"
-        if command:
-            rejected = peer_error(log, rules["peer_error_patterns"])
+        if peer is not None:
+            rejected = peer_error(peer, rules["peer_error_patterns"])
             failure += (f"\nits log says: {rejected}" if rejected else "") + f"\n(log: {log})"
     finally:
         recorder.close("failed" if failure else "complete", failure)
@@ -154,14 +154,10 @@ def _name(event: FrameEvent) -> str:
     return f"{kind} ({where})"
 
 
-def peer_error(log: Path, patterns: list[str]) -> str | None:
+def peer_error(peer: Child, patterns: list[str]) -> str | None:
     """The first line of the peer's log that reports a decode or validation error."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
     found = re.compile("|".join(patterns))
-    return next((line.strip()[:300] for line in lines if found.search(line)), None)
+    return next((line.strip()[:300] for line in peer.log_lines() if found.search(line)), None)
 
 
 def _failed(title: str, baseline: str, candidate: str, why: str) -> Report:

@@ -180,13 +180,16 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
 RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
 
 
-def replay_cli(tmp_path: Path, *target: str) -> tuple:
-    """Run `replay-proxy replay` on a copy of the Python-frontend recording; return (result, report JSON)."""
+def replay_cli(tmp_path: Path, *target: str, edit=None) -> tuple:
+    """Run `replay-proxy replay` on a copy of the Python-frontend recording (changed by ``edit(db)``
+    if given); return (result, report JSON)."""
     import shutil
     import subprocess
 
     db = tmp_path / "replay.db"
     shutil.copy(RECORDING, db)
+    if edit is not None:
+        edit(db)
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
          *target, "--ready-timeout", "240", "--finish-timeout", "60", "--report-dir", str(tmp_path)],
