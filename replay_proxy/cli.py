@@ -74,6 +74,9 @@ def record(
     on_full: Annotated[str, typer.Option(
         help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
              "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = "drop",
+    record_coordinator: Annotated[bool, typer.Option(
+        help="Also relay and record the engines' DP-coordinator channels (subscription, READY, waves, stats); "
+             "by default engines talk to the coordinator directly.")] = False,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.
 
@@ -88,7 +91,7 @@ def record(
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
-                                                      console=err))
+                                                      record_coordinator=record_coordinator, console=err))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     err.print(status_line(stats, 0))

@@ -31,12 +31,12 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 
 async def record(listen: str, upstream: str, db: Path, *, session: str,
-                 on_full: Literal["drop", "block"] = "drop",
+                 on_full: Literal["drop", "block"] = "drop", record_coordinator: bool = False,
                  console: Console | None = None) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)
     recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full)
-    relay = Relay(listen, upstream, recorder)
+    relay = Relay(listen, upstream, recorder, record_coordinator=record_coordinator)
     status, error = "complete", None
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

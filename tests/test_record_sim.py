@@ -59,6 +59,42 @@ async def test_every_frame_is_forwarded_routed_and_recorded(session_factory, db_
     assert (session_row["status"], session_row["vllm_version"], session_row["schema_exact"]) == ("complete", "0.32.0", 1)
 
 
+@pytest.mark.parametrize("record_coordinator", [False, True])
+async def test_the_dp_coordinator_is_passed_through_or_relayed_and_recorded(session_factory, db_path,
+                                                                           record_coordinator):
+    with trio.fail_after(30):
+        session = await session_factory(engines=2, api_servers=2, coordinator=True,
+                                        record_coordinator=record_coordinator)
+        await run_workload(session)
+        # the stats of the last step may still be on their way to the coordinator
+        while len(session.frontend.coordinator_stats) < sum(e.stats_sent for e in session.engines):
+            await trio.sleep(0.01)
+    session.recorder.close()
+    assert all(e.from_coordinator == [[RequestType.START_DP_WAVE.value, msgspec.msgpack.encode([0, 0])]]
+               for e in session.engines)  # the wave reached every engine, relayed or not
+    db = sqlite_utils.Database(db_path)
+    frames = {(r["channel"], r["direction"], r["kind"]): r["n"] for r in db.query(
+        "SELECT channel, direction, kind, COUNT(*) AS n FROM frames WHERE channel LIKE 'coordinator%' "
+        "GROUP BY channel, direction, kind")}
+    inits = [{k: json.loads(r[k])["addresses"]["coordinator_input"] for k in ("payload", "rewritten")}
+             for r in db.query("SELECT payload, rewritten FROM handshakes WHERE kind = 'INIT'")]
+    if not record_coordinator:
+        assert frames == {} and all(i["payload"] == i["rewritten"] for i in inits)
+        return
+    assert len(inits) == 2 and all(i["payload"] != i["rewritten"] for i in inits)
+    assert frames == {
+        ("coordinator_input", "to_frontend", "SUBSCRIBE"): 2,  # one upstream subscriber per engine
+        ("coordinator_input", "to_engine", "COORDINATOR_READY"): 2,
+        ("coordinator_input", "to_engine", "START_DP_WAVE"): 2,
+        ("coordinator_output", "to_frontend", "OUTPUTS"): sum(e.stats_sent for e in session.engines),
+    }
+    waves = [json.loads(r["decoded"]) for r in db.query("SELECT decoded FROM frames WHERE kind = 'START_DP_WAVE'")]
+    assert waves == [{"wave": 0, "exclude_engine_index": 0}] * 2
+    running = [json.loads(r["decoded"])["scheduler_stats"]["num_running_reqs"] for r in db.query(
+        "SELECT decoded FROM frames WHERE channel = 'coordinator_output'")]
+    assert max(running) > 0 and all(isinstance(n, int) for n in running)
+
+
 async def test_recorded_columns_are_named_and_typed(session_factory, db_path):
     with trio.fail_after(20):
         session = await session_factory()

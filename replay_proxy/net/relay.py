@@ -15,8 +15,12 @@ forwarded by its own task: frames are passed on as received (never
 re-encoded) and handed to the observer *after* they were sent, so recording
 never delays the peer. Giving every engine its own proxy sockets also tells
 the proxy which engine sent each output, which a shared PULL could not.
-Coordinator addresses in INIT pass through unchanged: engines talk to the DP
-coordinator directly.
+
+The DP coordinator's addresses in INIT pass through unchanged by default:
+engines talk to it directly. With ``record_coordinator`` the proxy binds,
+per engine, an XPUB and a PULL in their place and connects an XSUB and a
+PUSH of its own to the coordinator: one upstream subscriber per engine,
+because the coordinator counts subscriptions before it sends its READY.
 """
 
 from __future__ import annotations
@@ -74,11 +78,12 @@ def local_address_like(listen: str) -> str:
 class Relay:
     """Relays one frontend and any number of engines, reporting every frame."""
 
-    def __init__(self, listen: str, upstream: str, observer: Observer,
+    def __init__(self, listen: str, upstream: str, observer: Observer, *, record_coordinator: bool = False,
                  context: zmq.Context | None = None):
         self.listen = listen
         self.upstream = upstream
         self.observer = observer
+        self.record_coordinator = record_coordinator
         self.context = context or zmq.Context.instance()
         self.engines: dict[bytes, EngineLink] = {}
         self.listening = trio.Event()
@@ -161,7 +166,31 @@ class EngineLink:
                                engine_side_out, frontend_side_out)
             if client == 0:
                 nursery.start_soon(self._watch, engine_side_in)
-        return rewrite_init(init, inputs, outputs)
+        coordinator = {}
+        if relay.record_coordinator and addresses.coordinator_input and addresses.coordinator_output:
+            coordinator = self._connect_coordinator(addresses.coordinator_input, addresses.coordinator_output,
+                                                    nursery)
+        return rewrite_init(init, inputs, outputs, **coordinator)
+
+    def _connect_coordinator(self, coordinator_input: str, coordinator_output: str,
+                             nursery: trio.Nursery) -> dict[str, str]:
+        """Relay this engine's coordinator channels; return the addresses the engine is to dial instead."""
+        relay = self.relay
+        engine_side_pub = relay.socket(zmq.XPUB)  # the engine's XSUB subscribes here ...
+        engine_side_pull = relay.socket(zmq.PULL)
+        replacement = {"coordinator_input": engine_side_pub.bind(local_address_like(relay.listen)),
+                       "coordinator_output": engine_side_pull.bind(local_address_like(relay.listen))}
+        coordinator_sub = relay.socket(zmq.XSUB)  # ... and this subscription is passed on as the engine's
+        coordinator_sub.connect(coordinator_input)
+        coordinator_push = relay.socket(zmq.PUSH)
+        coordinator_push.connect(coordinator_output)
+        nursery.start_soon(self._pipe, Channel.COORDINATOR_INPUT, Direction.TO_FRONTEND, None,
+                           engine_side_pub, coordinator_sub)
+        nursery.start_soon(self._pipe, Channel.COORDINATOR_INPUT, Direction.TO_ENGINE, None,
+                           coordinator_sub, engine_side_pub)
+        nursery.start_soon(self._pipe, Channel.COORDINATOR_OUTPUT, Direction.TO_FRONTEND, None,
+                           engine_side_pull, coordinator_push)
+        return replacement
 
     async def _watch(self, engine_side: ZmqSocket) -> None:
         """Tell the observer when the engine's connection drops (a SIGKILL sends no ENGINE_CORE_DEAD)."""
@@ -173,7 +202,7 @@ class EngineLink:
             return
         self.relay.observer.engine_lost(self.index, f"its connection to the proxy dropped ({event['endpoint']})")
 
-    async def _pipe(self, channel: Channel, direction: Direction, client: int,
+    async def _pipe(self, channel: Channel, direction: Direction, client: int | None,
                     source: ZmqSocket, sink: ZmqSocket) -> None:
         """Forward every message from source to sink, then report it.
 

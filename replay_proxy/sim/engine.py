@@ -7,6 +7,9 @@ Requests produce a deterministic token stream (a function of the prompt,
 the seed and the position), one token per request per engine step, batched
 into one EngineCoreOutputs per API server per step, as the real scheduler
 does. ``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
+When INIT names a DP coordinator, the engine subscribes to it and waits for
+its READY before registering, then reports its request counts there after
+every step, as vLLM's engines do.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.sim.drift import EngineDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.handshake import engine_identity, parse_init
-from replay_proxy.wire.messages import ENGINE_CORE_DEAD, RequestType
+from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
 from replay_proxy.wire.schema import Namer, load_schema
 from replay_proxy.wire.values import decode_msgpack
 
@@ -51,6 +54,9 @@ class SimEngine:
         self.rejected: list[list[bytes]] = []  # ADDs that do not decode under this engine's schema
         self.added = 0
         self.dead = False
+        self.from_coordinator: list[list[bytes]] = []
+        self.stats_sent = 0
+        self._stats: ZmqSocket | None = None  # the PUSH to the DP coordinator, if there is one
         self._wake = trio.Event()
 
     async def run(self) -> None:
@@ -60,6 +66,15 @@ class SimEngine:
             handshake.connect(self.address)
             await handshake.send([encode({"status": "HELLO", "local": False, "headless": True})])
             _, addresses = parse_init((await handshake.receive())[0])
+            coordinator = None
+            if addresses.coordinator_input and addresses.coordinator_output:
+                coordinator = self._socket(sockets, zmq.XSUB)
+                coordinator.connect(addresses.coordinator_input)
+                await coordinator.send([SUBSCRIBE_ALL])
+                while await coordinator.receive() != [COORDINATOR_READY]:
+                    pass
+                self._stats = self._socket(sockets, zmq.PUSH)
+                self._stats.connect(addresses.coordinator_output)
             self.inputs = inputs = [self._socket(sockets, zmq.DEALER) for _ in addresses.inputs]
             self.outputs = [self._socket(sockets, zmq.PUSH) for _ in addresses.outputs]
             for sock, address in zip(inputs, addresses.inputs):
@@ -71,6 +86,8 @@ class SimEngine:
             async with trio.open_nursery() as nursery:
                 for client, sock in enumerate(inputs):
                     nursery.start_soon(self._serve_input, client, sock)
+                if coordinator is not None:
+                    nursery.start_soon(self._serve_coordinator, coordinator)
                 await self._step_loop()
                 nursery.cancel_scope.cancel()
         finally:
@@ -105,6 +122,13 @@ class SimEngine:
                 frames = await sock.receive()
                 self.received.append((client, frames))
                 await self._handle(frames)
+        except SocketClosed:
+            return
+
+    async def _serve_coordinator(self, sock: ZmqSocket) -> None:
+        try:
+            while True:
+                self.from_coordinator.append(await sock.receive())  # START_DP_WAVE
         except SocketClosed:
             return
 
@@ -160,6 +184,12 @@ class SimEngine:
                     del self.running[request_id]
             for client, outputs in by_client.items():
                 await self._send(client, {"outputs": outputs})
+            if self._stats is not None:
+                stats = struct_value(self.schema, "SchedulerStats", {"num_running_reqs": len(self.running),
+                                                                     "num_waiting_reqs": 0})
+                await self._stats.send([encode(struct_value(self.schema, "EngineCoreOutputs", {
+                    "engine_index": self.index, "timestamp": trio.current_time(), "scheduler_stats": stats}))])
+                self.stats_sent += 1
 
     async def _send(self, client: int, named: dict) -> None:
         named = {"engine_index": self.index, "timestamp": trio.current_time(), **named}

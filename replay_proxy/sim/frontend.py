@@ -6,6 +6,11 @@ the expected engines: HELLO -> INIT (with the input/output address lists),
 registration on every input ROUTER, READY. Afterwards it sends ADD, ABORT
 and UTILITY messages the way an API server does (``client_index`` = its API
 server index) and collects outputs per request.
+
+With ``coordinator`` it also plays vLLM's DP coordinator: an XPUB the
+engines subscribe to (READY once every engine has subscribed; a
+START_DP_WAVE when the first request arrives, as when paused engines are
+woken) and a PULL for the engines' stats.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.sim.drift import FrontendDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.handshake import engine_identity, engine_index
-from replay_proxy.wire.messages import ENGINE_CORE_DEAD, RequestType
+from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.wire.values import decode_msgpack
 
@@ -36,12 +41,15 @@ class FrontendError(ReplayProxyError):
 class SimFrontend:
     def __init__(self, handshake_address: str = "tcp://127.0.0.1:0", *, engines: int = 1,
                  api_servers: int = 1, release: str = "0.32.0", drift: FrontendDrift = FrontendDrift(),
-                 context: zmq.Context | None = None):
+                 coordinator: bool = False, context: zmq.Context | None = None):
         self.handshake_address = handshake_address
         self.engines = engines
         self.api_servers = api_servers
         self.schema = with_inserted_field(load_schema(release), "EngineCoreRequest", drift.insert_request_field)
         self.drift = drift
+        self.coordinator = coordinator
+        self.coordinator_stats: list[list[bytes]] = []  # what the engines sent the coordinator
+        self.waves_started = 0
         self.context = context or zmq.Context.instance()
         self.registrations: dict[tuple[int, int], dict] = {}  # (engine, api server) -> registration
         self.tokens: dict[str, list[int]] = defaultdict(list)
@@ -66,19 +74,35 @@ class SimFrontend:
             handshake = self._socket(zmq.ROUTER)
             self.handshake_address = handshake.bind(self.handshake_address)
             task_status.started(self.handshake_address)
-            init = encode({
-                "addresses": {"inputs": input_addresses, "outputs": output_addresses,
-                              "coordinator_input": None, "coordinator_output": None,
-                              "frontend_stats_publish_address": None},
-                "parallel_config": {},
-            })
-            await self._handshake(handshake, init)
             async with trio.open_nursery() as nursery:
+                coordinator = {"coordinator_input": None, "coordinator_output": None}
+                if self.coordinator:
+                    self._publish, stats = self._socket(zmq.XPUB), self._socket(zmq.PULL)
+                    coordinator = {"coordinator_input": self._publish.bind("tcp://127.0.0.1:0"),
+                                   "coordinator_output": stats.bind("tcp://127.0.0.1:0")}
+                    nursery.start_soon(self._coordinate, stats)
+                init = encode({
+                    "addresses": {"inputs": input_addresses, "outputs": output_addresses, **coordinator,
+                                  "frontend_stats_publish_address": None},
+                    "parallel_config": {},
+                })
+                await self._handshake(handshake, init)
                 for client, sock in enumerate(self.output_sockets):
                     nursery.start_soon(self._collect, client, sock)
         finally:
             for sock in self._sockets:
                 sock.close()
+
+    async def _coordinate(self, stats: ZmqSocket) -> None:
+        try:
+            subscribed = 0
+            while subscribed < self.engines:  # vLLM's coordinator counts one subscription per engine
+                subscribed += await self._publish.receive() == [SUBSCRIBE_ALL]
+            await self._publish.send([COORDINATOR_READY])
+            while True:
+                self.coordinator_stats.append(await stats.receive())
+        except SocketClosed:
+            return
 
     def _socket(self, socket_type: int) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, linger_ms=1000)
@@ -156,6 +180,9 @@ class SimFrontend:
             "cache_salt": None, "data_parallel_rank": None, "client_index": client,
         })
         await self._send(engine, client, RequestType.ADD, request)
+        if self.coordinator and not self.waves_started:  # wake the other (paused) engines
+            self.waves_started += 1
+            await self._publish.send([RequestType.START_DP_WAVE.value, encode([0, engine])])
 
     async def add_balanced(self, request_id: str, prompt: list[int], **sampling) -> tuple[int, int]:
         """Send to each engine and API server in turn, as vLLM's load balancing would when idle;

@@ -26,6 +26,7 @@ from replay_proxy.wire.values import decode_msgpack, kind_of
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 COORDINATOR_READY = b"READY"
 SUBSCRIBE_ALL = b"\x01"
+UNSUBSCRIBE_ALL = b"\x00"  # what an XPUB receives when a subscriber disconnects
 
 
 class Channel(enum.StrEnum):
@@ -55,6 +56,7 @@ class Kind(enum.StrEnum):
     ENGINE_CORE_DEAD = "ENGINE_CORE_DEAD"
     COORDINATOR_READY = "COORDINATOR_READY"
     SUBSCRIBE = "SUBSCRIBE"
+    UNSUBSCRIBE = "UNSUBSCRIBE"
     UNKNOWN = "UNKNOWN"
 
 
@@ -121,10 +123,11 @@ class WireDecoder:
             if first == ENGINE_CORE_DEAD and len(frames) == 1:
                 return Message(kind=Kind.ENGINE_CORE_DEAD)
             return self._outputs(frames)
-        if direction is Direction.TO_FRONTEND:
-            if frames == [SUBSCRIBE_ALL]:
-                return Message(kind=Kind.SUBSCRIBE)
-            return _unknown("expected the subscription frame b'\\x01'")
+        if direction is Direction.TO_FRONTEND:  # XSUB -> XPUB: b"\x01" + topic, or b"\x00" + topic on leaving
+            if len(frames) == 1 and first[:1] in (SUBSCRIBE_ALL, UNSUBSCRIBE_ALL):
+                return Message(kind=Kind.SUBSCRIBE if first[:1] == SUBSCRIBE_ALL else Kind.UNSUBSCRIBE,
+                               fields={"topic": first[1:]} if len(first) > 1 else None)
+            return _unknown("expected a subscription frame (b'\\x01' or b'\\x00' and a topic)")
         if frames == [COORDINATOR_READY]:
             return Message(kind=Kind.COORDINATOR_READY)
         return self._request(frames)

@@ -44,14 +44,14 @@ def complete(http, prompt, max_tokens):
     return peers.post(http, "/v1/completions", body)["choices"][0]["token_ids"]
 
 
-def bring_up(logs, frontend, db=None, model=peers.MODEL):
+def bring_up(logs, frontend, db=None, model=peers.MODEL, *proxy_options):
     """Frontend (DP=2) + the recording proxy (when ``db`` is given) + one engine process per rank, rank 1 first."""
     http, upstream = peers.free_port(), peers.free_port()
     children = [frontend(http, upstream)]
     listen = upstream
     if db is not None:
         listen = peers.free_port()
-        children.append(peers.proxy(logs, listen, upstream, db, "dp2"))
+        children.append(peers.proxy(logs, listen, upstream, db, "dp2", *proxy_options))
     for rank in (1, 0):
         children.append(peers.headless_engine(logs, listen, dp=2, start_rank=rank, name=f"engine-{rank}",
                                               model=model, VLLM_CPU_OMP_THREADS_BIND=str(rank)))
@@ -64,7 +64,7 @@ def stop(children):
     return children[1].process.returncode  # the proxy's
 
 
-def check_recording(db, api_servers):
+def check_recording(db, api_servers, coordinator_relayed=False):
     sessions = list(db.query("SELECT status, frames_seen, frames_recorded, frames_dropped FROM sessions"))
     assert sessions == [{"status": "complete", "frames_seen": sessions[0]["frames_seen"],
                          "frames_recorded": sessions[0]["frames_seen"], "frames_dropped": 0}]
@@ -76,8 +76,9 @@ def check_recording(db, api_servers):
         assert len(original["inputs"]) == len(rewritten["inputs"]) == api_servers
         assert len(original["outputs"]) == len(rewritten["outputs"]) == api_servers
         assert set(original["inputs"]).isdisjoint(rewritten["inputs"])
+        relayed = ("coordinator_input", "coordinator_output") if coordinator_relayed else ()
         for key in ("coordinator_input", "coordinator_output", "frontend_stats_publish_address"):
-            assert rewritten[key] == original[key]  # the coordinator is not relayed by default
+            assert (rewritten[key] != original[key]) == (key in relayed)  # passed through unless relayed
     registrations = {(r["engine_index"], r["client_index"]) for r in db.query(
         "SELECT engine_index, client_index FROM handshakes WHERE kind = 'REGISTRATION'")}
     assert registrations == {(e, c) for e in (0, 1) for c in range(api_servers)}
@@ -96,9 +97,10 @@ def direct(tmp_path_factory):
             child.stop(timeout=30)
 
 
-def test_python_frontend_two_api_servers_two_engines(tmp_path, direct):
+def test_python_frontend_two_api_servers_two_engines_and_its_coordinator(tmp_path, direct):
     db = tmp_path / "dp.db"
-    http, children = bring_up(tmp_path, lambda h, u: peers.python_frontend(tmp_path, h, u, dp=2), db)
+    http, children = bring_up(tmp_path, lambda h, u: peers.python_frontend(tmp_path, h, u, dp=2), db,
+                              peers.MODEL, "--record-coordinator")
     try:
         peers.wait_http_ready(http, children, timeout=300)
         got = run_pairs(http, recorded_prompts())
@@ -107,12 +109,19 @@ def test_python_frontend_two_api_servers_two_engines(tmp_path, direct):
     assert proxy_code == 0
     assert got == direct
     db = sqlite_utils.Database(db)
-    check_recording(db, api_servers=2)
+    check_recording(db, api_servers=2, coordinator_relayed=True)
     assert {r["engine_index"] for r in db.query("SELECT engine_index FROM requests")} == {0, 1}
     calls = {(r["engine_index"], r["client_index"]) for r in db.query("SELECT * FROM utility_calls")}
     assert calls == {(0, 0), (0, 1), (1, 0), (1, 1)}  # each API server calls each engine at start
-    init = json.loads(next(db.query("SELECT payload FROM handshakes WHERE kind = 'INIT'"))["payload"])
-    assert init["addresses"]["coordinator_input"]  # the Python frontend runs a DP coordinator
+    # The coordinator channels, per engine: the subscription, the coordinator's READY, request-count stats.
+    coordinator = {(r["engine_index"], r["direction"], r["kind"]) for r in db.query(
+        "SELECT engine_index, direction, kind FROM frames WHERE channel LIKE 'coordinator%'")}
+    for engine in (0, 1):
+        assert {(engine, "to_frontend", "SUBSCRIBE"), (engine, "to_engine", "COORDINATOR_READY"),
+                (engine, "to_frontend", "OUTPUTS")} <= coordinator
+    stats = [json.loads(r["decoded"])["scheduler_stats"] for r in db.query(
+        "SELECT decoded FROM frames WHERE channel = 'coordinator_output'")]
+    assert max(s["num_running_reqs"] for s in stats if s) >= 1
 
 
 def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, direct):
@@ -168,3 +177,7 @@ def test_a_fatal_engine_error_is_recorded_and_the_proxy_exits_cleanly(tmp_path):
         "SELECT engine_index, client_index FROM frames WHERE kind = 'ENGINE_CORE_DEAD'")}
     assert dead == {(0, 0), (0, 1), (1, 0), (1, 1)}  # every engine, on every API server's socket
     assert db["sessions"].get(1)["status"] == "complete"
+    for init in db.query("SELECT payload, rewritten FROM handshakes WHERE kind = 'INIT'"):
+        original, rewritten = (json.loads(init[k])["addresses"] for k in ("payload", "rewritten"))
+        assert original["coordinator_input"] and rewritten["coordinator_input"] == original["coordinator_input"]
+    assert db.execute("SELECT COUNT(*) FROM frames WHERE channel LIKE 'coordinator%'").fetchone()[0] == 0

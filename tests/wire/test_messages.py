@@ -37,6 +37,8 @@ CASES = [
     (Channel.COORDINATOR_INPUT, TO_ENGINE, [b"\x02", encode([3, b"\x01\x00"])], Kind.START_DP_WAVE),
     (Channel.COORDINATOR_INPUT, TO_ENGINE, [b"READY"], Kind.COORDINATOR_READY),
     (Channel.COORDINATOR_INPUT, TO_FRONTEND, [b"\x01"], Kind.SUBSCRIBE),
+    (Channel.COORDINATOR_INPUT, TO_FRONTEND, [b"\x00"], Kind.UNSUBSCRIBE),  # the engine went away
+    (Channel.COORDINATOR_INPUT, TO_FRONTEND, [b"\x05"], Kind.UNKNOWN),
     (Channel.OUTPUT, TO_FRONTEND, [encode(struct_value(SCHEMA, "EngineCoreOutputs", {
         "outputs": [{"request_id": "cmpl-1-abcd", "new_token_ids": [9]}]}))], Kind.OUTPUTS),
     (Channel.OUTPUT, TO_FRONTEND, [encode(struct_value(SCHEMA, "EngineCoreOutputs", {
