@@ -96,8 +96,10 @@ def load_session(db_path: Path, session: str, rules: dict[str, Any]) -> SessionD
     row = find_session(db, session)
     sid = row["id"]
     schema = schema_for(row["vllm_version"])[0]
+    # Engine 0's first: values such as data_parallel_rank are compared engine for engine, whatever the start order.
     registrations = [json.loads(r["payload"]) for r in db.query(
-        "SELECT payload FROM handshakes WHERE session_id = ? AND kind = 'REGISTRATION' ORDER BY seq", [sid])]
+        "SELECT payload FROM handshakes WHERE session_id = ? AND kind = 'REGISTRATION' ORDER BY engine_index, seq",
+        [sid])]
     outputs: dict[str, list[dict]] = defaultdict(list)
     for o in db.query("SELECT request_id, ts_ns, new_token_ids, finish_reason, new_logprobs FROM outputs "
                       "WHERE session_id = ? ORDER BY seq, position", [sid]):

@@ -48,7 +48,8 @@ def load_recording(db_path: Path, session: str) -> Recording:
     frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"],
                             decode_msgpack(r["raw"]), msgspec.json.decode(r["decoded"]) if r["decoded"] else None)
               for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, raw, decoded FROM frames "
-                                "WHERE session_id = ? ORDER BY seq", [sid])]
+                                "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output') "
+                                "ORDER BY seq", [sid])]  # a recorded coordinator is not replayed
     handshake = [f for f in frames if f.kind in ("HELLO", "INIT", "READY", "REGISTRATION")]
     inits = [f for f in handshake if f.kind == "INIT"]
     if not inits:

@@ -18,10 +18,10 @@ from tests.conftest import RecordedSession
 ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
 
 
-async def _record(db, engines, api_servers):
+async def _record(db, engines, api_servers, coordinator=False):
     async with trio.open_nursery() as nursery:
-        session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers,
-                                        name="baseline").start()
+        session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers, name="baseline",
+                                        coordinator=coordinator, record_coordinator=coordinator).start()
         frontend = session.frontend
         call = await frontend.utility("get_supported_tasks")
         for k in range(8):  # three one at a time, then five batched together
@@ -103,6 +103,17 @@ def test_noise_runs_of_a_stable_baseline_make_batched_mismatches_regressions(tmp
     names = [r["name"] for r in sqlite_utils.Database(db).query(
         "SELECT name FROM sessions WHERE mode = 'replay' AND status = 'complete' ORDER BY id")]
     assert len(report.noise) == 2 and [n.split("-")[1] for n in names] == ["noise", "noise", "replay"]
+
+
+def test_a_session_recorded_with_its_coordinator_replays_without_it(tmp_path):
+    recorded = tmp_path / "dp.db"
+    trio.run(_record, recorded, 2, 1, True)
+    assert sqlite_utils.Database(recorded).execute(
+        "SELECT COUNT(*) FROM frames WHERE channel = 'coordinator_output'").fetchone()[0] > 0
+    report, outcome, _ = replay(tmp_path, recorded, engines=2)
+    timeless = [f for f in report.findings if f.category != "performance"]
+    assert [f for f in timeless if f.severity >= Severity.WARNING] == []
+    assert (outcome.requests, outcome.finished) == (9, 8)
 
 
 def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
