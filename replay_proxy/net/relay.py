@@ -10,11 +10,16 @@ upstream and READY. When the frontend's INIT comes back, the proxy
    PUSH to its ``outputs[i]``,
 3. rewrites INIT so the engine dials the sockets of step 1, and sends it on.
 
-From then on each of those socket pairs is an independent one-way pipe,
-forwarded by its own task: frames are passed on as received (never
-re-encoded) and handed to the observer *after* they were sent, so recording
-never delays the peer. Giving every engine its own proxy sockets also tells
-the proxy which engine sent each output, which a shared PULL could not.
+From then on each of those socket pairs is forwarded by libzmq's own proxy
+loop (``zmq.proxy_steerable``) in a thread of its own: frames pass at C
+speed, never re-encoded, and no Python work in the process (the handshake,
+the status line, the recorder) can delay them, since that loop holds no GIL.
+When recording, the loop also copies each message to the observer's
+``capture`` socket, tagged with the link it crossed. On the input channel
+the only message an engine sends is its one-frame registration, and every
+request is two frames or more, which tells the two directions apart.
+Giving every engine its own proxy sockets also tells the proxy which engine
+sent each output, which a shared PULL could not.
 
 The DP coordinator's addresses in INIT pass through unchanged by default:
 engines talk to it directly. With ``record_coordinator`` the proxy binds,
@@ -26,6 +31,8 @@ because the coordinator counts subscriptions before it sends its READY.
 from __future__ import annotations
 
 import os
+import struct
+import threading
 import time
 import uuid
 from typing import Protocol
@@ -35,7 +42,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket, bind, connect, monitor, new_socket
 from replay_proxy.wire.handshake import HandshakeError, engine_index, parse_init, rewrite_init
 from replay_proxy.wire.messages import Channel, Direction
 
@@ -53,9 +60,75 @@ class FrameEvent(msgspec.Struct, frozen=True, gc=False):
 
 
 class Observer(Protocol):
+    # Where forwarders send their copies (an inproc address in the relay's ZMQ context), or None;
+    # and how many copies may queue there before a forwarder waits (0: never waits).
+    capture: str | None
+    capture_hwm: int
+
     def frame(self, event: FrameEvent) -> None: ...
 
     def engine_lost(self, engine_index: int, reason: str) -> None: ...
+
+
+CHANNEL_CODE = {c: i for i, c in enumerate(Channel)}
+CHANNELS = list(Channel)
+_TAG = struct.Struct("<cBHh")  # b"C", channel code, engine index, client index
+
+
+def capture_tag(channel: Channel, engine: int, client: int) -> bytes:
+    """The identity of a forwarder's capture socket: which link its copies crossed."""
+    return _TAG.pack(b"C", CHANNEL_CODE[channel], engine, client)
+
+
+def captured(tag: bytes, frames: list[bytes]) -> tuple[Channel, Direction, int, int]:
+    """(channel, direction, engine, client) of a message copied by the forwarder tagged ``tag``."""
+    _, code, engine, client = _TAG.unpack(tag)
+    channel = CHANNELS[code]
+    # On the input channel an engine sends one thing, its one-frame registration; requests have 2+ frames.
+    to_frontend = channel is not Channel.INPUT or len(frames) == 1
+    return channel, Direction.TO_FRONTEND if to_frontend else Direction.TO_ENGINE, engine, client
+
+
+class Forwarder:
+    """Two sockets joined by libzmq's proxy loop in a thread; ``stop`` ends it and closes them.
+
+    With ``capture``, every message is also copied to a DEALER connected there, with identity
+    ``tag``; ``capture_hwm`` bounds that copy queue (0: unbounded, the loop never waits for it)."""
+
+    def __init__(self, context: zmq.Context, a: zmq.Socket, b: zmq.Socket, *, capture: str | None = None,
+                 tag: bytes = b"", capture_hwm: int = 0):
+        self._control = context.socket(zmq.PAIR)
+        address = f"inproc://replay-proxy-forwarder-{uuid.uuid4().hex}"
+        self._control.bind(address)
+        copy = None
+        if capture is not None:
+            copy = new_socket(context, zmq.DEALER, identity=tag, linger_ms=5000)
+            copy.setsockopt(zmq.SNDHWM, capture_hwm)
+            copy.connect(capture)
+        self._thread = threading.Thread(target=self._run, args=(context, a, b, copy, address), daemon=True,
+                                        name=f"forwarder {tag!r}")
+        self._thread.start()
+
+    @staticmethod
+    def _run(context: zmq.Context, a: zmq.Socket, b: zmq.Socket, copy: zmq.Socket | None, address: str) -> None:
+        control = context.socket(zmq.PAIR)
+        control.connect(address)
+        try:
+            zmq.proxy_steerable(a, b, copy, control)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for sock in (a, b):
+                sock.disable_monitor()  # closing is not the engine going away
+                sock.close()
+            for sock in (copy, control):
+                if sock is not None:
+                    sock.close()
+
+    def stop(self) -> None:
+        self._control.send(b"TERMINATE")
+        self._thread.join(10)
+        self._control.close(linger=0)
 
 
 def local_address_like(listen: str) -> str:
@@ -88,11 +161,19 @@ class Relay:
         self.engines: dict[bytes, EngineLink] = {}
         self.listening = trio.Event()
         self._sockets: list[ZmqSocket] = []
+        self._forwarders: list[Forwarder] = []
 
     def socket(self, socket_type: int, *, identity: bytes | None = None) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, identity=identity)
         self._sockets.append(sock)
         return sock
+
+    def forward(self, channel: Channel, engine: int, client: int, engine_side: zmq.Socket,
+                frontend_side: zmq.Socket) -> None:
+        """Hand a socket pair to a forwarder thread (the sockets are its own from now on)."""
+        self._forwarders.append(Forwarder(self.context, engine_side, frontend_side, capture=self.observer.capture,
+                                          tag=capture_tag(channel, engine, client),
+                                          capture_hwm=self.observer.capture_hwm))
 
     async def run(self) -> None:
         """Relay until cancelled; every socket is closed on the way out."""
@@ -111,6 +192,8 @@ class Relay:
                     await link.handshake.send(frames)
                     self._report(ts_ns, Channel.HANDSHAKE, Direction.TO_FRONTEND, link.index, None, frames)
         finally:
+            for forwarder in self._forwarders:
+                forwarder.stop()
             for sock in self._sockets:
                 sock.close()
 
@@ -150,22 +233,21 @@ class EngineLink:
         relay = self.relay
         inputs, outputs = [], []
         for client, (frontend_input, frontend_output) in enumerate(zip(addresses.inputs, addresses.outputs)):
-            engine_side_in = relay.socket(zmq.ROUTER)
-            inputs.append(engine_side_in.bind(local_address_like(relay.listen)))
-            frontend_side_in = relay.socket(zmq.DEALER, identity=self.identity)
-            frontend_side_in.connect(frontend_input)
-            engine_side_out = relay.socket(zmq.PULL)
-            outputs.append(engine_side_out.bind(local_address_like(relay.listen)))
-            frontend_side_out = relay.socket(zmq.PUSH)
-            frontend_side_out.connect(frontend_output)
-            nursery.start_soon(self._pipe, Channel.INPUT, Direction.TO_FRONTEND, client,
-                               engine_side_in, frontend_side_in)
-            nursery.start_soon(self._pipe, Channel.INPUT, Direction.TO_ENGINE, client,
-                               frontend_side_in, engine_side_in)
-            nursery.start_soon(self._pipe, Channel.OUTPUT, Direction.TO_FRONTEND, client,
-                               engine_side_out, frontend_side_out)
-            if client == 0:
-                nursery.start_soon(self._watch, engine_side_in)
+            # DEALER to DEALER on the input channel: no identity frames to add or strip.
+            engine_side_in = new_socket(relay.context, zmq.DEALER)
+            inputs.append(bind(engine_side_in, local_address_like(relay.listen)))
+            frontend_side_in = new_socket(relay.context, zmq.DEALER, identity=self.identity)
+            connect(frontend_side_in, frontend_input)
+            engine_side_out = new_socket(relay.context, zmq.PULL)
+            outputs.append(bind(engine_side_out, local_address_like(relay.listen)))
+            frontend_side_out = new_socket(relay.context, zmq.PUSH)
+            connect(frontend_side_out, frontend_output)
+            if client == 0:  # before the forwarder owns the socket
+                watcher = monitor(engine_side_in, zmq.EVENT_DISCONNECTED)
+                relay._sockets.append(watcher)
+                nursery.start_soon(self._watch, watcher)
+            relay.forward(Channel.INPUT, self.index, client, engine_side_in, frontend_side_in)
+            relay.forward(Channel.OUTPUT, self.index, client, engine_side_out, frontend_side_out)
         coordinator = {}
         if relay.record_coordinator and addresses.coordinator_input and addresses.coordinator_output:
             coordinator = self._connect_coordinator(addresses.coordinator_input, addresses.coordinator_output,
@@ -192,35 +274,24 @@ class EngineLink:
                            engine_side_pull, coordinator_push)
         return replacement
 
-    async def _watch(self, engine_side: ZmqSocket) -> None:
+    async def _watch(self, watcher: ZmqSocket) -> None:
         """Tell the observer when the engine's connection drops (a SIGKILL sends no ENGINE_CORE_DEAD)."""
-        monitor = engine_side.monitor(zmq.EVENT_DISCONNECTED)
-        self.relay._sockets.append(monitor)
         try:
-            event = parse_monitor_message(await monitor.receive())
+            event = parse_monitor_message(await watcher.receive())
         except SocketClosed:
             return
         self.relay.observer.engine_lost(self.index, f"its connection to the proxy dropped ({event['endpoint']})")
 
     async def _pipe(self, channel: Channel, direction: Direction, client: int | None,
                     source: ZmqSocket, sink: ZmqSocket) -> None:
-        """Forward every message from source to sink, then report it.
-
-        On the input channel the engine-facing socket is a ROUTER: what the
-        engine sends arrives prefixed with its identity (dropped here, the
-        frontend-facing DEALER carries it), and what goes to the engine gets
-        the identity prepended so the ROUTER can route it.
-        """
+        """Forward every message from source to sink, then report it (the coordinator channels:
+        a few messages a second, where telling the directions apart matters more than speed)."""
         report = self.relay._report
-        from_router = channel is Channel.INPUT and direction is Direction.TO_FRONTEND
-        to_router = channel is Channel.INPUT and direction is Direction.TO_ENGINE
         try:
             while True:
                 frames = await source.receive()
                 ts_ns = time.time_ns()
-                if from_router:
-                    frames = frames[1:]
-                await sink.send([self.identity, *frames] if to_router else frames)
+                await sink.send(frames)
                 report(ts_ns, channel, direction, self.index, client, frames)
         except SocketClosed:
             return

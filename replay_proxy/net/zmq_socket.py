@@ -29,44 +29,64 @@ class SocketClosed(ReplayProxyError):
     """The socket was closed while a task used it."""
 
 
+def new_socket(context: zmq.Context, socket_type: int, *, identity: bytes | None = None,
+               linger_ms: int = 0, wrap: zmq.Socket | None = None) -> zmq.Socket:
+    """A plain pyzmq socket set up as vLLM sets up its own."""
+    sock = wrap if wrap is not None else context.socket(socket_type)
+    # vLLM's make_zmq_socket: unlimited HWM, or a full ROUTER drops silently.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if socket_type == zmq.XPUB:
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+    return sock
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind and return the resolved endpoint (port 0 becomes the real port)."""
+    if address.startswith("tcp://[") or address.startswith("tcp://::"):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(address)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect(sock: zmq.Socket, address: str) -> None:
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(address)
+
+
+def monitor(sock: zmq.Socket, events: int) -> ZmqSocket:
+    """A trio socket that receives ``sock``'s ``events`` (zmq.utils.monitor message format).
+
+    The endpoint is unique: pyzmq's default names it after the file descriptor, which
+    the next socket reuses once this one is closed.
+    """
+    address = f"inproc://replay-proxy-monitor-{uuid.uuid4().hex}"
+    return ZmqSocket(sock.context, zmq.PAIR, wrap=sock.get_monitor_socket(events, address))
+
+
 class ZmqSocket:
     def __init__(self, context: zmq.Context, socket_type: int, *, identity: bytes | None = None,
                  linger_ms: int = 0, wrap: zmq.Socket | None = None):
-        self._socket = wrap if wrap is not None else context.socket(socket_type)
-        # vLLM's make_zmq_socket: unlimited HWM, or a full ROUTER drops silently.
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, linger_ms)
-        if identity is not None:
-            self._socket.setsockopt(zmq.IDENTITY, identity)
-        if socket_type == zmq.XPUB:
-            self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._socket = new_socket(context, socket_type, identity=identity, linger_ms=linger_ms, wrap=wrap)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._receive_wait: trio.CancelScope | None = None
         self._monitored = False
         self.closed = False
 
     def monitor(self, events: int) -> ZmqSocket:
-        """A socket that receives this socket's ``events`` (zmq.utils.monitor message format).
-
-        The endpoint is unique: pyzmq's default names it after the file descriptor, which
-        the next socket reuses once this one is closed.
-        """
-        address = f"inproc://replay-proxy-monitor-{uuid.uuid4().hex}"
+        """A socket that receives this socket's ``events`` (see ``monitor``)."""
         self._monitored = True
-        return ZmqSocket(self._socket.context, zmq.PAIR, wrap=self._socket.get_monitor_socket(events, address))
+        return monitor(self._socket, events)
 
     def bind(self, address: str) -> str:
-        """Bind and return the resolved endpoint (port 0 becomes the real port)."""
-        if address.startswith("tcp://[") or address.startswith("tcp://::"):
-            self._socket.setsockopt(zmq.IPV6, 1)
-        self._socket.bind(address)
-        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return bind(self._socket, address)
 
     def connect(self, address: str) -> None:
-        if address.startswith("tcp://["):
-            self._socket.setsockopt(zmq.IPV6, 1)
-        self._socket.connect(address)
+        connect(self._socket, address)
 
     def receive_nowait(self) -> list[bytes]:
         """Receive one multipart message or raise ``trio.WouldBlock``."""

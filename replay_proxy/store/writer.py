@@ -1,17 +1,19 @@
-"""The recorder: frames in from the proxy's hot path, rows out to SQLite.
+"""The recorder: frames in from the proxy, rows out to SQLite.
 
 Theory of operation: decoding and SQLite writing happen in a separate
 *process*, so they never hold the proxy's GIL (measured: a writer thread
 in the proxy process made its p99 round trip several milliseconds, one GIL
-switch interval). The forwarding loop calls ``Recorder.frame`` after it has
-already sent a message on; that call is one non-blocking ZMQ send of the
-same frames, behind a small header, to the writer process. The ZMQ pipe
-between them is the bounded queue: when it is full the send fails with
-EAGAIN and the frame is dropped from the *recording* (it was forwarded all
-the same) and counted; the count is shown live, in the summary and in the
-``sessions`` row. ``on_full="block"`` makes the send wait instead: lossless,
-at the cost of latency. The writer batches frames into one transaction of
-``executemany`` calls per table.
+switch interval). The relay's forwarder threads copy every message to the
+recorder's capture socket (in C, without waiting); the recorder's tap
+thread stamps each copy, counts it, and makes one non-blocking ZMQ send of
+it, behind a small header, to the writer process. The ZMQ pipe between them
+is the bounded queue: when it is full the send fails with EAGAIN and the
+frame is dropped from the *recording* (it was forwarded all the same) and
+counted; the count is shown live, in the summary and in the ``sessions``
+row. ``on_full="block"`` makes the send wait instead, and the forwarders
+wait once their copies back up: lossless, at the cost of latency. The
+writer batches frames into one transaction of ``executemany`` calls per
+table.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -32,19 +36,18 @@ import zmq
 
 from replay_proxy import __version__
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.net.relay import FrameEvent
+from replay_proxy.net.relay import CHANNEL_CODE, CHANNELS, FrameEvent, captured
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES, open_database
-from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.messages import Direction, Kind, WireDecoder
 
 BATCH = 2000
 STOP_TIMEOUT_S = 120.0
 # ts_ns, channel, direction, engine index, client index (-1: none), parts that were forwarded changed
 _HEADER = struct.Struct("<qBBiiH")
-_CHANNELS = list(Channel)
 _DIRECTIONS = list(Direction)
-_CHANNEL_CODE = {c: i for i, c in enumerate(_CHANNELS)}  # dict lookups: this runs for every frame
-_DIRECTION_CODE = {d: i for i, d in enumerate(_DIRECTIONS)}
+_DIRECTION_CODE = {d: i for i, d in enumerate(_DIRECTIONS)}  # dict lookups: this runs for every frame
+_RELAY = b"R"  # the identity of the relay thread's frames at the tap
 _ENGINE_LOST = 255  # channel code of an engine event rather than a frame
 # Counters the writer reports after every batch: frames written, requests, engines dead, frames failed.
 _PROGRESS = struct.Struct("<qqqq")
@@ -77,10 +80,18 @@ def _now() -> str:
 
 
 class Recorder:
-    """Records one session; an ``Observer`` for the relay."""
+    """Records one session; an ``Observer`` for the relay.
+
+    Frames reach it two ways: copies from the relay's forwarder threads, which
+    arrive on ``capture`` tagged with their link, and ``frame`` calls from the
+    relay's own thread (the handshake, the coordinator). A tap thread takes
+    both, stamps the copies, counts, and passes everything to the writer
+    process. It is the one place that can drop, so it is the one that counts.
+    """
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *,
-                 on_full: Literal["drop", "block"] = "drop", queue_size: int = 100_000):
+                 on_full: Literal["drop", "block"] = "drop", queue_size: int = 100_000,
+                 context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._seen = self._dropped = self._bytes = 0
         db = open_database(self.db_path)
@@ -91,7 +102,7 @@ class Recorder:
         db.close()
         self._folder = tempfile.mkdtemp(prefix="replay-proxy-")
         tap, progress = f"ipc://{self._folder}/tap", f"ipc://{self._folder}/progress"
-        context = zmq.Context.instance()
+        context = context or zmq.Context.instance()
         self._progress = context.socket(zmq.PULL)
         self._progress.setsockopt(zmq.CONFLATE, 1)  # counts are cumulative: only the newest matters
         self._progress.bind(progress)
@@ -104,33 +115,74 @@ class Recorder:
         self._tap.setsockopt(zmq.LINGER, -1)
         self._tap.connect(tap)
         self._flags = 0 if on_full == "block" else zmq.NOBLOCK
+        # Forwarders must never wait for us when dropping is allowed; when it is not, they wait
+        # once their copy queue holds a queue's worth.
+        self.capture_hwm = max(1, queue_size // 2) if on_full == "block" else 0
+        self.capture = f"inproc://replay-proxy-capture-{uuid.uuid4().hex}"
+        self._collector = context.socket(zmq.ROUTER)
+        self._collector.setsockopt(zmq.RCVHWM, 0)
+        self._collector.bind(self.capture)
+        self._mine = context.socket(zmq.DEALER)  # frames from the relay's own thread
+        self._mine.setsockopt(zmq.SNDHWM, 0)
+        self._mine.setsockopt(zmq.IDENTITY, _RELAY)
+        self._mine.connect(self.capture)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
              progress, str(max(1, queue_size // 2)), str(os.getpid())], stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
+        self._tap_thread = threading.Thread(target=self._pass_on, daemon=True, name="recorder tap")
+        self._tap_thread.start()
         self.status = "recording"
 
-    # --- the hot path: called by the relay's forwarding tasks --------------------------
+    # --- called by the relay's thread ------------------------------------------------------
 
     def frame(self, event: FrameEvent) -> None:
-        if self._tap.closed:  # the session is over: a late report from a peer shutting down
+        if self._mine.closed:  # the session is over: a late report from a peer shutting down
             return
-        self._seen += 1
-        self._bytes += sum(len(f) for f in event.frames)
         changed = len(event.forwarded) if event.forwarded else 0
-        header = _HEADER.pack(event.ts_ns, _CHANNEL_CODE[event.channel], _DIRECTION_CODE[event.direction],
+        header = _HEADER.pack(event.ts_ns, CHANNEL_CODE[event.channel], _DIRECTION_CODE[event.direction],
                               -1 if event.engine_index is None else event.engine_index,
                               -1 if event.client_index is None else event.client_index, changed)
-        try:
-            self._tap.send_multipart([header, *event.frames, *(event.forwarded or ())], self._flags)
-        except zmq.Again:
-            self._dropped += 1
+        self._mine.send_multipart([header, *event.frames, *(event.forwarded or ())])
 
     def engine_lost(self, engine_index: int, reason: str) -> None:
-        if self._tap.closed:
+        if self._mine.closed:
             return
         header = _HEADER.pack(time.time_ns(), _ENGINE_LOST, 0, engine_index, -1, 0)
-        self._tap.send_multipart([header, reason.encode()])
+        self._mine.send_multipart([header, reason.encode()])
+
+    # --- the tap thread -------------------------------------------------------------------
+
+    def _pass_on(self) -> None:
+        """Stamp, count and pass every frame on to the writer, until STOP from the relay's thread."""
+        collector, tap, flags = self._collector, self._tap, self._flags
+        block = 0
+        while True:
+            try:
+                source, *message = collector.recv_multipart(block)
+            except zmq.Again:  # STOP came, and everything queued before it is passed on
+                tap.send_multipart([b""])
+                return
+            if source == _RELAY:
+                if message == [b""]:
+                    block = zmq.NOBLOCK  # STOP: what the forwarders copied is queued; take it all first
+                    continue
+                _, channel, _, _, _, changed = _HEADER.unpack(message[0])
+                if channel == _ENGINE_LOST:
+                    tap.send_multipart(message)
+                    continue
+                parts = message[1:len(message) - changed]
+            else:
+                channel, direction, engine, client = captured(source, message)
+                parts = message
+                message = [_HEADER.pack(time.time_ns(), CHANNEL_CODE[channel], _DIRECTION_CODE[direction],
+                                        engine, client, 0), *message]
+            self._seen += 1
+            self._bytes += sum(map(len, parts))
+            try:
+                tap.send_multipart(message, flags)
+            except zmq.Again:
+                self._dropped += 1
 
     def statistics(self) -> RecorderStats:
         while True:  # the writer's latest report
@@ -143,8 +195,12 @@ class Recorder:
                              self._seen - self._dropped - written - failed, dead)
 
     def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
-        """Flush everything queued, stop the writer, then finish the session row."""
-        self._tap.send_multipart([b""])  # STOP: after every frame already queued
+        """Flush everything queued, stop the writer, then finish the session row.
+
+        Stop the relay first: what its forwarders copy after this is not recorded."""
+        self._mine.send_multipart([b""])  # STOP: after every frame already queued
+        self._mine.close(linger=-1)
+        self._tap_thread.join(STOP_TIMEOUT_S)
         try:
             code = self._process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -154,7 +210,9 @@ class Recorder:
         if code != 0:
             status, error = "incomplete", error or f"the writer process exited with {code}"
         self.status = status
-        self._tap.close(linger=0)
+        if not self._tap_thread.is_alive():  # else it still owns them; the process exit takes them
+            self._tap.close(linger=0)
+            self._collector.close(linger=0)
         self._progress.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
         # The final counts come from the database, where the writer left them: the progress
@@ -231,7 +289,7 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
                 died += 1
                 continue
             parts = message[1:len(message) - changed]
-            event = FrameEvent(ts_ns, _CHANNELS[channel], _DIRECTIONS[direction], engine,
+            event = FrameEvent(ts_ns, CHANNELS[channel], _DIRECTIONS[direction], engine,
                                None if client < 0 else client, parts,
                                message[len(message) - changed:] if changed else None)
             decoded = decoder.decode(event.channel, event.direction, parts)

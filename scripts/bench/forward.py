@@ -152,6 +152,8 @@ def relay(listen: str, upstream: str) -> None:
     from replay_proxy.net.relay import Relay
 
     class Nothing:
+        capture, capture_hwm = None, 0
+
         def frame(self, event) -> None:
             pass
 
