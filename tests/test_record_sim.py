@@ -167,10 +167,12 @@ async def test_engine_core_dead_is_forwarded_and_recorded(session_factory, db_pa
         await session.frontend.add("fatal", [5], max_tokens=4)
         await session.frontend.wait_for(lambda: session.frontend.dead_sentinels == 2)  # on every output socket
     stats = session.recorder.close()
-    assert stats.engines_dead == 2
+    assert stats.engines_dead == 1  # one engine, whose death reached both API servers
     db = sqlite_utils.Database(db_path)
     assert db.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ENGINE_CORE_DEAD'").fetchone()[0] == 2
-    assert [r["event"] for r in db.query("SELECT event FROM engine_events")] == ["ENGINE_CORE_DEAD"] * 2
+    # then, as a real engine does, it exits: its connection may drop before the recording ends
+    events = [r["event"] for r in db.query("SELECT event FROM engine_events ORDER BY seq")]
+    assert events in (["ENGINE_CORE_DEAD"] * 2, ["ENGINE_CORE_DEAD"] * 2 + ["lost"])
 
 
 async def test_the_engine_may_start_before_the_frontend(nursery, db_path):

@@ -39,9 +39,10 @@ from replay_proxy.errors import ReplayProxyError
 from replay_proxy.net.relay import CHANNEL_CODE, CHANNELS, FrameEvent, captured
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES, open_database
-from replay_proxy.wire.messages import Direction, Kind, WireDecoder
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 
 BATCH = 2000
+DECODE_BATCH = 500  # small: the tap is checked again after each
 STOP_TIMEOUT_S = 120.0
 # ts_ns, channel, direction, engine index, client index (-1: none), parts that were forwarded changed
 _HEADER = struct.Struct("<qBBiiH")
@@ -234,7 +235,14 @@ class Recorder:
 
 def _write_session(db_path: str, session_id: int, tap_address: str, progress_address: str,
                    receive_hwm: int, parent: int) -> None:
-    """The writer process: frames from the tap, decoded, into SQLite in batches.
+    """The writer process: frames from the tap into SQLite as they come, decoded when it has time.
+
+    Storing a frame as it arrived costs a few microseconds; decoding it and
+    filling the concept tables, a hundred. So the tap always comes first:
+    frames are written raw, in batches, and decoding catches up whenever the
+    tap is empty (in ``seq`` order, reading the raw rows back), and in full
+    before the writer exits. A burst therefore never backs the queue up into
+    drops, and the decoding work moves to when the peers are idle.
 
     It runs in a session of its own, so the signals that stop the proxy's
     process group do not reach it: the proxy sends STOP after its last frame
@@ -262,63 +270,102 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
         for table, (columns, _) in TABLES.items()
     }
     decoder = WireDecoder()
-    seq = written = requests = dead = failed = 0
+    seq = written = decoded = requests = failed = 0
+    dead: set[int | None] = set()  # engines that sent ENGINE_CORE_DEAD or vanished
     write_error = None
-    stopping = False
-    while not stopping:
-        if not tap.poll(1000):
-            stopping = os.getppid() != parent
-            continue
-        batch = [tap.recv_multipart()]
-        while len(batch) < BATCH:
-            try:
-                batch.append(tap.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                break
+
+    def commit(rows: Rows) -> bool:
+        nonlocal write_error
+        try:
+            with connection:
+                for table, values in rows.tables.items():
+                    connection.executemany(statements[table], values)
+                connection.executemany(Rows.UPDATE_FRAME, rows.frame_updates)
+        except Exception as exc:  # noqa: BLE001 - a full disk, a locked file: count it, keep going
+            write_error = f"{type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def store(batch: list[list[bytes]]) -> bool:
+        """Write a batch from the tap as it came; True once STOP is in it."""
+        nonlocal seq, written, failed
         rows = Rows()
-        frames = added = died = 0
+        frames = 0
+        stop = False
         for message in batch:
             if message == [b""]:
-                stopping = True
+                stop = True
                 continue
             seq += 1
             ts_ns, channel, direction, engine, client, changed = _HEADER.unpack(message[0])
             engine = None if engine < 0 else engine
             if channel == _ENGINE_LOST:
                 rows.add_engine_event(session_id, seq, ts_ns, engine, "lost", message[1].decode())
-                died += 1
+                dead.add(engine)
                 continue
             parts = message[1:len(message) - changed]
-            event = FrameEvent(ts_ns, CHANNELS[channel], _DIRECTIONS[direction], engine,
-                               None if client < 0 else client, parts,
-                               message[len(message) - changed:] if changed else None)
-            decoded = decoder.decode(event.channel, event.direction, parts)
-            rows.add_frame(session_id, seq, event, decoded, decoder.schema)
+            rows.add_raw_frame(session_id, seq, FrameEvent(
+                ts_ns, CHANNELS[channel], _DIRECTIONS[direction], engine, None if client < 0 else client, parts,
+                message[len(message) - changed:] if changed else None))
             frames += 1
-            added += decoded.kind is Kind.ADD
-            died += decoded.kind is Kind.ENGINE_CORE_DEAD
-        try:
-            with connection:
-                for table, values in rows.tables.items():
-                    connection.executemany(statements[table], values)
-        except Exception as exc:  # noqa: BLE001 - a full disk, a locked file: count it, keep going
-            failed += frames
-            write_error = f"{type(exc).__name__}: {exc}"
-        else:
+        if commit(rows):
             written += frames
-            requests += added
-        dead += died
-        progress.send(_PROGRESS.pack(written, requests, dead, failed))
+        else:
+            failed += frames
+        return stop
+
+    def decode_some() -> None:
+        """Decode the next frames written raw, in order."""
+        nonlocal decoded, requests
+        rows = Rows()
+        added = 0
+        last = decoded
+        for r in connection.execute(
+                "SELECT seq, ts_ns, channel, direction, engine_index, client_index, raw, forwarded_raw FROM frames "
+                "WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?", (session_id, decoded, DECODE_BATCH)):
+            last, raw, forwarded = r[0], r[6], r[7]
+            event = FrameEvent(r[1], Channel(r[2]), Direction(r[3]), r[4], r[5], _unpack_parts(raw),
+                               _unpack_parts(forwarded) if forwarded else None)
+            message = decoder.decode(event.channel, event.direction, event.frames)
+            rows.add_decoded(session_id, last, event, message, decoder.schema)
+            added += message.kind is Kind.ADD
+            if message.kind is Kind.ENGINE_CORE_DEAD:
+                dead.add(event.engine_index)
+        commit(rows)  # a failed update leaves the frame raw: it is recorded all the same
+        decoded = last if last > decoded else seq  # no frame rows left (engine events only): caught up
+        requests += added
+
+    stopping = False
+    while True:
+        behind = decoded < seq
+        if tap.poll(0 if behind or stopping else 1000):
+            batch = [tap.recv_multipart()]
+            while len(batch) < BATCH:
+                try:
+                    batch.append(tap.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            stopping |= store(batch)
+        elif behind:
+            decode_some()
+        elif stopping:
+            break
+        else:
+            stopping = os.getppid() != parent
+        progress.send(_PROGRESS.pack(written, requests, len(dead), failed))
     with connection:
         connection.execute(
             "UPDATE sessions SET vllm_version = ?, schema_release = ?, schema_exact = ?, error = ?, "
             "frames_recorded = ?, engines_dead = ? WHERE id = ?",
-            (decoder.vllm_version, decoder.schema.release, int(decoder.schema_exact), write_error, written, dead,
+            (decoder.vllm_version, decoder.schema.release, int(decoder.schema_exact), write_error, written, len(dead),
              session_id))
     connection.close()
     tap.close(linger=0)
     progress.close()
     context.term()
+
+
+_unpack_parts = msgspec.msgpack.Decoder(list[bytes]).decode
 
 
 if __name__ == "__main__":
