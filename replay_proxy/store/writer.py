@@ -43,6 +43,8 @@ from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 
 BATCH = 2000
 DECODE_BATCH = 500  # small: the tap is checked again after each
+QUIET_MS = 20  # decoding waits until the tap has been empty this long ...
+MAX_UNDECODED = 100_000  # ... unless this many frames wait for it
 STOP_TIMEOUT_S = 120.0
 # ts_ns, channel, direction, engine index, client index (-1: none), parts that were forwarded changed
 _HEADER = struct.Struct("<qBBiiH")
@@ -239,10 +241,12 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
 
     Storing a frame as it arrived costs a few microseconds; decoding it and
     filling the concept tables, a hundred. So the tap always comes first:
-    frames are written raw, in batches, and decoding catches up whenever the
-    tap is empty (in ``seq`` order, reading the raw rows back), and in full
-    before the writer exits. A burst therefore never backs the queue up into
-    drops, and the decoding work moves to when the peers are idle.
+    frames are written raw, in batches, and decoding catches up once the tap
+    has been quiet for ``QUIET_MS`` (in ``seq`` order, reading the raw rows
+    back), or when ``MAX_UNDECODED`` frames wait, and in full before the
+    writer exits. A burst therefore never backs the queue up into drops, and
+    the decoding work moves to when the peers are idle instead of competing
+    with them for the CPU.
 
     It runs in a session of its own, so the signals that stop the proxy's
     process group do not reach it: the proxy sends STOP after its last frame
@@ -335,10 +339,11 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
         decoded = last if last > decoded else seq  # no frame rows left (engine events only): caught up
         requests += added
 
-    stopping = False
+    stopping = quiet = False  # quiet: the tap stayed empty for QUIET_MS, the peers are idle
     while True:
         behind = decoded < seq
-        if tap.poll(0 if behind or stopping else 1000):
+        may_decode = stopping or quiet or seq - decoded > MAX_UNDECODED
+        if tap.poll(0 if behind and may_decode else QUIET_MS if behind else 1000):
             batch = [tap.recv_multipart()]
             while len(batch) < BATCH:
                 try:
@@ -346,7 +351,9 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
                 except zmq.Again:
                     break
             stopping |= store(batch)
+            quiet = False
         elif behind:
+            quiet = True
             decode_some()
         elif stopping:
             break
