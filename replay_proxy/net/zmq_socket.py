@@ -74,13 +74,7 @@ class ZmqSocket:
         self._socket = new_socket(context, socket_type, identity=identity, linger_ms=linger_ms, wrap=wrap)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._receive_wait: trio.CancelScope | None = None
-        self._monitored = False
         self.closed = False
-
-    def monitor(self, events: int) -> ZmqSocket:
-        """A socket that receives this socket's ``events`` (see ``monitor``)."""
-        self._monitored = True
-        return monitor(self._socket, events)
 
     def bind(self, address: str) -> str:
         return bind(self._socket, address)
@@ -131,7 +125,5 @@ class ZmqSocket:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self._monitored:
-                self._socket.disable_monitor()
             trio.lowlevel.notify_closing(self._fd)
             self._socket.close()

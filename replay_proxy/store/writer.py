@@ -159,16 +159,16 @@ class Recorder:
     def _pass_on(self) -> None:
         """Stamp, count and pass every frame on to the writer, until STOP from the relay's thread."""
         collector, tap, flags = self._collector, self._tap, self._flags
-        block = 0
+        receive = 0  # wait for frames; after STOP, take only what is queued
         while True:
             try:
-                source, *message = collector.recv_multipart(block)
+                source, *message = collector.recv_multipart(receive)
             except zmq.Again:  # STOP came, and everything queued before it is passed on
                 tap.send_multipart([b""])
                 return
             if source == _RELAY:
                 if message == [b""]:
-                    block = zmq.NOBLOCK  # STOP: what the forwarders copied is queued; take it all first
+                    receive = zmq.NOBLOCK  # STOP: what the forwarders copied is queued; take it all first
                     continue
                 _, channel, _, _, _, changed = _HEADER.unpack(message[0])
                 if channel == _ENGINE_LOST:
