@@ -95,6 +95,24 @@ async def test_the_dp_coordinator_is_passed_through_or_relayed_and_recorded(sess
     assert max(running) > 0 and all(isinstance(n, int) for n in running)
 
 
+async def test_with_a_tiny_queue_block_records_every_forwarded_frame_and_drop_counts_what_it_drops(
+        session_factory, db_path):
+    for on_full in ("block", "drop"):  # one file, two sessions
+        with trio.fail_after(30):
+            session = await session_factory(engines=2, api_servers=2, name=on_full, on_full=on_full, queue_size=2)
+            await run_workload(session, requests=40)
+        stats = session.recorder.close()
+        rows = sqlite_utils.Database(db_path).execute(
+            "SELECT COUNT(*) FROM frames WHERE session_id = ?", [session.recorder.session_id]).fetchone()[0]
+        assert stats.frames_recorded == rows and stats.frames_recorded + stats.frames_dropped == stats.frames_seen
+        if on_full == "block":
+            assert stats.frames_dropped == 0
+            outputs = sqlite_utils.Database(db_path).execute(
+                "SELECT COUNT(*) FROM frames WHERE session_id = ? AND channel = 'output'",
+                [session.recorder.session_id]).fetchone()[0]
+            assert outputs == len(session.frontend.outputs_received)
+
+
 async def test_recorded_columns_are_named_and_typed(session_factory, db_path):
     with trio.fail_after(20):
         session = await session_factory()
