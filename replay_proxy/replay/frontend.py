@@ -47,7 +47,6 @@ from replay_proxy.wire.values import decode_msgpack
 HTTP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
                "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                "min_tokens")
-DELTA = 1  # RequestOutputKind.DELTA: the Python frontend streams
 
 
 class FrontendOutcome(msgspec.Struct):
@@ -271,7 +270,8 @@ class FrontendReplay:
                 **{k: params[k] for k in HTTP_PARAMS if k in params}}
         aborted_after = next((f.progress[recorded["request_id"]] for f in self.recording.inputs
                               if f.kind == "ABORT" and recorded["request_id"] in f.progress), None)
-        stream = params.get("output_kind") == DELTA or aborted_after is not None
+        delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
+        stream = params.get("output_kind") == delta or aborted_after is not None
         with trio.move_on_after(self.finish_timeout) as waiting:
             try:
                 seen = await trio.to_thread.run_sync(completion, f"{self.http}/v1/completions", body, stream,

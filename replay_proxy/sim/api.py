@@ -19,7 +19,6 @@ from replay_proxy.replay.frontend import HTTP_PARAMS
 from replay_proxy.sim.frontend import SimFrontend
 from replay_proxy.store.rows import finish_name
 
-DELTA, FINAL_ONLY = 1, 2  # vLLM's RequestOutputKind: what a streaming / a plain request asks for
 MODEL = "sim"
 
 
@@ -79,8 +78,9 @@ async def _complete(frontend: SimFrontend, stream: trio.SocketStream, body: dict
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streaming = bool(body.get("stream"))
     params = {k: body[k] for k in HTTP_PARAMS if k in body}
+    output_kind = frontend.schema.enums["RequestOutputKind"]["DELTA" if streaming else "FINAL_ONLY"]
     engine, client = await frontend.add_balanced(request_id, [int(t) for t in body["prompt"]],
-                                                 output_kind=DELTA if streaming else FINAL_ONLY, **params)
+                                                 output_kind=output_kind, **params)
     tokens = frontend.tokens[request_id]
     if not streaming:
         await frontend.wait_for(lambda: request_id in frontend.finish_reasons)
