@@ -7,10 +7,13 @@ float reduction order, so greedy tokens are compared with a direct DP=2 run
 of the same layout, not with the single-engine recording.
 """
 
+import contextlib
 import json
 import os
 import signal
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +45,32 @@ def complete(http, prompt, max_tokens):
     body = {"model": str(peers.MODEL), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True}
     return peers.post(http, "/v1/completions", body)["choices"][0]["token_ids"]
+
+
+@contextlib.contextmanager
+def holding_engine_0(http):
+    """A long streaming request in flight while the block runs; the client drops it at the end."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold():
+        body = {"model": str(peers.MODEL), "prompt": [1, 2, 3], "max_tokens": 100_000, "ignore_eos": True,
+                "temperature": 0.0, "stream": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for line in response:
+                started.set()
+                if release.is_set():
+                    return
+
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(hold)
+        assert started.wait(60), "the held request never streamed"
+        try:
+            yield
+        finally:
+            release.set()
+            holder.result(timeout=60)
 
 
 def bring_up(logs, frontend, db=None, model=peers.MODEL, *proxy_options):
@@ -130,7 +159,11 @@ def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, direct):
     http, children = bring_up(tmp_path, lambda h, u: peers.rust_frontend(tmp_path, h, u, dp=2), db_path)
     try:
         peers.wait_http_ready(http, children, timeout=300)
-        got = run_pairs(http, prompts[:2])
+        # vllm-rs routes to the engine with the fewest requests in flight (ties: engine 0). A request
+        # held open on engine 0 sends the first one to engine 1, every time; then engine 0 is free.
+        with holding_engine_0(http):
+            got = [complete(http, *prompts[0])]
+        got.append(complete(http, *prompts[1]))
         os.killpg(children[2].pid, signal.SIGKILL)  # engine rank 1 vanishes: no ENGINE_CORE_DEAD
         db = sqlite_utils.Database(db_path)
         deadline = time.monotonic() + 30
@@ -151,7 +184,7 @@ def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, direct):
     # Engine 1 is lost before the last request; engine 0 only when the test stops it, at the end.
     assert (events[0]["engine_index"], events[0]["event"]) == (1, "lost") and events[0]["seq"] < last_request
     assert all(e["seq"] > last_request for e in events[1:])
-    assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3
+    assert db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 4  # the held one, the two, the last
 
 
 def test_a_fatal_engine_error_is_recorded_and_the_proxy_exits_cleanly(tmp_path):
