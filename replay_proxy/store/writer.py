@@ -5,15 +5,17 @@ Theory of operation: decoding and SQLite writing happen in a separate
 in the proxy process made its p99 round trip several milliseconds, one GIL
 switch interval). The relay's forwarder threads copy every message to the
 recorder's capture socket (in C, without waiting); the recorder's tap
-thread stamps each copy, counts it, and makes one non-blocking ZMQ send of
-it, behind a small header, to the writer process. The ZMQ pipe between them
-is the bounded queue: when it is full the send fails with EAGAIN and the
-frame is dropped from the *recording* (it was forwarded all the same) and
-counted; the count is shown live, in the summary and in the ``sessions``
-row. ``on_full="block"`` makes the send wait instead, and the forwarders
-wait once their copies back up: lossless, at the cost of latency. The
-writer batches frames into one transaction of ``executemany`` calls per
-table.
+thread stamps each copy, counts it, and passes what has queued up, up to
+``TAP_BATCH`` frames, to the writer process as one ZMQ message (a ZMQ
+message costs about 10 us in pyzmq and libzmq, so a burst pays it once per
+batch, not per frame). The queue is bounded in frames: the writer reports
+how many it has written, and a batch that would put more than
+``queue_size`` frames between the tap and SQLite is dropped from the
+*recording* (it was forwarded all the same) and counted; the count is shown
+live, in the summary and in the ``sessions`` row. ``on_full="block"`` makes
+the tap wait for the writer instead, and the forwarders wait once their
+copies back up: lossless, at the cost of latency. The writer batches frames
+into one transaction of ``executemany`` calls per table.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ from replay_proxy.store.tables import TABLES, open_database
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 
 BATCH = 2000
+TAP_BATCH = 256  # frames per message from the tap to the writer, at most
+PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
 DECODE_BATCH = 500  # small: the tap is checked again after each
 QUIET_MS = 20  # decoding waits until the tap has been empty this long ...
 MAX_UNDECODED = 100_000  # ... unless this many frames wait for it
 STOP_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 60.0
 # ts_ns, channel, direction, engine index, client index (-1: none), parts that were forwarded changed
 _HEADER = struct.Struct("<qBBiiH")
 _DIRECTIONS = list(Direction)
@@ -54,6 +59,9 @@ _RELAY = b"R"  # the identity of the relay thread's frames at the tap
 _ENGINE_LOST = 255  # channel code of an engine event rather than a frame
 # Counters the writer reports after every batch: frames written, requests, engines dead, frames failed.
 _PROGRESS = struct.Struct("<qqqq")
+# A message from the tap: a list of [header, *parts, *forwarded parts] (b"": STOP).
+_encode_batch = msgspec.msgpack.Encoder().encode
+_decode_batch = msgspec.msgpack.Decoder(list[list[bytes]]).decode
 
 
 class RecorderError(ReplayProxyError):
@@ -97,6 +105,8 @@ class Recorder:
                  context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._seen = self._dropped = self._bytes = 0
+        self._sent = 0  # frames passed on to the writer
+        self._queue_size = queue_size
         db = open_database(self.db_path)
         self.session_id = db["sessions"].insert({
             **msgspec.to_builtins(session), "started_at": _now(), "status": "recording",
@@ -106,24 +116,26 @@ class Recorder:
         self._folder = tempfile.mkdtemp(prefix="replay-proxy-")
         tap, progress = f"ipc://{self._folder}/tap", f"ipc://{self._folder}/progress"
         context = context or zmq.Context.instance()
+        # Read by the tap thread only; counts are cumulative, so only the newest matters.
         self._progress = context.socket(zmq.PULL)
-        self._progress.setsockopt(zmq.CONFLATE, 1)  # counts are cumulative: only the newest matters
+        self._progress.setsockopt(zmq.CONFLATE, 1)
         self._progress.bind(progress)
         self._counters = (0, 0, 0, 0)
+        self._progress_due = 0.0  # when the tap thread reads the writer's progress next
         # We connect, the writer binds: a connecting PUSH queues from the first frame on,
-        # even before the writer process has started.
+        # even before the writer process has started. Unbounded here: the tap counts.
         self._tap = context.socket(zmq.PUSH)
-        # The queue holds up to queue_size frames: half on each side of the pipe.
-        self._tap.setsockopt(zmq.SNDHWM, max(1, queue_size // 2))
+        self._tap.setsockopt(zmq.SNDHWM, 0)
         self._tap.setsockopt(zmq.LINGER, -1)
         self._tap.connect(tap)
-        self._flags = 0 if on_full == "block" else zmq.NOBLOCK
+        self._block = on_full == "block"
         # Forwarders must never wait for us when dropping is allowed; when it is not, they wait
-        # once their copy queue holds a queue's worth.
-        self.capture_hwm = max(1, queue_size // 2) if on_full == "block" else 0
+        # once their copy queue holds a queue's worth (an inproc pipe is bounded only if both ends are).
+        self.capture_hwm = max(1, queue_size // 2) if self._block else 0
         self.capture = f"inproc://replay-proxy-capture-{uuid.uuid4().hex}"
         self._collector = context.socket(zmq.ROUTER)
-        self._collector.setsockopt(zmq.RCVHWM, 0)
+        self._collector.setsockopt(zmq.RCVHWM, self.capture_hwm)
+        self._collector.setsockopt(zmq.RCVTIMEO, PROGRESS_WAIT_MS)
         self._collector.bind(self.capture)
         self._mine = context.socket(zmq.DEALER)  # frames from the relay's own thread
         self._mine.setsockopt(zmq.SNDHWM, 0)
@@ -131,11 +143,28 @@ class Recorder:
         self._mine.connect(self.capture)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(max(1, queue_size // 2)), str(os.getpid())], stdin=subprocess.DEVNULL,
+             progress, str(os.getpid())], stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
+        # Its start (imports, opening the database) takes a CPU for a while: have it done before
+        # the relay opens, not while the first frames pass.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._progress.poll(100):  # its first report says it has started
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self._give_up_starting()
         self._tap_thread = threading.Thread(target=self._pass_on, daemon=True, name="recorder tap")
         self._tap_thread.start()
         self.status = "recording"
+
+    def _give_up_starting(self) -> None:
+        self._process.kill()
+        for sock in (self._tap, self._collector, self._mine, self._progress):
+            sock.close(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+        error = f"the writer process did not start (exit code {self._process.wait(5)})"
+        db = open_database(self.db_path)
+        db["sessions"].update(self.session_id, {"ended_at": _now(), "status": "failed", "error": error})
+        db.close()
+        raise RecorderError(error)
 
     # --- called by the relay's thread ------------------------------------------------------
 
@@ -158,41 +187,66 @@ class Recorder:
 
     def _pass_on(self) -> None:
         """Stamp, count and pass every frame on to the writer, until STOP from the relay's thread."""
-        collector, tap, flags = self._collector, self._tap, self._flags
-        receive = 0  # wait for frames; after STOP, take only what is queued
+        collector = self._collector
+        most = min(TAP_BATCH, self._queue_size)
+        receive = 0  # wait for frames (up to PROGRESS_WAIT_MS); after STOP, take only what is queued
         while True:
-            try:
-                source, *message = collector.recv_multipart(receive)
-            except zmq.Again:  # STOP came, and everything queued before it is passed on
-                tap.send_multipart([b""])
+            batch: list[list[bytes]] = []
+            frames = 0
+            while frames < most:
+                try:
+                    source, *message = collector.recv_multipart(zmq.NOBLOCK if batch else receive)
+                except zmq.Again:
+                    break
+                if source == _RELAY:
+                    if message == [b""]:
+                        receive = zmq.NOBLOCK  # STOP: what the forwarders copied is queued; take it all first
+                        continue
+                    _, channel, _, _, _, changed = _HEADER.unpack(message[0])
+                    if channel == _ENGINE_LOST:
+                        batch.append(message)
+                        continue
+                    parts = message[1:len(message) - changed]
+                else:
+                    channel, direction, engine, client = captured(source, message)
+                    parts = message
+                    message = [_HEADER.pack(time.time_ns(), CHANNEL_CODE[channel], _DIRECTION_CODE[direction],
+                                            engine, client, 0), *message]
+                batch.append(message)
+                frames += 1
+                self._bytes += sum(map(len, parts))
+            self._seen += frames
+            if time.monotonic() >= self._progress_due:
+                self._read_progress(0)
+            if batch:
+                self._send(batch, frames)
+            elif receive:  # STOP came, and everything queued before it is passed on
+                self._tap.send(b"")
                 return
-            if source == _RELAY:
-                if message == [b""]:
-                    receive = zmq.NOBLOCK  # STOP: what the forwarders copied is queued; take it all first
-                    continue
-                _, channel, _, _, _, changed = _HEADER.unpack(message[0])
-                if channel == _ENGINE_LOST:
-                    tap.send_multipart(message)
-                    continue
-                parts = message[1:len(message) - changed]
-            else:
-                channel, direction, engine, client = captured(source, message)
-                parts = message
-                message = [_HEADER.pack(time.time_ns(), CHANNEL_CODE[channel], _DIRECTION_CODE[direction],
-                                        engine, client, 0), *message]
-            self._seen += 1
-            self._bytes += sum(map(len, parts))
-            try:
-                tap.send_multipart(message, flags)
-            except zmq.Again:
-                self._dropped += 1
+
+    def _send(self, batch: list[list[bytes]], frames: int) -> None:
+        """Pass a batch on, or drop it if the queue has no room for it (in block mode: wait for room)."""
+        if not self._has_room(frames):
+            self._read_progress(0)  # the count we have may be stale
+            while not self._has_room(frames):
+                if not self._block or self._process.poll() is not None:
+                    self._dropped += frames
+                    return
+                self._read_progress(PROGRESS_WAIT_MS)
+        self._tap.send(_encode_batch(batch))
+        self._sent += frames
+
+    def _has_room(self, frames: int) -> bool:
+        written, _, _, failed = self._counters
+        return self._sent - written - failed + frames <= self._queue_size
+
+    def _read_progress(self, timeout_ms: int) -> None:
+        """Take the writer's latest report, waiting up to ``timeout_ms`` for one."""
+        if self._progress.poll(timeout_ms):
+            self._counters = _PROGRESS.unpack(self._progress.recv())
+        self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
 
     def statistics(self) -> RecorderStats:
-        while True:  # the writer's latest report
-            try:
-                self._counters = _PROGRESS.unpack(self._progress.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
         written, requests, dead, failed = self._counters
         return RecorderStats(self._seen, written, self._dropped + failed, self._bytes, requests,
                              self._seen - self._dropped - written - failed, dead)
@@ -214,9 +268,8 @@ class Recorder:
             status, error = "incomplete", error or f"the writer process exited with {code}"
         self.status = status
         if not self._tap_thread.is_alive():  # else it still owns them; the process exit takes them
-            self._tap.close(linger=0)
-            self._collector.close(linger=0)
-        self._progress.close(linger=0)
+            for sock in (self._tap, self._collector, self._progress):
+                sock.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
         # The final counts come from the database, where the writer left them: the progress
         # socket only keeps the newest live report, and the last one may still be in flight.
@@ -235,8 +288,7 @@ class Recorder:
         return stats
 
 
-def _write_session(db_path: str, session_id: int, tap_address: str, progress_address: str,
-                   receive_hwm: int, parent: int) -> None:
+def _write_session(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int) -> None:
     """The writer process: frames from the tap into SQLite as they come, decoded when it has time.
 
     Storing a frame as it arrived costs a few microseconds; decoding it and
@@ -259,7 +311,7 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
 
     context = zmq.Context()
     tap = context.socket(zmq.PULL)
-    tap.setsockopt(zmq.RCVHWM, receive_hwm)
+    tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
     tap.bind(tap_address)
     progress = context.socket(zmq.PUSH)
     # Only the newest count matters, and a send must never block on a proxy that is gone.
@@ -290,16 +342,12 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
             return False
         return True
 
-    def store(batch: list[list[bytes]]) -> bool:
-        """Write a batch from the tap as it came; True once STOP is in it."""
+    def store(batch: list[list[bytes]]) -> None:
+        """Write frames from the tap as they came."""
         nonlocal seq, written, failed
         rows = Rows()
         frames = 0
-        stop = False
         for message in batch:
-            if message == [b""]:
-                stop = True
-                continue
             seq += 1
             ts_ns, channel, direction, engine, client, changed = _HEADER.unpack(message[0])
             engine = None if engine < 0 else engine
@@ -316,7 +364,6 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
             written += frames
         else:
             failed += frames
-        return stop
 
     def decode_some() -> None:
         """Decode the next frames written raw, in order."""
@@ -339,18 +386,23 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
         decoded = last if last > decoded else seq  # no frame rows left (engine events only): caught up
         requests += added
 
+    progress.send(_PROGRESS.pack(0, 0, 0, 0))  # started
     stopping = quiet = False  # quiet: the tap stayed empty for QUIET_MS, the peers are idle
     while True:
         behind = decoded < seq
         may_decode = stopping or quiet or seq - decoded > MAX_UNDECODED
         if tap.poll(0 if behind and may_decode else QUIET_MS if behind else 1000):
-            batch = [tap.recv_multipart()]
+            batch: list[list[bytes]] = []
             while len(batch) < BATCH:
                 try:
-                    batch.append(tap.recv_multipart(zmq.NOBLOCK))
+                    message = tap.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-            stopping |= store(batch)
+                if not message:  # STOP: the proxy's last frame is in
+                    stopping = True
+                    break
+                batch += _decode_batch(message)
+            store(batch)
             quiet = False
         elif behind:
             quiet = True
@@ -376,4 +428,4 @@ _unpack_parts = msgspec.msgpack.Decoder(list[bytes]).decode
 
 
 if __name__ == "__main__":
-    _write_session(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    _write_session(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))

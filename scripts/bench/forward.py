@@ -8,7 +8,8 @@ round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
 rate of 600-byte outputs whose dropped frames are counted.
 
-    .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000]
+    .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
+        [--skip direct] [--skip relay]
 """
 
 from __future__ import annotations
@@ -222,9 +223,12 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10000, help="messages/s in the paced run")
     parser.add_argument("--rate-seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--skip", action="append", default=[], choices=["direct", "relay"],
+                        help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
-    cases = ["direct", "zmq.proxy (C)", "replay-proxy relay", "replay-proxy recording"]
+    cases = [name for name in ["direct", "zmq.proxy (C)", "replay-proxy relay", "replay-proxy recording"]
+             if name.split()[-1] not in args.skip]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
         for name in cases:

@@ -63,3 +63,17 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
         time.sleep(0.2)
     assert not Path(f"/proc/{writer}").exists() or "Z" in Path(f"/proc/{writer}/stat").read_text().split()[2]
     assert sqlite_utils.Database(db)["aborts"].count == 50
+
+
+def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    from replay_proxy.store.writer import RecorderError
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the writer process exits at once
+    with pytest.raises(RecorderError, match="did not start"):
+        Recorder(db_path, SessionInfo(name="doomed"))
+    row = next(sqlite_utils.Database(db_path).query("SELECT status, error FROM sessions"))
+    assert row["status"] == "failed" and "exit code 1" in row["error"]
