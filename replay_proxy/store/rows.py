@@ -27,27 +27,15 @@ def _sqlite_value(value: int) -> int | str:
 class Rows:
     """Rows for every table, accumulated over a batch of frames."""
 
-    # Decoding fills in these columns of a frame row written before.
-    UPDATE_FRAME = "UPDATE frames SET kind = ?, decoded = ?, decode_error = ?, flags = ? WHERE session_id = ? AND seq = ?"
-
     def __init__(self):
         self.tables: dict[str, list[tuple]] = defaultdict(list)
-        self.frame_updates: list[tuple] = []
 
     def _add(self, table: str, **row: Any) -> None:
         values = [row.get(c) for c in TABLES[table][0]]
         self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v for v in values]))
 
-    def add_raw_frame(self, session_id: int, seq: int, event) -> None:
-        """The frame row as it arrived: bytes and where they went, not yet decoded."""
-        self._add("frames", session_id=session_id, seq=seq, ts_ns=event.ts_ns, channel=str(event.channel),
-                  direction=str(event.direction), engine_index=event.engine_index,
-                  client_index=event.client_index, n_parts=len(event.frames),
-                  nbytes=sum(map(len, event.frames)), raw=_raw.encode(event.frames),
-                  forwarded_raw=_raw.encode(event.forwarded) if event.forwarded else None)
-
-    def add_decoded(self, session_id: int, seq: int, event, message: Message, schema: Schema) -> None:
-        """What decoding a frame adds: its named fields (an update of its row) and every concept row."""
+    def add_frame(self, session_id: int, seq: int, event, message: Message, schema: Schema) -> None:
+        """A frame's row (its bytes, where they went, its named fields) and every concept row it makes."""
         where = dict(session_id=session_id, seq=seq, ts_ns=event.ts_ns,
                      engine_index=event.engine_index, client_index=event.client_index)
         error = message.error
@@ -56,8 +44,11 @@ class Rows:
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
-        self.frame_updates.append((str(message.kind), to_json(message.fields), error,
-                                   to_json(message.flags) if message.flags else None, session_id, seq))
+        self._add("frames", **where, channel=str(event.channel), direction=str(event.direction),
+                  kind=str(message.kind), n_parts=len(event.frames), nbytes=sum(map(len, event.frames)),
+                  raw=_raw.encode(event.frames), forwarded_raw=_raw.encode(event.forwarded) if event.forwarded else None,
+                  decoded=to_json(message.fields), decode_error=error,
+                  flags=to_json(message.flags) if message.flags else None)
 
     def _concepts(self, where: dict, event, message: Message, schema: Schema) -> None:
         fields, kind = message.fields, message.kind

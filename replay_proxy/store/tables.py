@@ -83,6 +83,11 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
     }, ["session_id", "seq"]),
+    # What the recorder has kept but not yet decoded: batches as the tap passed them, frames
+    # first_seq onwards. Emptied as the writer catches up; empty once a session is finished.
+    "undecoded": ({
+        "session_id": int, "first_seq": int, "entries": int, "batch": bytes,
+    }, ["session_id", "first_seq"]),
 }
 
 INDEXES = {

@@ -14,8 +14,9 @@ how many it has written, and a batch that would put more than
 *recording* (it was forwarded all the same) and counted; the count is shown
 live, in the summary and in the ``sessions`` row. ``on_full="block"`` makes
 the tap wait for the writer instead, and the forwarders wait once their
-copies back up: lossless, at the cost of latency. The writer batches frames
-into one transaction of ``executemany`` calls per table.
+copies back up: lossless, at the cost of latency. The writer keeps each
+batch as it came, as one row, and decodes it into the frame and concept
+tables when the peers are idle (see ``_write_session``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES, open_database
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 
-BATCH = 2000
 TAP_BATCH = 256  # frames per message from the tap to the writer, at most
+KEEP_BATCHES = 64  # tap messages kept per transaction, at most
+DECODE_ENTRIES = 500  # frames decoded per transaction, about: the tap is checked again after each
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
-DECODE_BATCH = 500  # small: the tap is checked again after each
 QUIET_MS = 20  # decoding waits until the tap has been empty this long ...
 MAX_UNDECODED = 100_000  # ... unless this many frames wait for it
 STOP_TIMEOUT_S = 120.0
@@ -59,7 +60,9 @@ _RELAY = b"R"  # the identity of the relay thread's frames at the tap
 _ENGINE_LOST = 255  # channel code of an engine event rather than a frame
 # Counters the writer reports after every batch: frames written, requests, engines dead, frames failed.
 _PROGRESS = struct.Struct("<qqqq")
-# A message from the tap: a list of [header, *parts, *forwarded parts] (b"": STOP).
+# A message from the tap: its counts (entries, of which frames), then a msgpack list of entries,
+# each [header, *parts, *forwarded parts]; an entry is a frame or an engine event. [b""]: STOP.
+_COUNTS = struct.Struct("<ii")
 _encode_batch = msgspec.msgpack.Encoder().encode
 _decode_batch = msgspec.msgpack.Decoder(list[list[bytes]]).decode
 
@@ -221,7 +224,7 @@ class Recorder:
             if batch:
                 self._send(batch, frames)
             elif receive:  # STOP came, and everything queued before it is passed on
-                self._tap.send(b"")
+                self._tap.send_multipart([b""])
                 return
 
     def _send(self, batch: list[list[bytes]], frames: int) -> None:
@@ -233,7 +236,7 @@ class Recorder:
                     self._dropped += frames
                     return
                 self._read_progress(PROGRESS_WAIT_MS)
-        self._tap.send(_encode_batch(batch))
+        self._tap.send_multipart([_COUNTS.pack(len(batch), frames), _encode_batch(batch)])
         self._sent += frames
 
     def _has_room(self, frames: int) -> bool:
@@ -289,16 +292,17 @@ class Recorder:
 
 
 def _write_session(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int) -> None:
-    """The writer process: frames from the tap into SQLite as they come, decoded when it has time.
+    """The writer process: batches from the tap into SQLite as they come, decoded when it has time.
 
-    Storing a frame as it arrived costs a few microseconds; decoding it and
-    filling the concept tables, a hundred. So the tap always comes first:
-    frames are written raw, in batches, and decoding catches up once the tap
-    has been quiet for ``QUIET_MS`` (in ``seq`` order, reading the raw rows
-    back), or when ``MAX_UNDECODED`` frames wait, and in full before the
-    writer exits. A burst therefore never backs the queue up into drops, and
-    the decoding work moves to when the peers are idle instead of competing
-    with them for the CPU.
+    Keeping a batch as the tap passed it is one row, a few microseconds a
+    frame; decoding its frames and filling the frame and concept tables, about
+    a hundred. So the tap always comes first: batches go to the ``undecoded``
+    table, and decoding catches up (in ``seq`` order, one batch per
+    transaction, deleting it from ``undecoded``) once the tap has been quiet
+    for ``QUIET_MS``, or when ``MAX_UNDECODED`` frames wait, and in full
+    before the writer exits. A burst therefore never backs the queue up into
+    drops, and the decoding work moves to when the peers are idle instead of
+    competing with them for the CPU.
 
     It runs in a session of its own, so the signals that stop the proxy's
     process group do not reach it: the proxy sends STOP after its last frame
@@ -330,61 +334,78 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
     dead: set[int | None] = set()  # engines that sent ENGINE_CORE_DEAD or vanished
     write_error = None
 
-    def commit(rows: Rows) -> bool:
+    def commit(rows: Rows, *, done: tuple[int, int] | None = None) -> bool:
+        """Write the rows in one transaction; ``done``: the undecoded batches they replace (first_seq range)."""
         nonlocal write_error
         try:
             with connection:
                 for table, values in rows.tables.items():
                     connection.executemany(statements[table], values)
-                connection.executemany(Rows.UPDATE_FRAME, rows.frame_updates)
+                if done is not None:
+                    connection.execute("DELETE FROM undecoded WHERE session_id = ? AND first_seq BETWEEN ? AND ?",
+                                       (session_id, *done))
         except Exception as exc:  # noqa: BLE001 - a full disk, a locked file: count it, keep going
             write_error = f"{type(exc).__name__}: {exc}"
             return False
         return True
 
-    def store(batch: list[list[bytes]]) -> None:
-        """Write frames from the tap as they came."""
+    def keep(batches: list[list[bytes]]) -> None:
+        """Keep the tap's batches as they came, numbering their frames."""
         nonlocal seq, written, failed
         rows = Rows()
         frames = 0
-        for message in batch:
-            seq += 1
-            ts_ns, channel, direction, engine, client, changed = _HEADER.unpack(message[0])
-            engine = None if engine < 0 else engine
-            if channel == _ENGINE_LOST:
-                rows.add_engine_event(session_id, seq, ts_ns, engine, "lost", message[1].decode())
-                dead.add(engine)
-                continue
-            parts = message[1:len(message) - changed]
-            rows.add_raw_frame(session_id, seq, FrameEvent(
-                ts_ns, CHANNELS[channel], _DIRECTIONS[direction], engine, None if client < 0 else client, parts,
-                message[len(message) - changed:] if changed else None))
-            frames += 1
+        for counts, batch in batches:
+            entries, batch_frames = _COUNTS.unpack(counts)
+            rows.tables["undecoded"].append((session_id, seq + 1, entries, batch))
+            seq += entries
+            frames += batch_frames
         if commit(rows):
             written += frames
         else:
             failed += frames
 
     def decode_some() -> None:
-        """Decode the next frames written raw, in order."""
+        """Decode and tabulate the oldest undecoded batches; batches that fail stay undecoded."""
         nonlocal decoded, requests
         rows = Rows()
+        added = entries = 0
+        first = last = None
+        oldest = connection.execute(
+            "SELECT first_seq, entries, batch FROM undecoded WHERE session_id = ? AND first_seq > ? "
+            "ORDER BY first_seq", (session_id, decoded))
+        for first_seq, count, batch in oldest:
+            first = first_seq if first is None else first
+            last, entries = first_seq, entries + count
+            added += tabulate(rows, first_seq, batch)
+            if entries >= DECODE_ENTRIES:
+                break
+        oldest.close()
+        if first is None:  # only batches whose keeping failed were left: nothing to decode
+            decoded = seq
+            return
+        if commit(rows, done=(first, last)):
+            requests += added
+        decoded = last + count - 1
+
+    def tabulate(rows: Rows, first: int, batch: bytes) -> int:
+        """Add the rows of one kept batch, its first entry numbered ``first``; return its ADD count."""
         added = 0
-        last = decoded
-        for r in connection.execute(
-                "SELECT seq, ts_ns, channel, direction, engine_index, client_index, raw, forwarded_raw FROM frames "
-                "WHERE session_id = ? AND seq > ? ORDER BY seq LIMIT ?", (session_id, decoded, DECODE_BATCH)):
-            last, raw, forwarded = r[0], r[6], r[7]
-            event = FrameEvent(r[1], Channel(r[2]), Direction(r[3]), r[4], r[5], _unpack_parts(raw),
-                               _unpack_parts(forwarded) if forwarded else None)
+        for number, entry in enumerate(_decode_batch(batch), first):
+            ts_ns, channel, direction, engine, client, changed = _HEADER.unpack(entry[0])
+            engine = None if engine < 0 else engine
+            if channel == _ENGINE_LOST:
+                rows.add_engine_event(session_id, number, ts_ns, engine, "lost", entry[1].decode())
+                dead.add(engine)
+                continue
+            event = FrameEvent(ts_ns, CHANNELS[channel], _DIRECTIONS[direction], engine,
+                               None if client < 0 else client, entry[1:len(entry) - changed],
+                               entry[len(entry) - changed:] if changed else None)
             message = decoder.decode(event.channel, event.direction, event.frames)
-            rows.add_decoded(session_id, last, event, message, decoder.schema)
+            rows.add_frame(session_id, number, event, message, decoder.schema)
             added += message.kind is Kind.ADD
             if message.kind is Kind.ENGINE_CORE_DEAD:
                 dead.add(event.engine_index)
-        commit(rows)  # a failed update leaves the frame raw: it is recorded all the same
-        decoded = last if last > decoded else seq  # no frame rows left (engine events only): caught up
-        requests += added
+        return added
 
     progress.send(_PROGRESS.pack(0, 0, 0, 0))  # started
     stopping = quiet = False  # quiet: the tap stayed empty for QUIET_MS, the peers are idle
@@ -392,17 +413,17 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
         behind = decoded < seq
         may_decode = stopping or quiet or seq - decoded > MAX_UNDECODED
         if tap.poll(0 if behind and may_decode else QUIET_MS if behind else 1000):
-            batch: list[list[bytes]] = []
-            while len(batch) < BATCH:
+            batches: list[list[bytes]] = []
+            while len(batches) < KEEP_BATCHES:
                 try:
-                    message = tap.recv(zmq.NOBLOCK)
+                    message = tap.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if not message:  # STOP: the proxy's last frame is in
+                if message == [b""]:  # STOP: the proxy's last frame is in
                     stopping = True
                     break
-                batch += _decode_batch(message)
-            store(batch)
+                batches.append(message)
+            keep(batches)
             quiet = False
         elif behind:
             quiet = True
@@ -422,9 +443,6 @@ def _write_session(db_path: str, session_id: int, tap_address: str, progress_add
     tap.close(linger=0)
     progress.close()
     context.term()
-
-
-_unpack_parts = msgspec.msgpack.Decoder(list[bytes]).decode
 
 
 if __name__ == "__main__":
