@@ -77,3 +77,19 @@ def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path
         Recorder(db_path, SessionInfo(name="doomed"))
     row = next(sqlite_utils.Database(db_path).query("SELECT status, error FROM sessions"))
     assert row["status"] == "failed" and "exit code 1" in row["error"]
+
+
+def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_live(db_path):
+    import time
+
+    recorder = Recorder(db_path, SessionInfo(name="live"))
+    for _ in range(10):
+        recorder.frame(FRAME)
+    db = sqlite_utils.Database(db_path)
+    deadline = time.monotonic() + 20
+    while db["frames"].count < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r["kind"] for r in db.query("SELECT kind FROM frames ORDER BY seq")] == ["ABORT"] * 10
+    assert db["undecoded"].count == 0  # each kept batch is deleted as it is decoded
+    stats = recorder.close()
+    assert (stats.frames_recorded, db["aborts"].count, db["undecoded"].count) == (10, 10, 0)
