@@ -232,10 +232,14 @@ class Recorder:
         if not self._has_room(frames):
             self._read_progress(0)  # the count we have may be stale
             while not self._has_room(frames):
-                if not self._block or self._process.poll() is not None:
-                    self._dropped += frames
+                if self._block and self._process.poll() is None:
+                    self._read_progress(PROGRESS_WAIT_MS)
+                    continue
+                self._dropped += frames  # from the recording: they were forwarded all the same
+                # An engine's loss is no frame: it takes no room, and is kept.
+                batch, frames = [entry for entry in batch if _HEADER.unpack(entry[0])[1] == _ENGINE_LOST], 0
+                if not batch:
                     return
-                self._read_progress(PROGRESS_WAIT_MS)
         self._tap.send_multipart([_COUNTS.pack(len(batch), frames), _encode_batch(batch)])
         self._sent += frames
 

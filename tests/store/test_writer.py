@@ -93,3 +93,15 @@ def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_li
     assert db["undecoded"].count == 0  # each kept batch is deleted as it is decoded
     stats = recorder.close()
     assert (stats.frames_recorded, db["aborts"].count, db["undecoded"].count) == (10, 10, 0)
+
+
+def test_a_full_queue_drops_frames_but_never_an_engine_loss(db_path):
+    recorder = Recorder(db_path, SessionInfo(name="losses"), queue_size=2)
+    for i in range(1000):
+        recorder.frame(FRAME)
+        recorder.engine_lost(i, "gone")
+    stats = recorder.close()
+    assert stats.frames_dropped > 0
+    db = sqlite_utils.Database(db_path)
+    assert db["engine_events"].count == 1000
+    assert stats.engines_dead == 1000
