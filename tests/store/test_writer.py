@@ -1,11 +1,14 @@
 """The recorder's bounded queue: drops are counted, never silent; 'block' loses nothing."""
 
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import sqlite_utils
 
 from replay_proxy.net.relay import FrameEvent
-from replay_proxy.store.writer import Recorder, SessionInfo
+from replay_proxy.store.writer import Recorder, RecorderError, SessionInfo
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
 
@@ -40,8 +43,6 @@ def test_block_policy_records_everything(db_path):
 def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
     """A SIGKILLed proxy sends no STOP: the writer notices its new parent and exits, keeping what it had."""
     import subprocess
-    import sys
-    import time
 
     script = (
         "import os, sys, time\n"
@@ -66,12 +67,6 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
 
 
 def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path, monkeypatch):
-    import sys
-
-    import pytest
-
-    from replay_proxy.store.writer import RecorderError
-
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the writer process exits at once
     with pytest.raises(RecorderError, match="did not start"):
         Recorder(db_path, SessionInfo(name="doomed"))
@@ -80,8 +75,6 @@ def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path
 
 
 def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_live(db_path):
-    import time
-
     recorder = Recorder(db_path, SessionInfo(name="live"))
     for _ in range(10):
         recorder.frame(FRAME)
