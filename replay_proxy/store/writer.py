@@ -42,7 +42,7 @@ from replay_proxy.errors import ReplayProxyError
 from replay_proxy.net.relay import CHANNEL_CODE, CHANNELS, FrameEvent, captured
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES, open_database
-from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.messages import Direction, Kind, WireDecoder
 
 TAP_BATCH = 256  # frames per message from the tap to the writer, at most
 KEEP_BATCHES = 64  # tap messages kept per transaction, at most
