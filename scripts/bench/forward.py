@@ -1,15 +1,17 @@
 """Forwarding cost of the proxy, side by side in one run.
 
-Four ways between the same frontend and engine peers (each peer in its own
+Six ways between the same frontend and engine peers (each peer in its own
 process, plain pyzmq, the real handshake): direct; libzmq's own C forwarder
-(``zmq.proxy``, the floor: the extra process hop alone); replay-proxy
+(``zmq.proxy``, the floor: the extra process hop alone); the same with every
+message also copied out of the forwarding path and drained by C, or by a
+Python thread, and nothing more (the floors of any recorder); replay-proxy
 relaying without recording; replay-proxy recording to SQLite. For each:
 round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
 rate of 600-byte outputs whose dropped frames are counted.
 
     .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
-        [--skip direct] [--skip relay]
+        [--skip direct] [--skip drain] [--skip relay]
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from replay_proxy.wire.handshake import engine_identity  # noqa: E402
 from replay_proxy.wire.schema import load_schema  # noqa: E402
 
 IDENTITY = engine_identity(0)
+# The C forwarder alone, and with each message also copied out and drained (see c_forwarder).
+FLOORS = {"zmq.proxy (C)": "", "zmq.proxy + C drain": "c", "zmq.proxy + Python drain": "python"}
 SCHEMA = load_schema("0.32.0")
 REQUEST = [b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
     "request_id": "bench-0000", "prompt_token_ids": list(range(40)), "mm_features": None,
@@ -133,17 +137,34 @@ def engine(handshake_address: str) -> None:
         outputs.send_multipart(OUTPUT)
 
 
-def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int) -> None:
-    """libzmq's zmq.proxy for both directions (DEALER<->DEALER for inputs, PULL->PUSH for outputs)."""
+def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int, drain: str) -> None:
+    """libzmq's zmq.proxy for both directions (DEALER<->DEALER for inputs, PULL->PUSH for outputs).
+
+    ``drain`` "c" or "python": each proxy also copies every message to a capture socket, emptied by
+    a C loop that discards (into a PUB nobody subscribes to) or by a Python thread that only receives.
+    These are floors for any recorder: getting each frame out of the forwarding path, and no more.
+    """
     ctx = zmq.Context()
+    captures = [None, None]
+    if drain:
+        sink = socket(ctx, zmq.PULL)
+        sink.bind("inproc://capture")
+        captures = [socket(ctx, zmq.PUSH), socket(ctx, zmq.PUSH)]
+        for capture in captures:
+            capture.connect("inproc://capture")
+        if drain == "c":
+            threading.Thread(target=zmq.proxy, args=(sink, socket(ctx, zmq.PUB)), daemon=True).start()
+        else:
+            threading.Thread(target=lambda: [sink.recv_multipart(copy=False) for _ in iter(int, 1)],
+                             daemon=True).start()
     up_in, down_in = socket(ctx, zmq.DEALER, IDENTITY), socket(ctx, zmq.DEALER)
     up_in.connect(frontend_inputs)
     down_in.bind(f"tcp://127.0.0.1:{port_in}")
     down_out, up_out = socket(ctx, zmq.PULL), socket(ctx, zmq.PUSH)
     down_out.bind(f"tcp://127.0.0.1:{port_out}")
     up_out.connect(frontend_outputs)
-    threading.Thread(target=zmq.proxy, args=(down_out, up_out), daemon=True).start()
-    zmq.proxy(up_in, down_in)
+    threading.Thread(target=zmq.proxy, args=(down_out, up_out, captures[0]), daemon=True).start()
+    zmq.proxy(up_in, down_in, captures[1])
 
 
 def relay(listen: str, upstream: str) -> None:
@@ -153,7 +174,7 @@ def relay(listen: str, upstream: str) -> None:
     from replay_proxy.net.relay import Relay
 
     class Nothing:
-        capture, capture_hwm = None, 0
+        capture, capture_hwm, counter = None, 0, None
 
         def frame(self, event) -> None:
             pass
@@ -173,11 +194,11 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
     dial = upstream
     db = logs / "bench.db"
     try:
-        if name == "zmq.proxy (C)":
+        if name.startswith("zmq.proxy"):
             port_in, port_out = free_port(), free_port()
             init_inputs, init_outputs = f"tcp://127.0.0.1:{port_in}", f"tcp://127.0.0.1:{port_out}"
             children.append(Child([*me, "c-forwarder", f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[2]}",
-                                   str(port_in), str(port_out)], logs / "c-forwarder.log", name=name))
+                                   str(port_in), str(port_out), FLOORS[name]], logs / "c-forwarder.log", name=name))
         elif name != "direct":
             dial = f"tcp://127.0.0.1:{free_port()}"
             if name == "replay-proxy relay":
@@ -223,11 +244,11 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10000, help="messages/s in the paced run")
     parser.add_argument("--rate-seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    parser.add_argument("--skip", action="append", default=[], choices=["direct", "relay"],
+    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "relay"],
                         help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
-    cases = [name for name in ["direct", "zmq.proxy (C)", "replay-proxy relay", "replay-proxy recording"]
+    cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording"]
              if name.split()[-1] not in args.skip]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
@@ -259,6 +280,6 @@ if __name__ == "__main__":
         elif role == "relay":
             relay(*rest)
         else:
-            c_forwarder(rest[0], rest[1], int(rest[2]), int(rest[3]))
+            c_forwarder(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4])
     else:
         main()
