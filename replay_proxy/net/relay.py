@@ -10,12 +10,13 @@ upstream and READY. When the frontend's INIT comes back, the proxy
    PUSH to its ``outputs[i]``,
 3. rewrites INIT so the engine dials the sockets of step 1, and sends it on.
 
-From then on each of those socket pairs is forwarded by libzmq's own proxy
-loop (``zmq.proxy_steerable``) in a thread of its own: frames pass at C
-speed, never re-encoded, and no Python work in the process (the handshake,
-the status line, the recorder) can delay them, since that loop holds no GIL.
-When recording, the loop also copies each message to the observer's
-``capture`` socket, tagged with the link it crossed. On the input channel
+From then on each of those socket pairs is forwarded by a C loop (libzmq's
+proxy loop, compiled in ``_forward.c``) in a thread of its own: frames pass
+at C speed, never re-encoded, and no Python work in the process (the
+handshake, the status line, the recorder) can delay them, since that loop
+holds no GIL. When recording, the loop also numbers and stamps each message
+as it passes and sends the copies in batches to the observer's ``capture``
+socket, tagged with the link they crossed. On the input channel
 the only message an engine sends is its one-frame registration, and every
 request is two frames or more, which tells the two directions apart.
 Giving every engine its own proxy sockets also tells the proxy which engine
@@ -42,6 +43,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from replay_proxy.net.loop import FLUSH_MS, Counter, forward
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket, bind, connect, monitor, new_socket
 from replay_proxy.wire.handshake import HandshakeError, engine_index, parse_init, rewrite_init
 from replay_proxy.wire.messages import Channel, Direction
@@ -60,10 +62,12 @@ class FrameEvent(msgspec.Struct, frozen=True, gc=False):
 
 
 class Observer(Protocol):
-    # Where forwarders send their copies (an inproc address in the relay's ZMQ context), or None;
-    # and how many copies may queue there before a forwarder waits (0: never waits).
+    # Where forwarders send their batches of copies (an inproc address in the relay's ZMQ context),
+    # or None; how many batches may queue there before a forwarder waits (0: never waits); and the
+    # counter that numbers every message copied, across forwarders and the relay's own reports.
     capture: str | None
     capture_hwm: int
+    counter: Counter | None
 
     def frame(self, event: FrameEvent) -> None: ...
 
@@ -90,13 +94,14 @@ def captured(tag: bytes, frames: list[bytes]) -> tuple[Channel, Direction, int, 
 
 
 class Forwarder:
-    """Two sockets joined by libzmq's proxy loop in a thread; ``stop`` ends it and closes them.
+    """Two sockets joined by the C forwarding loop in a thread; ``stop`` ends it and closes them.
 
-    With ``capture``, every message is also copied to a DEALER connected there, with identity
-    ``tag``; ``capture_hwm`` bounds that copy queue (0: unbounded, the loop never waits for it)."""
+    With ``capture``, every message is also numbered from ``counter``, stamped, and copied in
+    batches to a DEALER connected there, with identity ``tag``; ``capture_hwm`` bounds that queue
+    of batches (0: unbounded, the loop never waits for it)."""
 
     def __init__(self, context: zmq.Context, a: zmq.Socket, b: zmq.Socket, *, capture: str | None = None,
-                 tag: bytes = b"", capture_hwm: int = 0):
+                 tag: bytes = b"", capture_hwm: int = 0, counter: Counter | None = None):
         self._control = context.socket(zmq.PAIR)
         address = f"inproc://replay-proxy-forwarder-{uuid.uuid4().hex}"
         self._control.bind(address)
@@ -105,18 +110,20 @@ class Forwarder:
             copy = new_socket(context, zmq.DEALER, identity=tag, linger_ms=5000)
             copy.setsockopt(zmq.SNDHWM, capture_hwm)
             copy.connect(capture)
-        self._thread = threading.Thread(target=self._run, args=(context, a, b, copy, address), daemon=True,
-                                        name=f"forwarder {tag!r}")
+        self._thread = threading.Thread(target=self._run, args=(context, a, b, copy, address, counter),
+                                        daemon=True, name=f"forwarder {tag!r}")
         self._thread.start()
 
     @staticmethod
-    def _run(context: zmq.Context, a: zmq.Socket, b: zmq.Socket, copy: zmq.Socket | None, address: str) -> None:
+    def _run(context: zmq.Context, a: zmq.Socket, b: zmq.Socket, copy: zmq.Socket | None, address: str,
+             counter: Counter | None) -> None:
         control = context.socket(zmq.PAIR)
         control.connect(address)
         try:
-            zmq.proxy_steerable(a, b, copy, control)
-        except zmq.ContextTerminated:
-            pass
+            error = forward(a.underlying, b.underlying, copy.underlying if copy else 0, control.underlying,
+                            counter.address if copy else 0, FLUSH_MS)
+            if error not in (0, zmq.ETERM):
+                raise zmq.ZMQError(error)
         finally:
             for sock in (a, b):
                 sock.disable_monitor()  # closing is not the engine going away
@@ -173,7 +180,7 @@ class Relay:
         """Hand a socket pair to a forwarder thread (the sockets are its own from now on)."""
         self._forwarders.append(Forwarder(self.context, engine_side, frontend_side, capture=self.observer.capture,
                                           tag=capture_tag(channel, engine, client),
-                                          capture_hwm=self.observer.capture_hwm))
+                                          capture_hwm=self.observer.capture_hwm, counter=self.observer.counter))
 
     async def run(self) -> None:
         """Relay until cancelled; every socket is closed on the way out."""

@@ -83,11 +83,11 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
     }, ["session_id", "seq"]),
-    # What the recorder has kept but not yet decoded: batches as the tap passed them, frames
-    # first_seq onwards. Emptied as the writer catches up; empty once a session is finished.
+    # What the recorder has kept but not yet decoded: the tap's messages as they came, numbered
+    # in arrival order. Emptied as the writer catches up; empty once a session is finished.
     "undecoded": ({
-        "session_id": int, "first_seq": int, "entries": int, "batch": bytes,
-    }, ["session_id", "first_seq"]),
+        "session_id": int, "number": int, "frames": int, "batch": bytes,
+    }, ["session_id", "number"]),
 }
 
 INDEXES = {
@@ -147,6 +147,8 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
 def ensure_schema(db: sqlite_utils.Database) -> None:
     for name, (columns, pk) in TABLES.items():
         table = db[name]
+        if name == "undecoded" and table.exists() and table.columns_dict != columns and not table.count:
+            table.drop()  # scratch space, laid out by the release that wrote it: empty, so remade
         if table.exists():  # an older file: add what a newer proxy records
             existing = table.columns_dict
             for column, column_type in columns.items():
