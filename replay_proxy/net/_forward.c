@@ -12,10 +12,11 @@
  *
  * A batch:   u32 messages, u64 payload bytes, then per message:
  *            u64 seq, i64 ts_ns, u32 parts, then per part: u32 length, bytes.
- * Little-endian, as the host: the batch never leaves the machine.
+ * In host byte order (the batch never leaves the machine), which net/loop.py reads
+ * as little-endian: x86-64 and arm64.
  *
  * libzmq's symbols are resolved when the module is loaded, against the libzmq
- * pyzmq has loaded (replay_proxy.net.forward makes it global first): the
+ * pyzmq has loaded (replay_proxy.net.loop makes it global first): the
  * sockets handed in are pyzmq's, and must be driven by that same library.
  */
 #define PY_SSIZE_T_CLEAN
@@ -130,10 +131,11 @@ fail:
     return -1;
 }
 
-/* What is waiting on `from`, up to BURST messages. */
+/* What is waiting on `from`, up to BURST messages, or until the batch is due to go by size. */
 static int pass_burst(void *from, void *to, batch_t *b) {
     int rc = pass_one(from, to, b, 0);
-    for (int i = 1; rc == 1 && i < BURST; i++) rc = pass_one(from, to, b, ZMQ_DONTWAIT);
+    for (int i = 1; rc == 1 && i < BURST && !(b && b->len >= FLUSH_BYTES); i++)
+        rc = pass_one(from, to, b, ZMQ_DONTWAIT);
     return rc < 0 ? -1 : 0;
 }
 

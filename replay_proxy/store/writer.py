@@ -67,7 +67,7 @@ START_TIMEOUT_S = 60.0
 # client index (-1: none), parts that were forwarded changed.
 _HEADER = struct.Struct("<QqBBiiH")
 _DIRECTIONS = list(Direction)
-_DIRECTION_CODE = {d: i for i, d in enumerate(_DIRECTIONS)}  # dict lookups: this runs for every frame
+_DIRECTION_CODE = {d: i for i, d in enumerate(_DIRECTIONS)}  # dict lookups: runs per frame the relay reports
 _RELAY = b"R"  # the identity of the relay thread's frames at the tap
 _ENGINE_LOST = 255  # channel code of an engine event rather than a frame
 # Counters the writer reports after every batch: frames written, requests, engines dead, frames failed.

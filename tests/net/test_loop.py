@@ -98,3 +98,19 @@ def test_stopping_sends_what_is_batched_and_closes_the_sockets(context):
     forwarders[0].stop()  # at once, before the batch is due
     assert [parts for _, _, _, parts in copies(collector, 1000)] == [[b"last"]]
     assert not forwarders[0]._thread.is_alive()
+
+
+def test_a_large_batch_goes_before_it_is_due(context):
+    collector = context.socket(zmq.ROUTER)
+    collector.bind("inproc://capture")
+    forwarders = []
+    source, sink = pipe(context, forwarders, "inproc://capture", Counter())
+    big = [b"x" * 100_000]
+    for _ in range(20):  # 2 MB at once: far more than one batch (256 KiB) holds
+        source.send_multipart(big)
+    assert all(sink.recv_multipart() == big for _ in range(20))
+    sizes = []
+    while collector.poll(1000):
+        sizes.append(batch_counts(collector.recv_multipart()[1])[1])
+    assert sum(sizes) == 2_000_000 and max(sizes) <= 256 * 1024 + 100_000
+    forwarders[0].stop()
