@@ -20,6 +20,14 @@ def context():
     context.destroy(linger=0)
 
 
+@pytest.fixture
+def collector(context):
+    """Where the forwarders' batches of copies go, as in the recorder."""
+    collector = context.socket(zmq.ROUTER)
+    collector.bind("inproc://capture")
+    return collector
+
+
 def pipe(context, forwarders, capture, counter):
     """PUSH -> (PULL | forwarder | PUSH) -> PULL; returns the two ends."""
     name = uuid.uuid4().hex
@@ -47,9 +55,7 @@ def copies(collector, timeout_ms=2000):
     return found
 
 
-def test_messages_pass_untouched_and_their_copies_are_numbered_and_stamped(context):
-    collector = context.socket(zmq.ROUTER)
-    collector.bind("inproc://capture")
+def test_messages_pass_untouched_and_their_copies_are_numbered_and_stamped(context, collector):
     counter, forwarders = Counter(), []
     source, sink = pipe(context, forwarders, "inproc://capture", counter)
     before = time.time_ns()
@@ -65,9 +71,7 @@ def test_messages_pass_untouched_and_their_copies_are_numbered_and_stamped(conte
         forwarder.stop()
 
 
-def test_links_share_one_numbering_in_the_order_they_forwarded(context):
-    collector = context.socket(zmq.ROUTER)
-    collector.bind("inproc://capture")
+def test_links_share_one_numbering_in_the_order_they_forwarded(context, collector):
     counter, forwarders = Counter(), []
     first, first_sink = pipe(context, forwarders, "inproc://capture", counter)
     second, second_sink = pipe(context, forwarders, "inproc://capture", counter)
@@ -88,9 +92,7 @@ def test_links_share_one_numbering_in_the_order_they_forwarded(context):
         forwarder.stop()
 
 
-def test_stopping_sends_what_is_batched_and_closes_the_sockets(context):
-    collector = context.socket(zmq.ROUTER)
-    collector.bind("inproc://capture")
+def test_stopping_sends_what_is_batched_and_closes_the_sockets(context, collector):
     forwarders = []
     source, sink = pipe(context, forwarders, "inproc://capture", Counter())
     source.send_multipart([b"last"])
@@ -100,9 +102,7 @@ def test_stopping_sends_what_is_batched_and_closes_the_sockets(context):
     assert not forwarders[0]._thread.is_alive()
 
 
-def test_a_large_batch_goes_before_it_is_due(context):
-    collector = context.socket(zmq.ROUTER)
-    collector.bind("inproc://capture")
+def test_a_large_batch_goes_before_it_is_due(context, collector):
     forwarders = []
     source, sink = pipe(context, forwarders, "inproc://capture", Counter())
     big = [b"x" * 100_000]
