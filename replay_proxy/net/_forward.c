@@ -47,13 +47,19 @@ int zmq_errno(void);
 #define HEAD 12               /* u32 messages, u64 payload bytes */
 
 typedef struct {
+    void *capture;
     unsigned char *data;
     size_t len, cap;
     uint32_t messages;
     uint64_t bytes;
     int64_t flush_ns, due_ns; /* CLOCK_MONOTONIC */
-    uint64_t *seq;  /* shared by every forwarder of one recording */
+    uint64_t *seq;            /* shared by every forwarder of one recording */
 } batch_t;
+
+typedef struct {
+    zmq_msg_t *at; /* libzmq itself moves zmq_msg_t by value, so realloc may too */
+    size_t count, cap;
+} parts_t;
 
 static int64_t now_ns(clockid_t clock) {
     struct timespec ts;
@@ -76,72 +82,93 @@ static void put(batch_t *b, const void *p, size_t n) {
     b->len += n;
 }
 
-static int flush(batch_t *b, void *capture) {
+static int flush(batch_t *b) {
     if (!b->messages) return 0;
     memcpy(b->data, &b->messages, 4);
     memcpy(b->data + 4, &b->bytes, 8);
-    int rc = zmq_send(capture, b->data, b->len, 0); /* waits only if the capture HWM says so */
+    int rc = zmq_send(b->capture, b->data, b->len, 0); /* waits only if the capture HWM says so */
     b->len = HEAD;
     b->messages = 0;
     b->bytes = 0;
     return rc < 0 ? -1 : 0;
 }
 
-/* Forward one message, every part, from `from` to `to` (flags: 0 or ZMQ_DONTWAIT for its first
- * part), copying it into the batch if there is one. 1: forwarded, 0: none waiting, -1: error. */
-static int pass_one(void *from, void *to, batch_t *b, int flags) {
-    zmq_msg_t msg;
-    size_t parts_at = 0;
-    uint32_t parts = 0;
-    int more = 1;
-    while (more) {
-        zmq_msg_init(&msg);
-        if (zmq_msg_recv(&msg, from, parts ? 0 : flags) < 0) {
-            zmq_msg_close(&msg);
-            return parts == 0 && zmq_errno() == EAGAIN ? 0 : -1;
+/* Receive one whole message (flags: 0 or ZMQ_DONTWAIT, for its first part).
+ * 1: received, 0: none waiting, -1: error. */
+static int receive(void *from, parts_t *m, int flags) {
+    for (int more = 1; more;) {
+        if (m->count == m->cap) {
+            size_t cap = m->cap ? m->cap * 2 : 8;
+            zmq_msg_t *at = realloc(m->at, cap * sizeof *at);
+            if (!at) return -1;
+            m->at = at;
+            m->cap = cap;
         }
-        more = zmq_msg_more(&msg);
-        if (b) {
-            uint32_t n = (uint32_t)zmq_msg_size(&msg);
-            if (parts == 0) {
-                if (!b->messages) b->due_ns = now_ns(CLOCK_MONOTONIC) + b->flush_ns;
-                uint64_t seq = __atomic_add_fetch(b->seq, 1, __ATOMIC_RELAXED);
-                int64_t ts = now_ns(CLOCK_REALTIME);
-                if (reserve(b, 20)) goto fail;
-                put(b, &seq, 8);
-                put(b, &ts, 8);
-                parts_at = b->len;
-                b->len += 4;
-            }
-            if (reserve(b, 4 + n)) goto fail;
-            put(b, &n, 4);
-            put(b, zmq_msg_data(&msg), n);
-            b->bytes += n;
+        zmq_msg_t *part = &m->at[m->count];
+        zmq_msg_init(part);
+        if (zmq_msg_recv(part, from, m->count ? 0 : flags) < 0) {
+            zmq_msg_close(part);
+            return m->count == 0 && zmq_errno() == EAGAIN ? 0 : -1;
         }
-        parts++;
-        if (zmq_msg_send(&msg, to, more ? ZMQ_SNDMORE : 0) < 0) goto fail;
-    }
-    if (b) {
-        memcpy(b->data + parts_at, &parts, 4);
-        b->messages++;
+        m->count++;
+        more = zmq_msg_more(part);
     }
     return 1;
-fail:
-    zmq_msg_close(&msg);
-    return -1;
+}
+
+/* Append the message to the batch, numbered and stamped now. 1: done, -1: out of memory. */
+static int copy_in(batch_t *b, parts_t *m) {
+    uint64_t seq = __atomic_add_fetch(b->seq, 1, __ATOMIC_RELAXED);
+    int64_t ts = now_ns(CLOCK_REALTIME);
+    uint32_t count = (uint32_t)m->count;
+    if (!b->messages) b->due_ns = now_ns(CLOCK_MONOTONIC) + b->flush_ns;
+    if (reserve(b, 20)) return -1;
+    put(b, &seq, 8);
+    put(b, &ts, 8);
+    put(b, &count, 4);
+    for (size_t i = 0; i < m->count; i++) {
+        uint32_t n = (uint32_t)zmq_msg_size(&m->at[i]);
+        if (reserve(b, 4 + n)) return -1;
+        put(b, &n, 4);
+        put(b, zmq_msg_data(&m->at[i]), n);
+        b->bytes += n;
+    }
+    b->messages++;
+    return 1;
+}
+
+/* Forward one message, every part, from `from` to `to`, copying it into the batch if there is
+ * one. 1: forwarded, 0: none waiting, -1: error. */
+static int pass_one(void *from, void *to, parts_t *m, batch_t *b, int flags) {
+    int rc = receive(from, m, flags);
+    if (rc == 1 && b) rc = copy_in(b, m);
+    for (size_t i = 0; rc == 1 && i < m->count; i++) {
+        int more = i + 1 < m->count ? ZMQ_SNDMORE : 0;
+        if (zmq_msg_send(&m->at[i], to, more | (i ? 0 : ZMQ_DONTWAIT)) >= 0) continue;
+        /* Only a first part is refused, when the peer cannot take it now (gone, or its queue is
+         * full). Send what is batched, this message included, then wait for the peer as zmq_proxy
+         * does: a copy is never held up behind a peer that may never come back. */
+        if (i > 0 || zmq_errno() != EAGAIN || (b && flush(b) < 0) || zmq_msg_send(&m->at[0], to, more) < 0)
+            rc = -1;
+    }
+    for (size_t i = 0; i < m->count; i++) zmq_msg_close(&m->at[i]); /* sent parts are empty */
+    m->count = 0;
+    return rc;
 }
 
 /* What is waiting on `from`, up to BURST messages, or until the batch is due to go by size. */
-static int pass_burst(void *from, void *to, batch_t *b) {
-    int rc = pass_one(from, to, b, 0);
+static int pass_burst(void *from, void *to, parts_t *m, batch_t *b) {
+    int rc = pass_one(from, to, m, b, 0);
     for (int i = 1; rc == 1 && i < BURST && !(b && b->len >= FLUSH_BYTES); i++)
-        rc = pass_one(from, to, b, ZMQ_DONTWAIT);
+        rc = pass_one(from, to, m, b, ZMQ_DONTWAIT);
     return rc < 0 ? -1 : 0;
 }
 
 /* Until a message on `control` (then 0) or a ZMQ error (then its errno). */
 static int run(void *a, void *z, void *capture, void *control, uint64_t *seq, int flush_ms) {
-    batch_t batch = {.seq = seq, .flush_ns = (int64_t)flush_ms * 1000000}, *b = capture ? &batch : NULL;
+    batch_t batch = {.capture = capture, .seq = seq, .flush_ns = (int64_t)flush_ms * 1000000};
+    batch_t *b = capture ? &batch : NULL;
+    parts_t message = {0};
     zmq_pollitem_t items[3] = {{a, 0, ZMQ_POLLIN, 0}, {z, 0, ZMQ_POLLIN, 0}, {control, 0, ZMQ_POLLIN, 0}};
     int rc = 0;
     if (b) {
@@ -160,18 +187,19 @@ static int run(void *a, void *z, void *capture, void *control, uint64_t *seq, in
             zmq_msg_init(&msg);
             zmq_msg_recv(&msg, control, 0);
             zmq_msg_close(&msg);
-            if (!b || flush(b, capture) == 0) goto done;
+            if (!b || flush(b) == 0) goto done;
             break;
         }
-        if ((items[0].revents & ZMQ_POLLIN) && pass_burst(a, z, b) < 0) break;
-        if ((items[1].revents & ZMQ_POLLIN) && pass_burst(z, a, b) < 0) break;
+        if ((items[0].revents & ZMQ_POLLIN) && pass_burst(a, z, &message, b) < 0) break;
+        if ((items[1].revents & ZMQ_POLLIN) && pass_burst(z, a, &message, b) < 0) break;
         if (b && b->messages && (b->len >= FLUSH_BYTES || now_ns(CLOCK_MONOTONIC) >= b->due_ns)
-            && flush(b, capture) < 0)
+            && flush(b) < 0)
             break;
     }
     rc = zmq_errno();
 done:
     free(batch.data);
+    free(message.at);
     return rc;
 }
 

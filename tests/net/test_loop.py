@@ -28,15 +28,18 @@ def collector(context):
     return collector
 
 
-def pipe(context, forwarders, capture, counter):
-    """PUSH -> (PULL | forwarder | PUSH) -> PULL; returns the two ends."""
+def pipe(context, forwarders, capture, counter, *, sink_connected=True):
+    """PUSH -> (PULL | forwarder | PUSH) -> PULL; returns the two ends (the sink connected, or to connect
+    to inproc://out-NAME, NAME its identity)."""
     name = uuid.uuid4().hex
     source, sink = context.socket(zmq.PUSH), context.socket(zmq.PULL)
     engine_side, frontend_side = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     engine_side.bind(f"inproc://in-{name}")
     frontend_side.bind(f"inproc://out-{name}")
     source.connect(f"inproc://in-{name}")
-    sink.connect(f"inproc://out-{name}")
+    sink.identity = name.encode()
+    if sink_connected:
+        sink.connect(f"inproc://out-{name}")
     forwarders.append(Forwarder(context, engine_side, frontend_side, capture=capture, counter=counter,
                                 tag=capture_tag(Channel.OUTPUT, 0, len(forwarders))))
     return source, sink
@@ -113,4 +116,14 @@ def test_a_large_batch_goes_before_it_is_due(context, collector):
     while collector.poll(1000):
         sizes.append(batch_counts(collector.recv_multipart()[1])[1])
     assert sum(sizes) == 2_000_000 and max(sizes) <= 256 * 1024 + 100_000
+    forwarders[0].stop()
+
+
+def test_a_copy_is_not_held_up_behind_a_peer_that_cannot_take_the_message(context, collector):
+    forwarders = []
+    source, sink = pipe(context, forwarders, "inproc://capture", Counter(), sink_connected=False)
+    source.send_multipart([b"to nobody yet"])  # the loop waits to forward it (as zmq_proxy does) ...
+    assert [parts for _, _, _, parts in copies(collector, 1000)] == [[b"to nobody yet"]]  # ... copied already
+    sink.connect(f"inproc://out-{sink.identity.decode()}")
+    assert sink.recv_multipart() == [b"to nobody yet"]
     forwarders[0].stop()
