@@ -10,6 +10,7 @@ of the same layout, not with the single-engine recording.
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -113,6 +114,17 @@ def check_recording(db, api_servers, coordinator_relayed=False):
     assert registrations == {(e, c) for e in (0, 1) for c in range(api_servers)}
 
 
+def wait_for_api_servers(log: Path, count: int, timeout: float = 120) -> None:
+    """HTTP answers once one API server is up; wait until each has made its start-up calls and serves."""
+    started = re.compile(r"\(ApiServer_(\d+) pid=\d+\).*Starting vLLM server on")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(set(started.findall(log.read_text(errors="replace")))) == count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"not all {count} API servers started within {timeout:g} s (see {log})")
+
+
 @pytest.fixture(scope="module")
 def direct(tmp_path_factory):
     """Greedy tokens of the workload without the proxy, same DP=2 layout."""
@@ -132,6 +144,7 @@ def test_python_frontend_two_api_servers_two_engines_and_its_coordinator(tmp_pat
                               peers.MODEL, "--record-coordinator")
     try:
         peers.wait_http_ready(http, children, timeout=300)
+        wait_for_api_servers(tmp_path / "frontend.log", 2)
         got = run_pairs(http, recorded_prompts())
     finally:
         proxy_code = stop(children)
