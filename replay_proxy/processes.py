@@ -50,14 +50,17 @@ class Child:
                              f"log: {self.log_path}") from None
 
     def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
-        """Signal the child's process group, then SIGKILL it if it has not exited in time."""
+        """Signal the child's process group, wait for the child, then SIGKILL what is left of the group.
+
+        What is left: a shell's background job, or a process that missed the signal while it
+        was starting, can outlive the child that started it."""
         if self.running():
             self._signal_group(sig)
             try:
-                return self.process.wait(timeout)
+                self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        self._signal_group(signal.SIGKILL)  # also reaps grandchildren left behind
+        self._signal_group(signal.SIGKILL)
         return self.process.wait(10)
 
     def _signal_group(self, sig: int) -> None:
