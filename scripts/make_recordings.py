@@ -6,6 +6,7 @@ engine (installed by scripts/setup-vllm.sh). Run from the repo root:
     .venv/bin/python scripts/make_recordings.py
 """
 
+import sqlite3
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +31,10 @@ def main() -> None:
         logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
         seen = peers.run_pair(logs, frontend, db, session)
         print(f"{name}: {seen}")
+        # The replay tests need a client-side abort in each recording (workload.py says why it can miss).
+        aborts = sqlite3.connect(db).execute("SELECT COUNT(*) FROM aborts").fetchone()[0]
+        if aborts != 1:
+            sys.exit(f"{name}: {aborts} ABORTs recorded, not 1: run again")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class RequestRecord(msgspec.Struct):
     first_token_ns: int | None
     last_ns: int | None
     frontend_aborted: bool
+    abort_progress: int | None  # tokens produced before the (first) ABORT that named it crossed
     output_times: list[int]  # ts of outputs that carried tokens
     logprobs: list[float]
 
@@ -104,7 +105,10 @@ def load_session(db_path: Path, session: str, rules: dict[str, Any]) -> SessionD
     for o in db.query("SELECT request_id, ts_ns, new_token_ids, finish_reason, new_logprobs FROM outputs "
                       "WHERE session_id = ? ORDER BY seq, position", [sid]):
         outputs[o["request_id"]].append(o)
-    aborted = {r["request_id"] for r in db.query("SELECT request_id FROM aborts WHERE session_id = ?", [sid])}
+    aborted: dict[str, int] = {}
+    for r in db.query("SELECT request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? ORDER BY seq",
+                      [sid]):
+        aborted.setdefault(r["request_id"], r["tokens_before_abort"])
     requests = []
     for r in db.query("SELECT seq, request_id, engine_index, prompt_token_ids, sampling_params, ts_ns "
                       "FROM requests WHERE session_id = ? ORDER BY seq", [sid]):
@@ -126,7 +130,7 @@ def load_session(db_path: Path, session: str, rules: dict[str, Any]) -> SessionD
             tokens=tokens, finish_reason=next((o["finish_reason"] for o in outs if o["finish_reason"]), None),
             added_ns=r["ts_ns"], first_token_ns=times[0] if times else None,
             last_ns=outs[-1]["ts_ns"] if outs else None, frontend_aborted=r["request_id"] in aborted,
-            output_times=times, logprobs=logprobs))
+            abort_progress=aborted.get(r["request_id"]), output_times=times, logprobs=logprobs))
     utility = list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
                             "WHERE session_id = ? ORDER BY called_ns", [sid]))
     shapes: dict[str, Shape] = defaultdict(Shape)
@@ -402,10 +406,8 @@ def behaviour_findings(baseline: SessionData, candidate: SessionData, rules: dic
                 findings.append(Finding("behaviour", Severity.REGRESSION, "abort_mismatch",
                                         f"aborted by the frontend in {'baseline' if a.frontend_aborted else 'candidate'}"
                                         " only", request_id=rid))
-            elif abs(len(a.tokens) - len(b.tokens)) > rules["abort_progress_tolerance_tokens"]:
-                findings.append(Finding("behaviour", Severity.WARNING, "abort_progress",
-                                        f"aborted after {len(a.tokens)} tokens in the baseline, {len(b.tokens)} in the "
-                                        "candidate", request_id=rid, baseline=len(a.tokens), candidate=len(b.tokens)))
+            else:
+                findings.append(_abort_landing(a, b, rules["abort_progress_tolerance_tokens"]))
             continue
         if a.tokens != b.tokens and deterministic(a):
             first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
@@ -434,6 +436,17 @@ def behaviour_findings(baseline: SessionData, candidate: SessionData, rules: dic
                                         request_id=rid, baseline=rules["logprob_tolerance"], candidate=worst))
     findings += _utility_findings(baseline, candidate, frontend_under_test)
     return findings
+
+
+def _abort_landing(a: RequestRecord, b: RequestRecord, tolerance: int) -> Finding:
+    """Where the ABORT landed in each session: tokens before it, not the total (what was in flight varies)."""
+    off = abs(a.abort_progress - b.abort_progress) > tolerance
+    return Finding("behaviour", Severity.WARNING if off else Severity.INFO,
+                   "abort_progress" if off else "abort_landed",
+                   f"ABORT after {a.abort_progress} tokens in the baseline, {b.abort_progress} in the candidate"
+                   + (f" (more than {tolerance} off)" if off else ""),
+                   message_kind="ABORT", request_id=a.request_id, baseline=a.abort_progress,
+                   candidate=b.abort_progress)
 
 
 def _unstable(baseline: SessionData, noise: list[SessionData], rules: dict[str, Any]) -> set[str]:

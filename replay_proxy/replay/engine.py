@@ -11,9 +11,15 @@ engine identity on the recorded API server's socket:
 * ``pace="original"`` keeps the recorded relative timing, scheduled against
   one clock (no drift from sleeping after each send); a number scales it
   (2 = twice as fast); ``"fast"`` sends as fast as the engine takes them;
-* an ABORT waits until its requests have produced as many tokens as they had
-  when the frontend aborted them in the recording (or finished), so it lands
-  at the same point of generation.
+* an ABORT is not paced by the clock: it goes as soon as every request it
+  names has been sent and has produced as many tokens as it had when the
+  recorded frontend aborted it (or has finished), so it lands at the same
+  point of generation on an engine faster or slower than the recorded one.
+  The recorded frontend aborted because its client had seen those tokens,
+  not because of the time or of other requests, so that is the order kept:
+  its ADDs, then that progress, then the ABORT. The other inputs keep their
+  own times and may pass it either way, which changes only how requests
+  are batched, already not reproducible on vLLM's CPU build.
 
 Outputs are collected until every request has finished or been aborted and
 every utility call is answered, or until ``finish_timeout``. Everything that
@@ -88,14 +94,17 @@ class EngineReplay:
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
         self._answered: set[int] = set()
-        self._progress = trio.Event()
+        self._progress = trio.Event()  # set (and renewed) on every output and every ADD sent
+        self._sent_requests: set[str] = set()
+        self._recorded_requests = {f.decoded["request_id"] for f in recording.inputs
+                                   if f.kind == "ADD" and isinstance(f.decoded, dict)}
+        self._pending_aborts = [f for f in recording.inputs if f.kind == "ABORT"]
         self._sockets: list[ZmqSocket] = []
 
     def progress(self) -> tuple[int, int, int, int]:
         """Requests sent, requests finished, requests recorded, tokens received."""
-        sent = sum(1 for f in self.recording.inputs[:self.outcome.sent] if f.kind == "ADD")
-        total = sum(1 for f in self.recording.inputs if f.kind == "ADD")
-        return sent, len(self._finished), total, sum(self._tokens.values())
+        return (len(self._sent_requests), len(self._finished), len(self._recorded_requests),
+                sum(self._tokens.values()))
 
     def _socket(self, socket_type: int) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, linger_ms=1000)
@@ -201,8 +210,7 @@ class EngineReplay:
                 utility = fields.get("utility_output")
                 if isinstance(utility, dict):
                     self._answered.add(utility.get("call_id"))
-                self._progress.set()
-                self._progress = trio.Event()
+                await self._release_aborts()
         except SocketClosed:
             return
 
@@ -212,25 +220,46 @@ class EngineReplay:
             return
         start, first_ts = trio.current_time(), inputs[0].ts_ns
         for frame in inputs:
+            if frame.kind == "ABORT":
+                continue  # sent by _release_aborts, at its requests' progress
             if self.factor is not None:
                 due = start + (frame.ts_ns - first_ts) / 1e9 / self.factor
                 await trio.sleep_until(due)
                 self.outcome.pacing_errors_ms.append((trio.current_time() - due) * 1e3)
-            if frame.kind == "ABORT":
-                await self._wait_for_progress(frame)
+            await self._send(frame)
+        with trio.move_on_after(self.finish_timeout):
+            while self._pending_aborts:
+                await self._progress.wait()
+        for frame in list(self._pending_aborts):  # never reached their progress: sent late, and reported so
+            self._pending_aborts.remove(frame)
             await self._send(frame)
         self.outcome.send_seconds = trio.current_time() - start
 
-    async def _wait_for_progress(self, frame: RecordedFrame) -> None:
-        with trio.move_on_after(self.finish_timeout):
-            while not all(self._tokens[rid] >= n or rid in self._finished for rid, n in frame.progress.items()):
-                await self._progress.wait()
+    def _abort_due(self, frame: RecordedFrame) -> bool:
+        # A request whose ADD the recording lacks (recorded mid-flight) cannot progress: not waited for.
+        return all(rid in self._sent_requests and (self._tokens[rid] >= n or rid in self._finished)
+                   for rid, n in frame.progress.items() if rid in self._recorded_requests)
+
+    async def _release_aborts(self) -> None:
+        """Send each pending ABORT whose requests reached their recorded progress, at once.
+
+        Called right after each ADD sent and each output counted, by the task
+        that changed the progress, so no other output is counted in between.
+        """
+        while (frame := next((f for f in self._pending_aborts if self._abort_due(f)), None)) is not None:
+            self._pending_aborts.remove(frame)
+            await self._send(frame)
+        self._progress.set()
+        self._progress = trio.Event()
 
     async def _send(self, frame: RecordedFrame) -> None:
         client = frame.client_index or 0
         await self.inputs[client].send([engine_identity(frame.engine_index), *frame.parts])
         self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, frame.parts)
         self.outcome.sent += 1
+        if frame.kind == "ADD" and isinstance(frame.decoded, dict):
+            self._sent_requests.add(frame.decoded["request_id"])
+            await self._release_aborts()
 
     async def _wait_finished(self) -> None:
         inputs = self.recording.inputs

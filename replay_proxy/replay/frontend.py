@@ -76,9 +76,14 @@ class FrontendReplay:
         self._unmatched = list(self._adds)
         self._recorded_outputs = _outputs_by_request(recording)
         self._utility_results = _utility_results(recording)
-        self._streams: dict[str, trio.CancelScope] = {}  # open engine-side streams by the frontend's request id
+        self._streams: dict[str, trio.Event] = {}  # open engine-side streams by the frontend's request id: ABORTed
         self._stream_ended = trio.Event()
-        self._aborted = {rid for f in recording.inputs if f.kind == "ABORT" for rid in f.progress}
+        # Recorded request id -> seq of the first ABORT that named it.
+        self._abort_seq: dict[str, int] = {}
+        for frame in recording.inputs:
+            if frame.kind == "ABORT":
+                for rid in frame.progress:
+                    self._abort_seq.setdefault(rid, frame.seq)
 
     def progress(self) -> tuple[int, int, int, int]:
         """Requests sent (HTTP), requests answered, requests recorded, tokens users got."""
@@ -180,7 +185,7 @@ class FrontendReplay:
                     elif message.kind is Kind.ABORT:
                         for request_id in message.fields["request_ids"]:
                             if request_id in self._streams:
-                                self._streams[request_id].cancel()
+                                self._streams[request_id].set()
                     elif message.kind is Kind.UTILITY:
                         await self._answer_utility(engine, client, message.fields)
         except SocketClosed:
@@ -195,10 +200,9 @@ class FrontendReplay:
                 f"the frontend sent a request ({len(fields.get('prompt_token_ids') or [])} prompt tokens) that "
                 "matches no recorded one", message_kind="ADD", request_id=request_id))
             return
-        scope = trio.CancelScope()
-        self._streams[request_id] = scope
+        self._streams[request_id] = trio.Event()
         client = fields.get("client_index") or 0
-        streams.start_soon(self._stream_outputs, engine, client, recorded, request_id, scope)
+        streams.start_soon(self._stream_outputs, engine, client, recorded, request_id)
 
     def _match(self, fields: dict) -> RecordedFrame | None:
         schema = self.decoder.schema
@@ -212,26 +216,35 @@ class FrontendReplay:
                 return frame
         return None
 
-    async def _stream_outputs(self, engine: int, client: int, recorded: RecordedFrame, request_id: str,
-                              scope: trio.CancelScope) -> None:
+    async def _stream_outputs(self, engine: int, client: int, recorded: RecordedFrame, request_id: str) -> None:
+        """The recorded outputs of ``recorded``, as the frontend's ``request_id``, at the recorded delays.
+
+        A request the recorded frontend aborted is held where its ABORT crossed
+        (its recorded progress) until this frontend's ABORT comes (bounded by
+        the run's finish wait); then what was in flight in the recording
+        follows. So the ABORT lands where it was recorded, however fast the
+        frontend under test notices its client's disconnect.
+        """
         start = trio.current_time()
-        with scope:
-            rid = recorded.decoded["request_id"]
-            for frame, position in self._recorded_outputs.get(rid, []):
-                if self.factor is not None:
-                    await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
-                body = decode_msgpack(frame.parts[0])
-                output = list(body[1][position])
-                output[0] = request_id  # the one thing that must change
-                body[1] = [output]
-                body[2] = None  # scheduler stats went out once, with the batch they belonged to
-                if len(body) > 5 and body[5]:
-                    body[5] = [request_id] if recorded.decoded["request_id"] in body[5] else None
-                parts = [encode(body), *frame.parts[1:]]
-                await self._outputs[(engine, client)].send(parts)
-                self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
-            if rid in self._aborted:
-                await trio.sleep_forever()  # the recorded engine was still generating when the ABORT came
+        rid = recorded.decoded["request_id"]
+        aborted = self._streams[request_id]
+        for frame, position in self._recorded_outputs.get(rid, []):
+            if frame.seq > self._abort_seq.get(rid, frame.seq):
+                await aborted.wait()
+            elif self.factor is not None:
+                await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
+            body = decode_msgpack(frame.parts[0])
+            output = list(body[1][position])
+            output[0] = request_id  # the one thing that must change
+            body[1] = [output]
+            body[2] = None  # scheduler stats went out once, with the batch they belonged to
+            if len(body) > 5 and body[5]:
+                body[5] = [request_id] if rid in body[5] else None
+            parts = [encode(body), *frame.parts[1:]]
+            await self._outputs[(engine, client)].send(parts)
+            self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
+        if rid in self._abort_seq:
+            await aborted.wait()  # the recorded engine was still generating when the ABORT came
         del self._streams[request_id]
         self._stream_ended.set()
         self._stream_ended = trio.Event()
@@ -269,7 +282,7 @@ class FrontendReplay:
         body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
                 **{k: params[k] for k in HTTP_PARAMS if k in params}}
         aborted_after = next((f.progress[recorded["request_id"]] for f in self.recording.inputs
-                              if f.kind == "ABORT" and recorded["request_id"] in f.progress), None)
+                              if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
         stream = params.get("output_kind") == delta or aborted_after is not None
         with trio.move_on_after(self.finish_timeout) as waiting:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import sqlite_utils
-
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, open_existing
 from replay_proxy.wire.values import decode_msgpack
@@ -55,20 +54,14 @@ def load_recording(db_path: Path, session: str) -> Recording:
     if not inits:
         raise RecordingError(f"session {row['name']!r} has no INIT: the handshake was not recorded")
     init = inits[0].decoded
-    inputs = [_with_progress(db, sid, f) for f in frames if f.kind in ("ADD", "ABORT", "UTILITY")]
+    progress: dict[int, dict[str, int]] = defaultdict(dict)
+    for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ?", [sid]):
+        progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
+    inputs = [msgspec.structs.replace(f, progress=progress[f.seq]) if f.kind == "ABORT" else f
+              for f in frames if f.kind in ("ADD", "ABORT", "UTILITY")]
     return Recording(
         db_path=Path(db_path), session_id=sid, name=row["name"],
         engines=sorted({f.engine_index for f in handshake if f.kind == "HELLO"}),
         api_servers=len(init["addresses"]["inputs"]), parallel_config=init.get("parallel_config") or {},
         handshake=handshake, inputs=inputs,
         outputs=[f for f in frames if f.kind in ("OUTPUTS", "UTILITY_OUTPUT", "ENGINE_CORE_DEAD")])
-
-
-def _with_progress(db: sqlite_utils.Database, sid: int, frame: RecordedFrame) -> RecordedFrame:
-    if frame.kind != "ABORT":
-        return frame
-    progress = {
-        rid: db.execute("SELECT COALESCE(SUM(num_new_tokens), 0) FROM outputs WHERE session_id = ? "
-                        "AND request_id = ? AND seq < ?", [sid, rid, frame.seq]).fetchone()[0]
-        for rid in frame.decoded["request_ids"]}
-    return msgspec.structs.replace(frame, progress=progress)

@@ -115,6 +115,13 @@ VIEWS = {
             LEFT JOIN outputs o ON o.session_id = r.session_id AND o.request_id = r.request_id
             GROUP BY r.session_id, r.seq
         ) AS t""",
+    # Where each ABORT landed: per request it names, the tokens the request had produced (outputs
+    # that crossed) before the ABORT crossed. The same for a recording and for its replay.
+    "abort_progress": """
+        SELECT a.session_id, a.seq, a.ts_ns, a.engine_index, a.client_index, a.request_id,
+               (SELECT COALESCE(SUM(o.num_new_tokens), 0) FROM outputs o WHERE o.session_id = a.session_id
+                AND o.request_id = a.request_id AND o.seq < a.seq) AS tokens_before_abort
+        FROM aborts a""",
     # The gap before each output that carried tokens, per request.
     "inter_token_latencies": """
         SELECT session_id, request_id, engine_index, client_index, seq, ts_ns, num_new_tokens,

@@ -16,7 +16,7 @@ def session(ttft_ms: float, step_ms: float, name: str = "s", gap_ms: float = 100
         requests.append(RequestRecord(
             seq=k, request_id=f"r{k}", engine_index=0, prompt=[k], params={}, effective={"temperature": 0.0},
             tokens=[1] * 5, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
-            frontend_aborted=False, output_times=times, logprobs=[]))
+            frontend_aborted=False, abort_progress=None, output_times=times, logprobs=[]))
     return SessionData(label=name, schema=load_schema("0.32.0"), registration_keys=set(), registration={},
                        requests=requests, utility=[], shapes={}, finish_reasons={"length"})
 

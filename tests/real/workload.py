@@ -31,15 +31,17 @@ def run(http_port: int, model: Path = MODEL) -> dict[str, object]:
     seeded = post(http_port, "/v1/completions", {
         "model": str(model), "prompt": "five six seven", "max_tokens": 6, "temperature": 0.8, "seed": 1234})
     seen["seeded"] = seeded["choices"][0]["text"], seeded["choices"][0]["finish_reason"]
-    # A stream the client closes after two events, so that the frontend sends ABORT. 240 tokens, as
-    # many as the model's 256-token context allows, and still the tiny model can finish them before
-    # the client has read two events when the machine is busy (the frontend then sends them as one):
-    # nothing is left to abort, so the client tries again.
-    for _ in range(3):
+    # A stream the client closes after two events, so that the frontend sends ABORT. Whether it
+    # does is a race the product does not decide: the tiny model can finish all 240 tokens before
+    # the frontend notices the closed connection (on a busy machine the Python frontend even sends
+    # them as one event). The client tries up to three times to close a stream that is still
+    # generating; the tests then assert only what holds either way (every request ends, finished
+    # or aborted, and the recording says which).
+    for attempt in range(1, 4):
         aborted = stream(http_port, "/v1/completions", {
             "model": str(model), "prompt": "engines stream tokens", "max_tokens": 240, **GREEDY}, stop_after=2)
         if len(aborted) == 2 and not any(c.get("finish_reason") for e in aborted for c in e["choices"]):
             break
-    seen["aborted_events"] = len(aborted)
+    seen["abort_attempts"] = attempt
     time.sleep(1.0)  # let the frontend notice the closed connection and send its ABORT
     return seen

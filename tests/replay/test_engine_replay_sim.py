@@ -51,14 +51,23 @@ def engines_command(listen, drift=None, engines=1):
     return shlex.join(["bash", "-c", f"{command} & wait"])
 
 
-def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20, noise_runs=0):
+def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20, noise_runs=0, pace="fast", edit=None):
     db = tmp_path / "replay.db"
     shutil.copy(recorded, db)
+    if edit is not None:
+        edit(sqlite_utils.Database(db))
     listen = f"tcp://127.0.0.1:{free_port()}"
     report, outcome = replay_session(db, "baseline", "engine", listen, command=engines_command(listen, drift, engines),
-                                     pace="fast", ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path,
+                                     pace=pace, ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path,
                                      noise_runs=noise_runs, baseline_command=engines_command(listen))
     return report, outcome, db
+
+
+def landings(db):
+    """(recorded, replayed) tokens before the ABORT of the aborted request, from the database."""
+    rows = sqlite_utils.Database(db).execute(
+        "SELECT session_id, tokens_before_abort FROM abort_progress WHERE request_id = 'long' ORDER BY session_id")
+    return tuple(tokens for _, tokens in rows.fetchall())
 
 
 def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_path, recorded):
@@ -69,10 +78,38 @@ def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_pat
     assert (outcome.sent, outcome.requests, outcome.finished) == (11, 9, 8)  # the aborted one never finishes
     sessions = list(sqlite_utils.Database(db).query("SELECT id, mode, baseline_session_id, status FROM sessions"))
     assert sessions[1] == {"id": 2, "mode": "replay", "baseline_session_id": 1, "status": "complete"}
-    # The ABORT waited for the recorded progress (4 tokens), give or take the one step in flight.
-    tokens = sqlite_utils.Database(db).execute(
-        "SELECT tokens FROM request_timeline WHERE session_id = 2 AND frontend_aborted").fetchone()[0]
-    assert 4 <= tokens <= 5
+    # The ABORT went at the recorded progress: after the output that brought the request to 4 tokens.
+    assert landings(db) == (4, 4)
+    [landed] = [f for f in report.findings if f.code == "abort_landed"]
+    assert (landed.request_id, landed.baseline, landed.candidate) == ("long", 4, 4)
+
+
+def test_an_abort_lands_at_its_recorded_progress_on_an_engine_faster_than_the_recorded_one(tmp_path, recorded):
+    # As if the recorded engine had been slow: the ABORT crossed 3 s after the request had its 4 tokens.
+    # At the recorded time the sim engine has long finished all 500, so the clock must not decide.
+    def later_abort(db):
+        db.execute("UPDATE frames SET ts_ns = ts_ns + 3000000000 WHERE kind = 'ABORT'")
+        db.execute("UPDATE aborts SET ts_ns = ts_ns + 3000000000")
+        db.conn.commit()
+    report, outcome, db = replay(tmp_path, recorded, pace="original", edit=later_abort)
+    assert landings(db) == (4, 4)
+    assert "abort_progress" not in {f.code for f in report.findings}
+    assert outcome.finished == 8  # the aborted request never finished: the ABORT came before its 500 tokens
+
+
+def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_numbers(tmp_path, recorded):
+    # The recording says the frontend aborted after 4 tokens; say 600 instead: the request (500 tokens)
+    # finishes first, so the ABORT goes after the finish, 100 tokens short of the recorded point.
+    def abort_after_600(db):
+        db.execute("UPDATE outputs SET num_new_tokens = 150 WHERE request_id = 'long' AND num_new_tokens = 1")
+        db.conn.commit()
+    report, _, db = replay(tmp_path, recorded, edit=abort_after_600)
+    [off] = [f for f in report.findings if f.code == "abort_progress"]
+    assert off.severity == Severity.WARNING and (off.baseline, off.candidate) == (600, 500)
+    assert "600" in off.message and "500" in off.message
+    stored = sqlite_utils.Database(db).execute(
+        "SELECT severity, baseline, candidate FROM findings WHERE code = 'abort_progress'").fetchall()
+    assert stored == [("warning", "600", "500")]
 
 
 @pytest.mark.parametrize("drift, code, expected", [

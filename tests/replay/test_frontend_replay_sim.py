@@ -84,6 +84,9 @@ def test_the_recorded_frontend_itself_gives_no_findings_and_its_users_get_the_re
     kinds = {row["kind"]: row["n"] for row in sqlite_utils.Database(db).query(
         "SELECT kind, COUNT(*) AS n FROM frames WHERE session_id = 2 GROUP BY kind")}
     assert (kinds["ADD"], kinds["ABORT"], kinds["UTILITY"], kinds["REGISTRATION"]) == (5, 1, 1, 1)
+    # The proxy held the aborted request where the recorded ABORT crossed: this frontend's ABORT lands there too.
+    [landed] = [f for f in report.findings if f.code == "abort_landed"]
+    assert landed.baseline == landed.candidate >= 3
 
 
 @pytest.mark.parametrize("drift, code, expected", [
