@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 import trio
 import typer
@@ -20,7 +20,9 @@ from rich.text import Text
 
 from replay_proxy import __version__
 from replay_proxy.errors import ExitCode, ReplayProxyError, leaf
+from replay_proxy.replay import Against
 from replay_proxy.store import queries
+from replay_proxy.store.recorder import OnFull
 
 app = typer.Typer(
     help="Record and replay the ZeroMQ link between vLLM frontends and engines.",
@@ -55,6 +57,18 @@ def fail(message: str, code: ExitCode = ExitCode.ERROR) -> typer.Exit:
     return typer.Exit(int(code))
 
 
+def finish_report(report, report_dir: Path | None, show_info: bool = False) -> NoReturn:
+    """The ending of every command that produces a report: summary, report files, exit code."""
+    from replay_proxy.compare.findings import exit_code
+    from replay_proxy.report.render import print_summary, write_reports
+
+    print_summary(report, out, show_info)
+    if report_dir is not None:
+        for path in write_reports(report, report_dir):
+            err.print(f"wrote {path}")
+    raise typer.Exit(int(exit_code(report.findings)))
+
+
 def check_address(value: str) -> str:
     if not value.startswith(("tcp://", "ipc://")):
         raise typer.BadParameter(f"{value!r} is not a ZMQ address: use tcp://HOST:PORT or ipc:///PATH")
@@ -71,9 +85,9 @@ def record(
         help="The frontend's real handshake address.")],
     db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing).")],
     session: Annotated[str | None, typer.Option(help="Session name (default: record-DATE-TIME).")] = None,
-    on_full: Annotated[str, typer.Option(
+    on_full: Annotated[OnFull, typer.Option(
         help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
-             "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = "drop",
+             "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = OnFull.DROP,
     record_coordinator: Annotated[bool, typer.Option(
         help="Also relay and record the engines' DP-coordinator channels (subscription, READY, waves, stats); "
              "by default engines talk to the coordinator directly.")] = False,
@@ -86,8 +100,6 @@ def record(
     """
     from replay_proxy.record import record as run_record, status_line
 
-    if on_full not in ("drop", "block"):
-        raise fail(f"--on-full must be 'drop' or 'block', not {on_full!r}", ExitCode.USAGE)
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
@@ -222,27 +234,13 @@ def schema_diff(
 
     Example: replay-proxy schema diff 0.31.0 0.32.0
     """
-    from replay_proxy.compare.findings import exit_code
-    from replay_proxy.compare.schema_diff import diff_schemas
-    from replay_proxy.compare.findings import Report
-    from replay_proxy.report.render import print_summary, write_reports
-    from replay_proxy.wire.schema import load_schema, schema_lines, shipped_releases
+    from replay_proxy.compare.report import schema_report
+    from replay_proxy.wire.schema import load_schema, shipped_releases
 
     for release in (old, new):
         if release not in shipped_releases():
             raise fail(f"no shipped schema for {release!r}; shipped: {', '.join(shipped_releases())}", ExitCode.USAGE)
-    a, b = load_schema(old), load_schema(new)
-    findings = diff_schemas(a, b)
-    changed = sorted({f.struct for f in findings if f.struct in a.structs and f.struct in b.structs})
-    report = Report(title="schema diff", baseline=old, candidate=new, findings=findings,
-                    schemas={n: {"baseline": schema_lines(a.structs[n].fields),
-                                 "candidate": schema_lines(b.structs[n].fields)} for n in changed},
-                    checks=[f"schema:{n}" for n in sorted(set(a.structs) | set(b.structs))])
-    print_summary(report, out, show_info)
-    if report_dir is not None:
-        for path in write_reports(report, report_dir):
-            err.print(f"wrote {path}")
-    raise typer.Exit(int(exit_code(findings)))
+    finish_report(schema_report(load_schema(old), load_schema(new)), report_dir, show_info)
 
 
 @app.command()
@@ -266,32 +264,25 @@ def diff(
 
     Example: replay-proxy diff --db recordings/vllm-0.32.0-vllm-rs.db --baseline-db recordings/vllm-0.32.0-python.db --baseline python-frontend --candidate vllm-rs-frontend
     """
-    from replay_proxy.compare.findings import exit_code
-    from replay_proxy.compare.sessions import build_report, load_rules, load_session
-    from replay_proxy.report.render import print_summary, write_reports
+    from replay_proxy.compare.report import build_report
+    from replay_proxy.compare.rules import load_rules
+    from replay_proxy.store.session import load_session
 
     try:
         noise_rules = load_rules(rules)
         base_db = baseline_db or db
-        for path in (base_db, db):
-            queries.open_existing(path)
-        base = load_session(base_db, baseline, noise_rules)
-        report = build_report("diff", base, load_session(db, candidate, noise_rules), noise_rules,
-                              [load_session(base_db, n, noise_rules) for n in noise or []])
+        report = build_report("diff", load_session(base_db, baseline), load_session(db, candidate), noise_rules,
+                              [load_session(base_db, n) for n in noise or []])
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
-    print_summary(report, out, show_info)
-    if report_dir is not None:
-        for path in write_reports(report, report_dir):
-            err.print(f"wrote {path}")
-    raise typer.Exit(int(exit_code(report.findings)))
+    finish_report(report, report_dir, show_info)
 
 
 @app.command()
 def replay(
     db: Annotated[Path, typer.Option(help="Recording database; the replay is recorded into it too.")],
     session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
-    against: Annotated[str, typer.Option(
+    against: Annotated[Against, typer.Option(
         help="What is new: 'engine' (the proxy plays the frontend) or 'frontend' (it plays the engines).")],
     listen: Annotated[str | None, typer.Option(callback=lambda v: v and check_address(v),
         help="--against engine: the handshake address the engine dials.")] = None,
@@ -324,20 +315,16 @@ def replay(
 
     Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine --listen tcp://127.0.0.1:29560
     """
-    from replay_proxy.compare.findings import exit_code
     from replay_proxy.replay.run import replay_session
-    from replay_proxy.report.render import print_summary, write_reports
 
-    if against == "engine":
+    if against is Against.ENGINE:
         if listen is None:
             raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
         address, command = listen, engine_cmd
-    elif against == "frontend":
+    else:
         if upstream is None or http is None:
             raise fail("--against frontend needs --upstream (its handshake) and --http (its API)", ExitCode.USAGE)
         address, command = upstream, frontend_cmd
-    else:
-        raise fail(f"--against takes 'engine' or 'frontend', not {against!r}", ExitCode.USAGE)
     if noise_runs and not baseline_cmd:
         raise fail("--noise-runs needs --baseline-cmd (the build the recording was made with)", ExitCode.USAGE)
     err.print(f"replaying {session!r} against the {against} at {address}")
@@ -350,11 +337,7 @@ def replay(
         raise fail(str(exc)) from None
     if outcome is not None:
         err.print(outcome.summary)
-    print_summary(report, out)
-    if report_dir is not None:
-        for path in write_reports(report, report_dir):
-            err.print(f"wrote {path}")
-    raise typer.Exit(int(exit_code(report.findings)))
+    finish_report(report, report_dir)
 
 
 @sim_app.command("frontend")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Literal
 
 import trio
 from rich.console import Console
@@ -12,7 +11,7 @@ from rich.live import Live
 from rich.text import Text
 
 from replay_proxy.net.relay import Relay
-from replay_proxy.store.writer import Recorder, RecorderStats, SessionInfo
+from replay_proxy.store.recorder import OnFull, Recorder, RecorderStats, SessionInfo
 
 STATUS_EVERY_S = 0.25
 PLAIN_STATUS_EVERY_S = 10.0  # when stderr is not a terminal: a log line now and then
@@ -23,7 +22,7 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
     line.append("recording ", style="bold")
     line.append(f"engines {engines}  frames {stats.frames_seen:,}  "
                 f"{stats.bytes_seen / 1e6:,.2f} MB  requests {stats.requests:,}  "
-                f"queue {stats.queue_depth:,}  ")
+                f"queue {stats.queue_depth_frames:,}  ")
     line.append(f"dropped {stats.frames_dropped:,}", style="bold red" if stats.frames_dropped else "")
     if stats.engines_dead:
         line.append(f"  engines dead {stats.engines_dead}", style="bold red")
@@ -31,7 +30,7 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 
 async def record(listen: str, upstream: str, db: Path, *, session: str,
-                 on_full: Literal["drop", "block"] = "drop", record_coordinator: bool = False,
+                 on_full: OnFull = OnFull.DROP, record_coordinator: bool = False,
                  console: Console | None = None) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)

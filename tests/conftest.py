@@ -3,7 +3,7 @@ import pytest
 from replay_proxy.net.relay import Relay
 from replay_proxy.sim.engine import SimEngine
 from replay_proxy.sim.frontend import SimFrontend
-from replay_proxy.store.writer import Recorder, SessionInfo
+from replay_proxy.store.recorder import Recorder, SessionInfo
 
 
 class RecordedSession:

@@ -32,65 +32,33 @@ because the coordinator counts subscriptions before it sends its READY.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
 import uuid
 from typing import Protocol
 
-import msgspec
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from replay_proxy.net.loop import FLUSH_MS, Counter, forward
+from replay_proxy.net.loop import Counter, forward
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket, bind, connect, monitor, new_socket
+from replay_proxy.wire.capture import FLUSH_MS, CapturedFrame, EngineLoss, capture_tag
 from replay_proxy.wire.handshake import HandshakeError, engine_index, parse_init, rewrite_init
 from replay_proxy.wire.messages import Channel, Direction
 
 
-class FrameEvent(msgspec.Struct, frozen=True, gc=False):
-    """One multipart message that crossed the proxy, as it arrived."""
-
-    ts_ns: int
-    channel: Channel
-    direction: Direction
-    engine_index: int | None
-    client_index: int | None
-    frames: list[bytes]
-    forwarded: list[bytes] | None = None  # only when the proxy changed what it sent (INIT)
-
-
 class Observer(Protocol):
+    """Where the relay reports what crossed it: the recorder, in practice."""
+
     # Where forwarders send their batches of copies (an inproc address in the relay's ZMQ context),
-    # or None; how many batches may queue there before a forwarder waits (0: never waits); and the
-    # counter that numbers every message copied, across forwarders and the relay's own reports.
+    # or None; and how many batches may queue there before a forwarder waits (0: never waits).
     capture: str | None
     capture_hwm: int
-    counter: Counter | None
 
-    def frame(self, event: FrameEvent) -> None: ...
+    def frame(self, frame: CapturedFrame) -> None: ...
 
-    def engine_lost(self, engine_index: int, reason: str) -> None: ...
-
-
-CHANNEL_CODE = {c: i for i, c in enumerate(Channel)}
-CHANNELS = list(Channel)
-_TAG = struct.Struct("<cBHh")  # b"C", channel code, engine index, client index
-
-
-def capture_tag(channel: Channel, engine: int, client: int) -> bytes:
-    """The identity of a forwarder's capture socket: which link its copies crossed."""
-    return _TAG.pack(b"C", CHANNEL_CODE[channel], engine, client)
-
-
-def captured(tag: bytes, frames: list[bytes]) -> tuple[Channel, Direction, int, int]:
-    """(channel, direction, engine, client) of a message copied by the forwarder tagged ``tag``."""
-    _, code, engine, client = _TAG.unpack(tag)
-    channel = CHANNELS[code]
-    # On the input channel an engine sends one thing, its one-frame registration; requests have 2+ frames.
-    to_frontend = channel is not Channel.INPUT or len(frames) == 1
-    return channel, Direction.TO_FRONTEND if to_frontend else Direction.TO_ENGINE, engine, client
+    def engine_lost(self, loss: EngineLoss) -> None: ...
 
 
 class Forwarder:
@@ -167,6 +135,8 @@ class Relay:
         self.context = context or zmq.Context.instance()
         self.engines: dict[bytes, EngineLink] = {}
         self.listening = trio.Event()
+        # Numbers every message reported, here and in the forwarders (atomic for both): seq.
+        self.counter = Counter()
         self._sockets: list[ZmqSocket] = []
         self._forwarders: list[Forwarder] = []
 
@@ -180,7 +150,7 @@ class Relay:
         """Hand a socket pair to a forwarder thread (the sockets are its own from now on)."""
         self._forwarders.append(Forwarder(self.context, engine_side, frontend_side, capture=self.observer.capture,
                                           tag=capture_tag(channel, engine, client),
-                                          capture_hwm=self.observer.capture_hwm, counter=self.observer.counter))
+                                          capture_hwm=self.observer.capture_hwm, counter=self.counter))
 
     async def run(self) -> None:
         """Relay until cancelled; every socket is closed on the way out."""
@@ -206,7 +176,8 @@ class Relay:
 
     def _report(self, ts_ns: int, channel: Channel, direction: Direction, engine: int | None,
                 client: int | None, frames: list[bytes], forwarded: list[bytes] | None = None) -> None:
-        self.observer.frame(FrameEvent(ts_ns, channel, direction, engine, client, frames, forwarded))
+        self.observer.frame(CapturedFrame(self.counter.next(), ts_ns, channel, direction, engine, client, frames,
+                                          forwarded))
 
 
 class EngineLink:
@@ -287,7 +258,9 @@ class EngineLink:
             event = parse_monitor_message(await watcher.receive())
         except SocketClosed:
             return
-        self.relay.observer.engine_lost(self.index, f"its connection to the proxy dropped ({event['endpoint']})")
+        relay = self.relay
+        relay.observer.engine_lost(EngineLoss(relay.counter.next(), time.time_ns(), self.index,
+                                              f"its connection to the proxy dropped ({event['endpoint']})"))
 
     async def _pipe(self, channel: Channel, direction: Direction, client: int | None,
                     source: ZmqSocket, sink: ZmqSocket) -> None:

@@ -1,4 +1,4 @@
-"""Replay against a new frontend build: the proxy plays the engine(s).
+"""Replay against a new frontend build: the proxy plays the recorded engine(s).
 
 Theory of operation. For each recorded engine the proxy dials the frontend's
 handshake ROUTER with the recorded identity and sends the recorded HELLO;
@@ -21,26 +21,22 @@ gets back is checked against the recorded tokens and finish reason.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
 from typing import Any
 
-import msgspec
 import trio
 import zmq
 
 from replay_proxy.compare.findings import Finding, Severity
-from replay_proxy.compare.sessions import effective
-from replay_proxy.net.relay import FrameEvent
+from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.engine import ReplayError, pace_factor
-from replay_proxy.replay.recording import RecordedFrame, Recording
-from replay_proxy.store.rows import finish_name
+from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
-from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.messages import Channel, Direction, Kind
 from replay_proxy.wire.values import decode_msgpack
 
 # Recorded sampling params that become OpenAI completion parameters of the same name.
@@ -49,38 +45,27 @@ HTTP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "
                "min_tokens")
 
 
-class FrontendOutcome(msgspec.Struct):
-    http: dict[str, dict[str, Any]] = {}  # recorded request id -> what the HTTP client saw
-    findings: list[Finding] = []
-    summary: str = ""
+class EnginePlayer(Player):
+    """Plays the engines of ``session`` to the frontend whose handshake is ``upstream`` and API ``http``."""
 
-
-class FrontendReplay:
-    def __init__(self, recording: Recording, upstream: str, http: str, observer, *, pace: str = "original",
+    def __init__(self, session: Session, upstream: str, http: str, observer: Observer, *, pace: str = "original",
                  ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules: dict[str, Any],
                  context: zmq.Context | None = None):
-        self.recording = recording
+        super().__init__(session, observer, pace=pace, ready_timeout=ready_timeout, finish_timeout=finish_timeout,
+                         context=context)
         self.upstream = upstream
         self.http = http.rstrip("/")
-        self.observer = observer
-        self.factor = pace_factor(pace)
-        self.ready_timeout = ready_timeout
-        self.finish_timeout = finish_timeout
         self.rules = rules
-        self.context = context or zmq.Context.instance()
-        self.decoder = WireDecoder()
-        self.outcome = FrontendOutcome()
-        self._sockets: list[ZmqSocket] = []
         self._outputs: dict[tuple[int, int], ZmqSocket] = {}  # (engine, client) -> PUSH
-        self._adds = [f for f in recording.inputs if f.kind == "ADD"]
+        self._adds = [f for f in session.inputs if f.kind == "ADD"]
         self._unmatched = list(self._adds)
-        self._recorded_outputs = _outputs_by_request(recording)
-        self._utility_results = _utility_results(recording)
+        self._recorded_outputs = _outputs_by_request(session)
+        self._utility_results = _utility_results(session)
         self._streams: dict[str, trio.Event] = {}  # open engine-side streams by the frontend's request id: ABORTed
         self._stream_ended = trio.Event()
         # Recorded request id -> seq of the first ABORT that named it.
         self._abort_seq: dict[str, int] = {}
-        for frame in recording.inputs:
+        for frame in session.inputs:
             if frame.kind == "ABORT":
                 for rid in frame.progress:
                     self._abort_seq.setdefault(rid, frame.seq)
@@ -90,20 +75,11 @@ class FrontendReplay:
         tokens = sum(len(seen.get("token_ids") or []) for seen in self.outcome.http.values())
         return len(self._adds) - len(self._unmatched), len(self.outcome.http), len(self._adds), tokens
 
-    def _socket(self, socket_type: int, identity: bytes | None = None) -> ZmqSocket:
-        sock = ZmqSocket(self.context, socket_type, identity=identity, linger_ms=1000)
-        self._sockets.append(sock)
-        return sock
-
-    def _report(self, channel: Channel, direction: Direction, engine: int, client: int | None,
-                frames: list[bytes]) -> None:
-        self.observer.frame(FrameEvent(time.time_ns(), channel, direction, engine, client, frames))
-
-    async def run(self) -> FrontendOutcome:
+    async def run(self) -> ReplayOutcome:
         try:
             async with trio.open_nursery() as nursery:
                 with trio.move_on_after(self.ready_timeout) as waiting:
-                    for engine in self.recording.engines:
+                    for engine in self.session.engines:
                         await self._handshake(engine, nursery)
                     model = await self._wait_http_ready()
                 if waiting.cancelled_caught:
@@ -120,15 +96,15 @@ class FrontendReplay:
                         await self._stream_ended.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            for sock in self._sockets:
-                sock.close()
+            self._close()
         self.outcome.findings += self._request_findings()
+        self.outcome.sent, self.outcome.finished, _, self.outcome.tokens = self.progress()
         return self.outcome
 
     # --- the engine side --------------------------------------------------------------------
 
     def _recorded(self, kind: str, engine: int, client: int | None = None) -> RecordedFrame:
-        frames = [f for f in self.recording.handshake if f.kind == kind and f.engine_index == engine]
+        frames = [f for f in self.session.handshake if f.kind == kind and f.engine_index == engine]
         return next((f for f in frames if client is None or f.client_index == client), frames[0])
 
     async def _handshake(self, engine: int, nursery: trio.Nursery) -> None:
@@ -142,9 +118,9 @@ class FrontendReplay:
         self._report(Channel.HANDSHAKE, Direction.TO_ENGINE, engine, None, init)
         self._compare_init(init[0])
         _, addresses = parse_init(init[0])
-        if len(addresses.inputs) != self.recording.api_servers:
+        if len(addresses.inputs) != self.session.api_servers:
             raise ReplayError(f"the frontend has {len(addresses.inputs)} API server socket(s), the recording "
-                              f"{self.recording.api_servers}: run it with the recorded number of API servers")
+                              f"{self.session.api_servers}: run it with the recorded number of API servers")
         for client, (input_address, output_address) in enumerate(zip(addresses.inputs, addresses.outputs)):
             dealer = self._socket(zmq.DEALER, identity)
             dealer.connect(input_address)
@@ -160,7 +136,7 @@ class FrontendReplay:
         self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine, None, ready.parts)
 
     def _compare_init(self, payload: bytes) -> None:
-        recorded = self._recorded("INIT", self.recording.engines[0]).decoded or {}
+        recorded = self._recorded("INIT", self.session.engines[0]).decoded or {}
         new = decode_msgpack(payload)
         for key in sorted(set(recorded) ^ set(new)):
             self.outcome.findings.append(Finding(
@@ -205,13 +181,13 @@ class FrontendReplay:
         streams.start_soon(self._stream_outputs, engine, client, recorded, request_id)
 
     def _match(self, fields: dict) -> RecordedFrame | None:
-        schema = self.decoder.schema
+        """The recorded ADD that asked for what ``fields`` asks for (``store/session.request_key``)."""
         keys = self.rules["match_sampling_keys"]
-        wanted = (fields.get("prompt_token_ids"), effective(fields.get("sampling_params") or {}, schema, keys))
+        key = lambda request: request_key(self.decoder.schema, request.get("prompt_token_ids"),  # noqa: E731
+                                          request.get("sampling_params") or {}, keys)
+        wanted = key(fields)
         for frame in self._unmatched:
-            mine = (frame.decoded.get("prompt_token_ids"),
-                    effective(frame.decoded.get("sampling_params") or {}, schema, keys))
-            if mine == wanted:
+            if key(frame.decoded) == wanted:
                 self._unmatched.remove(frame)
                 return frame
         return None
@@ -281,7 +257,7 @@ class FrontendReplay:
         params = recorded.get("sampling_params") or {}
         body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
                 **{k: params[k] for k in HTTP_PARAMS if k in params}}
-        aborted_after = next((f.progress[recorded["request_id"]] for f in self.recording.inputs
+        aborted_after = next((f.progress[recorded["request_id"]] for f in self.session.inputs
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
         stream = params.get("output_kind") == delta or aborted_after is not None
@@ -317,19 +293,19 @@ class FrontendReplay:
         return findings
 
 
-def _outputs_by_request(recording: Recording) -> dict[str, list[tuple[RecordedFrame, int]]]:
+def _outputs_by_request(session: Session) -> dict[str, list[tuple[RecordedFrame, int]]]:
     """Recorded output messages per request id, with the position of its output in each."""
     by_request: dict[str, list[tuple[RecordedFrame, int]]] = defaultdict(list)
-    for frame in recording.outputs:
+    for frame in session.outputs:
         for position, output in enumerate((frame.decoded or {}).get("outputs") or []):
             by_request[output["request_id"]].append((frame, position))
     return by_request
 
 
-def _utility_results(recording: Recording) -> dict[str, RecordedFrame]:
-    calls = {f.decoded["call_id"]: f.decoded["method"] for f in recording.inputs if f.kind == "UTILITY"}
+def _utility_results(session: Session) -> dict[str, RecordedFrame]:
+    calls = {f.decoded["call_id"]: f.decoded["method"] for f in session.inputs if f.kind == "UTILITY"}
     results = {}
-    for frame in recording.outputs:
+    for frame in session.outputs:
         utility = (frame.decoded or {}).get("utility_output") if frame.kind == "UTILITY_OUTPUT" else None
         if utility and utility.get("call_id") in calls:
             results.setdefault(calls[utility["call_id"]], frame)
@@ -343,7 +319,7 @@ def _output_tokens(entry: tuple[RecordedFrame, int]) -> list[int]:
 
 def _finish(entry: tuple[RecordedFrame, int], schema) -> str | None:
     frame, position = entry
-    return finish_name(schema, frame.decoded["outputs"][position].get("finish_reason"))
+    return schema.finish_name(frame.decoded["outputs"][position].get("finish_reason"))
 
 
 def _get_json(url: str, timeout: float) -> Any:

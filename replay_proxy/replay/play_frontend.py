@@ -1,4 +1,4 @@
-"""Replay against a new engine build: the proxy plays the frontend.
+"""Replay against a new engine build: the proxy plays the recorded frontend.
 
 Theory of operation. The proxy binds a handshake ROUTER (the engine dials
 it, as it would the real frontend) and, like the frontend, one input ROUTER
@@ -23,105 +23,58 @@ engine identity on the recorded API server's socket:
 
 Outputs are collected until every request has finished or been aborted and
 every utility call is answered, or until ``finish_timeout``. Everything that
-crosses goes to a ``Recorder`` as a new session, so the replay can be
-queried and compared like any recording.
+crosses is reported to the observer (``replay/player.py``).
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
-import msgspec
 import trio
 import zmq
 
-from replay_proxy.errors import ReplayProxyError
-from replay_proxy.net.relay import FrameEvent, local_address_like
+from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.recording import Recording, RecordedFrame
+from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.store.session import RecordedFrame, Session
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, engine_index
-from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.messages import Channel, Direction, Kind
 
 SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unrecorded ones
 
 
-class ReplayError(ReplayProxyError):
-    """The replay could not run: the target never became ready, or has another shape."""
+class FrontendPlayer(Player):
+    """Plays the frontend of ``session`` to the engine(s) that dial ``listen``."""
 
-
-class ReplayOutcome(msgspec.Struct):
-    sent: int = 0
-    requests: int = 0
-    finished: int = 0
-    unfinished: list[str] = []
-    utility_unanswered: int = 0
-    pacing_errors_ms: list[float] = []  # how late each paced send went out
-    send_seconds: float = 0.0  # from the first send to the last
-    summary: str = ""
-    timed_out: bool = False
-    dead_on_api_servers: list[int] = []  # API servers whose output socket got ENGINE_CORE_DEAD
-
-
-def pace_factor(pace: str) -> float | None:
-    """``original`` -> 1.0, a number -> that speed-up, ``fast`` -> None (no pacing)."""
-    if pace == "fast":
-        return None
-    if pace == "original":
-        return 1.0
-    try:
-        factor = float(pace)
-    except ValueError:
-        raise ReplayError(f"--pace takes original, fast or a number, not {pace!r}") from None
-    if factor <= 0:
-        raise ReplayError(f"--pace must be positive, not {pace!r}")
-    return factor
-
-
-class EngineReplay:
-    def __init__(self, recording: Recording, listen: str, observer, *, pace: str = "original",
+    def __init__(self, session: Session, listen: str, observer: Observer, *, pace: str = "original",
                  ready_timeout: float = 300.0, finish_timeout: float = 120.0, context: zmq.Context | None = None):
-        self.recording = recording
+        super().__init__(session, observer, pace=pace, ready_timeout=ready_timeout, finish_timeout=finish_timeout,
+                         context=context)
         self.listen = listen
-        self.observer = observer
-        self.factor = pace_factor(pace)
-        self.ready_timeout = ready_timeout
-        self.finish_timeout = finish_timeout
-        self.context = context or zmq.Context.instance()
-        self.outcome = ReplayOutcome()
-        self.decoder = WireDecoder()
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
         self._answered: set[int] = set()
+        self._dead_on_api_servers: list[int] = []  # API servers whose output socket got ENGINE_CORE_DEAD
         self._progress = trio.Event()  # set (and renewed) on every output and every ADD sent
         self._sent_requests: set[str] = set()
-        self._recorded_requests = {f.decoded["request_id"] for f in recording.inputs
-                                   if f.kind == "ADD" and isinstance(f.decoded, dict)}
-        self._pending_aborts = [f for f in recording.inputs if f.kind == "ABORT"]
-        self._sockets: list[ZmqSocket] = []
+        self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
+                                   if f.kind == "ADD" and isinstance(f.decoded, dict)]
+        self._pending_aborts = [f for f in session.inputs if f.kind == "ABORT"]
 
     def progress(self) -> tuple[int, int, int, int]:
         """Requests sent, requests finished, requests recorded, tokens received."""
         return (len(self._sent_requests), len(self._finished), len(self._recorded_requests),
                 sum(self._tokens.values()))
 
-    def _socket(self, socket_type: int) -> ZmqSocket:
-        sock = ZmqSocket(self.context, socket_type, linger_ms=1000)
-        self._sockets.append(sock)
-        return sock
-
-    def _report(self, channel: Channel, direction: Direction, engine: int | None, client: int | None,
-                frames: list[bytes]) -> None:
-        self.observer.frame(FrameEvent(time.time_ns(), channel, direction, engine, client, frames))
-
     async def run(self) -> ReplayOutcome:
         try:
             async with trio.open_nursery() as nursery:
                 handshake = self._socket(zmq.ROUTER)
                 self.listen = handshake.bind(self.listen)
-                self.inputs = [self._socket(zmq.ROUTER) for _ in range(self.recording.api_servers)]
-                outputs = [self._socket(zmq.PULL) for _ in range(self.recording.api_servers)]
+                self.inputs = [self._socket(zmq.ROUTER) for _ in range(self.session.api_servers)]
+                outputs = [self._socket(zmq.PULL) for _ in range(self.session.api_servers)]
                 addresses = {
                     "inputs": [s.bind(local_address_like(self.listen)) for s in self.inputs],
                     "outputs": [s.bind(local_address_like(self.listen)) for s in outputs],
@@ -140,17 +93,16 @@ class EngineReplay:
                 await self._wait_finished()
                 nursery.cancel_scope.cancel()
         finally:
-            for sock in self._sockets:
-                sock.close()
+            self._close()
         return self.outcome
 
     async def _handshake(self, handshake: ZmqSocket, addresses: dict, registered: dict[int, set[int]]) -> None:
-        expected = set(self.recording.engines)
+        expected = set(self.session.engines)
         states: dict[int, str] = {}
-        init = encode({"addresses": addresses, "parallel_config": self.recording.parallel_config})
+        init = encode({"addresses": addresses, "parallel_config": self.session.parallel_config})
         with trio.move_on_after(self.ready_timeout) as waiting:
             while not (states.keys() == expected and all(s == "READY" for s in states.values())
-                       and all(len(registered[e]) == self.recording.api_servers for e in expected)):
+                       and all(len(registered[e]) == self.session.api_servers for e in expected)):
                 with trio.move_on_after(0.05):
                     identity, *frames = await handshake.receive()
                     index = engine_index(identity)
@@ -169,7 +121,7 @@ class EngineReplay:
         if waiting.cancelled_caught:
             raise ReplayError(
                 f"the engine side was not ready after {self.ready_timeout:g} s: recorded engines "
-                f"{sorted(expected)} x {self.recording.api_servers} API server(s); handshake states "
+                f"{sorted(expected)} x {self.session.api_servers} API server(s); handshake states "
                 f"{ {e: states.get(e, 'none') for e in sorted(expected)} }, registrations "
                 f"{ {e: len(registered[e]) for e in sorted(expected)} }")
 
@@ -177,7 +129,7 @@ class EngineReplay:
         identity, *frames = await handshake.receive()
         self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine_index(identity), None, frames)
         raise ReplayError(
-            f"engine {engine_index(identity)} connected, but the recording has engines {self.recording.engines}: "
+            f"engine {engine_index(identity)} connected, but the recording has engines {self.session.engines}: "
             "start as many engines as were recorded (one per data-parallel rank)")
 
     async def _registrations(self, client: int, sock: ZmqSocket, registered: dict[int, set[int]]) -> None:
@@ -201,7 +153,7 @@ class EngineReplay:
                 self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine if isinstance(engine, int) else None,
                              client, frames)
                 if message.kind is Kind.ENGINE_CORE_DEAD:
-                    self.outcome.dead_on_api_servers.append(client)
+                    self._dead_on_api_servers.append(client)
                 for output in fields.get("outputs") or []:
                     if isinstance(output, dict) and isinstance(output.get("request_id"), str):
                         self._tokens[output["request_id"]] += len(output.get("new_token_ids") or [])
@@ -215,7 +167,7 @@ class EngineReplay:
             return
 
     async def _send_inputs(self) -> None:
-        inputs = self.recording.inputs
+        inputs = self.session.inputs
         if not inputs:
             return
         start, first_ts = trio.current_time(), inputs[0].ts_ns
@@ -262,18 +214,23 @@ class EngineReplay:
             await self._release_aborts()
 
     async def _wait_finished(self) -> None:
-        inputs = self.recording.inputs
-        added = [f.decoded["request_id"] for f in inputs if f.kind == "ADD" and isinstance(f.decoded, dict)]
+        """Wait (bounded) for every request to finish or be aborted and every call to be answered."""
+        inputs = self.session.inputs
         aborted = {rid for f in inputs if f.kind == "ABORT" for rid in f.decoded["request_ids"]}
         calls = {f.decoded["call_id"] for f in inputs if f.kind == "UTILITY" and isinstance(f.decoded, dict)}
-        pending = lambda: ([r for r in added if r not in self._finished and r not in aborted],  # noqa: E731
+        pending = lambda: ([r for r in self._recorded_requests if r not in self._finished and r not in aborted],  # noqa: E731
                            calls - self._answered)
         with trio.move_on_after(self.finish_timeout) as waiting:
             while any(pending()):
                 await self._progress.wait()
         unfinished, unanswered = pending()
-        self.outcome.requests = len(added)
-        self.outcome.finished = len([r for r in added if r in self._finished])
-        self.outcome.unfinished = unfinished
-        self.outcome.utility_unanswered = len(unanswered)
-        self.outcome.timed_out = waiting.cancelled_caught
+        self.outcome.finished = sum(r in self._finished for r in self._recorded_requests)
+        self.outcome.tokens = sum(self._tokens.values())
+        if waiting.cancelled_caught:
+            self.outcome.findings.append(Finding(
+                "replay", Severity.INFO, "finish_timeout",
+                f"stopped waiting after {self.finish_timeout:g} s: {len(unfinished)} request(s) unfinished, "
+                f"{len(unanswered)} utility call(s) unanswered", candidate=unfinished[:10]))
+        for client in self._dead_on_api_servers:
+            self.outcome.findings.append(Finding("behaviour", Severity.REGRESSION, "engine_dead",
+                                                 f"ENGINE_CORE_DEAD on the output socket of API server {client}"))

@@ -17,29 +17,30 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
 
+import msgspec
 import trio
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-import msgspec
-
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
-from replay_proxy.compare.sessions import build_report, load_rules, load_session
+from replay_proxy.compare.report import build_report
+from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
-from replay_proxy.replay.engine import EngineReplay, ReplayError, ReplayOutcome
-from replay_proxy.replay.frontend import FrontendReplay
-from replay_proxy.replay.recording import Recording, load_recording
+from replay_proxy.replay import Against
+from replay_proxy.replay.play_engine import EnginePlayer
+from replay_proxy.replay.play_frontend import FrontendPlayer
+from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.store.recorder import Recorder, SessionInfo
+from replay_proxy.store.session import Session, SessionError, load_session
 from replay_proxy.store.tables import open_database
-from replay_proxy.net.relay import FrameEvent
-from replay_proxy.store.writer import Recorder, SessionInfo
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import Direction, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
-def replay_session(db: Path, session: str, against: Literal["engine", "frontend"], address: str, *,
+def replay_session(db: Path, session: str, against: Against, address: str, *,
                    http: str | None = None, command: str | None = None, pace: str = "original",
                    ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules_path: Path | None = None,
                    logs: Path | None = None, console: Console | None = None, noise_runs: int = 0,
@@ -52,7 +53,10 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
     With a terminal ``console``, a progress bar shows while it runs."""
     if noise_runs and not baseline_command:
         raise ValueError("noise runs need the baseline build's command")
-    recording = load_recording(db, session)
+    against = Against(against)
+    recording = load_session(db, session)
+    if recording.init is None:
+        raise SessionError(f"session {recording.name!r} has no INIT: the handshake was not recorded")
     rules = load_rules(rules_path)
     title = f"replay against {against}"
     logs = logs or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
@@ -65,32 +69,32 @@ def replay_session(db: Path, session: str, against: Literal["engine", "frontend"
         session_id, _, failure = run(name, baseline_command, logs / f"baseline-{i}.log")
         if failure:
             return _failed(title, recording.name, name, f"noise run {i} against the baseline build: {failure}"), None
-        noise.append(load_session(db, str(session_id), rules))
+        noise.append(load_session(db, str(session_id)))
     name = f"{recording.name}-replay-{stamp}"
     session_id, outcome, failure = run(name, command, logs / f"{against}.log")
     if failure:
         return _failed(title, recording.name, name, failure), None
-    report = build_report(title, load_session(db, str(recording.session_id), rules),
-                          load_session(db, str(session_id), rules), rules, noise,
-                          frontend_under_test=against == "frontend")
-    report.findings += outcome.findings if against == "frontend" else outcome_findings(outcome, finish_timeout)
-    save_findings(db, session_id, recording.session_id, report.findings)
+    report = build_report(title, load_session(db, str(recording.id)), load_session(db, str(session_id)), rules, noise,
+                          frontend_under_test=against is Against.FRONTEND)
+    report.findings += outcome.findings
+    save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
 
 
-def _replay_once(recording: Recording, against: str, address: str, name: str, command: str | None, log: Path, *,
-                 http: str | None, pace: str, ready_timeout: float, finish_timeout: float, rules: dict[str, Any],
+def _replay_once(recording: Session, against: Against, address: str, name: str, command: str | None, log: Path, *,
+                 http: str | None, pace: str, ready_timeout: float, finish_timeout: float, rules: dict,
                  console: Console | None) -> tuple[int, ReplayOutcome | None, str | None]:
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
     recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=address,
-                                                       baseline_session_id=recording.session_id))
-    observer = LastSent(recorder, Direction.TO_ENGINE if against == "engine" else Direction.TO_FRONTEND)
-    if against == "engine":
-        player = EngineReplay(recording, address, observer, pace=pace, ready_timeout=ready_timeout,
-                              finish_timeout=finish_timeout)
+                                                       baseline_session_id=recording.id))
+    observer = LastSent(recorder, Direction.TO_ENGINE if against is Against.ENGINE else Direction.TO_FRONTEND)
+    player: Player
+    if against is Against.ENGINE:
+        player = FrontendPlayer(recording, address, observer, pace=pace, ready_timeout=ready_timeout,
+                                finish_timeout=finish_timeout)
     else:
-        player = FrontendReplay(recording, address, http, observer, pace=pace, ready_timeout=ready_timeout,
-                                finish_timeout=finish_timeout, rules=rules)
+        player = EnginePlayer(recording, address, http, observer, pace=pace, ready_timeout=ready_timeout,
+                              finish_timeout=finish_timeout, rules=rules)
     peer = None
 
     async def main():
@@ -131,14 +135,19 @@ class LastSent:
     """The players' observer: the recorder, remembering the last frames sent to the peer under test,
     so that a peer that rejects something is told which messages it had just been sent."""
 
+    capture, capture_hwm = None, 0  # no forwarders: the players report every frame themselves
+
     def __init__(self, recorder: Recorder, toward: Direction, keep: int = 3):
         self.recorder, self.toward = recorder, toward
-        self.events: collections.deque[FrameEvent] = collections.deque(maxlen=keep)
+        self.events: collections.deque[CapturedFrame] = collections.deque(maxlen=keep)
 
-    def frame(self, event: FrameEvent) -> None:
-        if event.direction is self.toward:
-            self.events.append(event)
-        self.recorder.frame(event)
+    def frame(self, frame: CapturedFrame) -> None:
+        if frame.direction is self.toward:
+            self.events.append(frame)
+        self.recorder.frame(frame)
+
+    def engine_lost(self, loss: EngineLoss) -> None:
+        self.recorder.engine_lost(loss)
 
     def describe(self, peer: str) -> str:
         if not self.events:
@@ -146,11 +155,11 @@ class LastSent:
         return f"last messages sent to the {peer}: " + ", ".join(map(_name, self.events))
 
 
-def _name(event: FrameEvent) -> str:
+def _name(frame: CapturedFrame) -> str:
     """``REGISTRATION (engine 0, API server 1)``"""
-    kind = WireDecoder().decode(event.channel, event.direction, event.frames).kind.name
-    where = ", ".join(f"{name} {i}" for name, i in (("engine", event.engine_index),
-                                                    ("API server", event.client_index)) if i is not None)
+    kind = WireDecoder().decode(frame.channel, frame.direction, frame.parts).kind.name
+    where = ", ".join(f"{name} {i}" for name, i in (("engine", frame.engine_index),
+                                                    ("API server", frame.client_index)) if i is not None)
     return f"{kind} ({where})"
 
 
@@ -178,7 +187,7 @@ def save_findings(db: Path, session_id: int, baseline_session_id: int, findings:
     database.close()
 
 
-async def _show_progress(console: Console, player) -> None:
+async def _show_progress(console: Console, player: Player) -> None:
     """A progress bar on the terminal: requests sent and finished, tokens."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[detail]}"), console=console, transient=True) as bar:
@@ -196,16 +205,3 @@ async def _watch(child: Child) -> None:
         await trio.sleep(0.5)
     raise ReplayError(f"{child.name} exited with code {child.process.returncode} during the replay:\n"
                       f"{child.log_tail(5)}")
-
-
-def outcome_findings(outcome: ReplayOutcome, finish_timeout: float) -> list[Finding]:
-    findings = []
-    if outcome.timed_out:
-        findings.append(Finding(
-            "replay", Severity.INFO, "finish_timeout",
-            f"stopped waiting after {finish_timeout:g} s: {len(outcome.unfinished)} request(s) unfinished, "
-            f"{outcome.utility_unanswered} utility call(s) unanswered", candidate=outcome.unfinished[:10]))
-    for client in outcome.dead_on_api_servers:
-        findings.append(Finding("behaviour", Severity.REGRESSION, "engine_dead",
-                                f"ENGINE_CORE_DEAD on the output socket of API server {client}"))
-    return findings

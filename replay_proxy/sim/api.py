@@ -15,9 +15,7 @@ import uuid
 
 import trio
 
-from replay_proxy.replay.frontend import HTTP_PARAMS
 from replay_proxy.sim.frontend import SimFrontend
-from replay_proxy.store.rows import finish_name
 
 MODEL = "sim"
 
@@ -77,14 +75,15 @@ async def _respond(stream: trio.SocketStream, status: int, body: dict) -> None:
 async def _complete(frontend: SimFrontend, stream: trio.SocketStream, body: dict) -> None:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streaming = bool(body.get("stream"))
-    params = {k: body[k] for k in HTTP_PARAMS if k in body}
+    # Like vLLM's API server: every request field that names a SamplingParams field is one.
+    params = {k: v for k, v in body.items() if k in frontend.schema.sampling_defaults}
     output_kind = frontend.schema.enums["RequestOutputKind"]["DELTA" if streaming else "FINAL_ONLY"]
     engine, client = await frontend.add_balanced(request_id, [int(t) for t in body["prompt"]],
                                                  output_kind=output_kind, **params)
     tokens = frontend.tokens[request_id]
     if not streaming:
         await frontend.wait_for(lambda: request_id in frontend.finish_reasons)
-        finish = finish_name(frontend.schema, frontend.finish_reasons[request_id])
+        finish = frontend.schema.finish_name(frontend.finish_reasons[request_id])
         await _respond(stream, 200, {"id": request_id, "object": "text_completion", "model": MODEL, "choices": [
             {"index": 0, "text": "", "token_ids": tokens, "finish_reason": finish}]})
         return
@@ -103,7 +102,7 @@ async def _complete(frontend: SimFrontend, stream: trio.SocketStream, body: dict
         sent = 0
         while True:
             await frontend.wait_for(lambda: len(tokens) > sent or request_id in frontend.finish_reasons)
-            finish = finish_name(frontend.schema, frontend.finish_reasons.get(request_id))
+            finish = frontend.schema.finish_name(frontend.finish_reasons.get(request_id))
             choice = {"index": 0, "text": "", "token_ids": tokens[sent:], "finish_reason": finish}
             sent = len(tokens)
             event = {"id": request_id, "object": "text_completion", "model": MODEL, "choices": [choice]}

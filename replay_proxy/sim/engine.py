@@ -79,7 +79,7 @@ class SimEngine:
             self.outputs = [self._socket(sockets, zmq.PUSH) for _ in addresses.outputs]
             for sock, address in zip(inputs, addresses.inputs):
                 sock.connect(address)
-                await sock.send([encode(self._registration(len(addresses.inputs)))])
+                await sock.send([encode(self._registration())])
             for sock, address in zip(self.outputs, addresses.outputs):
                 sock.connect(address)
             await handshake.send([encode({"status": "READY", "local": False, "headless": True})])
@@ -100,7 +100,7 @@ class SimEngine:
         sockets.append(sock)
         return sock
 
-    def _registration(self, api_servers: int) -> dict:
+    def _registration(self) -> dict:
         fields = {
             "max_model_len": 256, "num_gpu_blocks": 1024, "block_size": 16, "dp_stats_address": None,
             "dtype": "float32", "vllm_version": self.release, "world_size": 1,

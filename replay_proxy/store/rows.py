@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.store.tables import TABLES, sampling_columns
+from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import Kind, Message
 from replay_proxy.wire.schema import Schema
 from replay_proxy.wire.values import decode_msgpack, to_json
@@ -34,33 +35,33 @@ class Rows:
         values = [row.get(c) for c in TABLES[table][0]]
         self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v for v in values]))
 
-    def add_frame(self, session_id: int, seq: int, event, message: Message, schema: Schema) -> None:
+    def add_frame(self, session_id: int, frame: CapturedFrame, message: Message, schema: Schema) -> None:
         """A frame's row (its bytes, where they went, its named fields) and every concept row it makes."""
-        where = dict(session_id=session_id, seq=seq, ts_ns=event.ts_ns,
-                     engine_index=event.engine_index, client_index=event.client_index)
+        where = dict(session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns,
+                     engine_index=frame.engine_index, client_index=frame.client_index)
         error = message.error
         try:
-            self._concepts(where, event, message, schema)
+            self._concepts(where, frame, message, schema)
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
-        self._add("frames", **where, channel=str(event.channel), direction=str(event.direction),
-                  kind=str(message.kind), n_parts=len(event.frames), nbytes=sum(map(len, event.frames)),
-                  raw=_raw.encode(event.frames), forwarded_raw=_raw.encode(event.forwarded) if event.forwarded else None,
+        self._add("frames", **where, channel=str(frame.channel), direction=str(frame.direction),
+                  kind=str(message.kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),
+                  raw=_raw.encode(frame.parts), forwarded_raw=_raw.encode(frame.forwarded) if frame.forwarded else None,
                   decoded=to_json(message.fields), decode_error=error,
                   flags=to_json(message.flags) if message.flags else None)
 
-    def _concepts(self, where: dict, event, message: Message, schema: Schema) -> None:
+    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> None:
         fields, kind = message.fields, message.kind
         if kind is Kind.ENGINE_CORE_DEAD:  # a bare sentinel: no fields
-            self.add_engine_event(where["session_id"], where["seq"], event.ts_ns, event.engine_index,
-                                  "ENGINE_CORE_DEAD", f"on the output socket of API server {event.client_index}")
+            self.add_engine_event(where["session_id"], where["seq"], frame.ts_ns, frame.engine_index,
+                                  "ENGINE_CORE_DEAD", f"on the output socket of API server {frame.client_index}")
         if not isinstance(fields, dict):
             return
         if kind in HANDSHAKE_KINDS:
             rewritten = None
-            if event.forwarded:
-                rewritten = to_json(decode_msgpack(event.forwarded[0]))
+            if frame.forwarded:
+                rewritten = to_json(decode_msgpack(frame.forwarded[0]))
             self._add("handshakes", **where, kind=str(kind), payload=to_json(fields),
                       rewritten=rewritten, vllm_version=fields.get("vllm_version"))
         elif kind is Kind.ADD:
@@ -83,9 +84,7 @@ class Rows:
         params = fields.get("sampling_params")
         effective = {}
         if isinstance(params, dict):
-            # Python frontends omit default-valued keys: fill them in from the schema.
-            defaults = {f.name: f.default for f in schema.structs["SamplingParams"].fields}
-            effective = {c: params.get(c, defaults.get(c)) for c in sampling_columns()}
+            effective = {c: schema.sampling_value(params, c) for c in sampling_columns()}
             effective = {c: v for c, v in effective.items() if v is None or not isinstance(v, (list, dict))}
         prompt = fields.get("prompt_token_ids")
         self._add("requests", **where, **effective, request_id=fields.get("request_id"),
@@ -111,16 +110,9 @@ class Rows:
             self._add("outputs", **where, position=position, request_id=output.get("request_id"),
                       new_token_ids=to_json(tokens),
                       num_new_tokens=len(tokens) if isinstance(tokens, list) else None,
-                      finish_reason=finish_name(schema, finish),
+                      finish_reason=schema.finish_name(finish),
                       stop_reason=None if stop is None else str(stop),
                       num_nans_in_logits=output.get("num_nans_in_logits"),
                       new_logprobs=to_json(output.get("new_logprobs")),
                       events=to_json(output.get("events")), other=to_json(other) if other else None)
 
-
-def finish_name(schema: Schema, value: Any) -> str | None:
-    """``1`` -> ``"length"``: vLLM's FinishReason string form."""
-    if value is None:
-        return None
-    name = schema.enum_name("FinishReason", value)
-    return name.lower() if name else str(value)

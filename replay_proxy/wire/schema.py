@@ -44,13 +44,12 @@ class StructSchema(msgspec.Struct, frozen=True, dict=True):
         return {f.name: f for f in self.fields}
 
 
-
 def schema_lines(fields: tuple[Field, ...]) -> list[str]:
     """A struct's fields as lines for a side-by-side view: ``position name: type = default``."""
     return [f"{f.position} {f.name}: {f.type}{'' if f.required else ' = ' + repr(f.default)}" for f in fields]
 
 
-class Schema(msgspec.Struct, frozen=True):
+class Schema(msgspec.Struct, frozen=True, dict=True):
     """The wire schema of one vLLM release."""
 
     release: str
@@ -63,6 +62,22 @@ class Schema(msgspec.Struct, frozen=True):
             if v == value:
                 return name
         return None
+
+    def finish_name(self, value: Any) -> str | None:
+        """``1`` -> ``"length"``: vLLM's FinishReason string form."""
+        if value is None:
+            return None
+        name = self.enum_name("FinishReason", value)
+        return name.lower() if name else str(value)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return {f.name: f.default for f in self.structs["SamplingParams"].fields}
+
+    def sampling_value(self, params: dict[str, Any], key: str) -> Any:
+        """The value of SamplingParams ``key`` in effect: as sent, else this release's default
+        (the Python frontend leaves defaults out)."""
+        return params.get(key, self.sampling_defaults.get(key))
 
 
 class Flag(msgspec.Struct, frozen=True, omit_defaults=True):

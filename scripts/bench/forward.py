@@ -174,12 +174,12 @@ def relay(listen: str, upstream: str) -> None:
     from replay_proxy.net.relay import Relay
 
     class Nothing:
-        capture, capture_hwm, counter = None, 0, None
+        capture, capture_hwm = None, 0
 
-        def frame(self, event) -> None:
+        def frame(self, frame) -> None:
             pass
 
-        def engine_lost(self, engine_index: int, reason: str) -> None:
+        def engine_lost(self, loss) -> None:
             pass
 
     trio.run(Relay(listen, upstream, Nothing()).run)

@@ -23,15 +23,15 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.net.relay import Relay  # noqa: E402
 from replay_proxy.processes import Child, free_port  # noqa: E402
-from replay_proxy.replay.engine import EngineReplay  # noqa: E402
-from replay_proxy.replay.recording import load_recording  # noqa: E402
+from replay_proxy.replay.play_frontend import FrontendPlayer  # noqa: E402
 from replay_proxy.sim.engine import SimEngine  # noqa: E402
 from replay_proxy.sim.frontend import SimFrontend  # noqa: E402
-from replay_proxy.store.writer import Recorder, SessionInfo  # noqa: E402
+from replay_proxy.store.recorder import OnFull, Recorder, SessionInfo  # noqa: E402
+from replay_proxy.store.session import load_session  # noqa: E402
 
 
 async def record(db: Path, requests: int, rate: float) -> None:
-    recorder = Recorder(db, SessionInfo(name="bench"), on_full="block")
+    recorder = Recorder(db, SessionInfo(name="bench"), on_full=OnFull.BLOCK)
     async with trio.open_nursery() as nursery:
         frontend = SimFrontend()
         upstream = await nursery.start(frontend.run)
@@ -53,7 +53,7 @@ class Nothing:
     def frame(self, event) -> None:
         pass
 
-    def engine_lost(self, engine_index: int, reason: str) -> None:
+    def engine_lost(self, loss) -> None:
         pass
 
 
@@ -64,8 +64,8 @@ def replay(db: Path, pace: str, logs: Path):
     engine = Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", listen],
                    logs / f"engine-{pace}.log")
     try:
-        player = EngineReplay(load_recording(db, "bench"), listen, Nothing(), pace=pace, ready_timeout=30,
-                              finish_timeout=60)
+        player = FrontendPlayer(load_session(db, "bench"), listen, Nothing(), pace=pace, ready_timeout=30,
+                                finish_timeout=60)
         return trio.run(player.run)
     finally:
         engine.stop()

@@ -1,24 +1,27 @@
 """Performance findings on hand-built sessions, with and without a noise floor."""
 
-from replay_proxy.compare.sessions import RequestRecord, SessionData, performance_findings
-from replay_proxy.compare.sessions import load_rules
+from pathlib import Path
+
+from replay_proxy.compare.performance import performance_findings
+from replay_proxy.compare.rules import load_rules
+from replay_proxy.store.session import Request, Session
 from replay_proxy.wire.schema import load_schema
 
 RULES = load_rules()
 MS = 1_000_000
 
 
-def session(ttft_ms: float, step_ms: float, name: str = "s", gap_ms: float = 1000) -> SessionData:
+def session(ttft_ms: float, step_ms: float, name: str = "s", gap_ms: float = 1000) -> Session:
     requests = []
     for k in range(20):
         start = int(k * gap_ms * MS)
         times = [start + int(ttft_ms * MS) + int(i * step_ms * MS) for i in range(5)]
-        requests.append(RequestRecord(
-            seq=k, request_id=f"r{k}", engine_index=0, prompt=[k], params={}, effective={"temperature": 0.0},
+        requests.append(Request(
+            seq=k, request_id=f"r{k}", engine_index=0, prompt=[k], params={"temperature": 0.0},
             tokens=[1] * 5, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
-            frontend_aborted=False, abort_progress=None, output_times=times, logprobs=[]))
-    return SessionData(label=name, schema=load_schema("0.32.0"), registration_keys=set(), registration={},
-                       requests=requests, utility=[], shapes={}, finish_reasons={"length"})
+            abort_progress=None, output_times=times, logprobs=[]))
+    return Session(db_path=Path("unused.db"), id=1, name=name, schema=load_schema("0.32.0"), init=None, engines=[0],
+                   handshake=[], inputs=[], outputs=[], registrations=[], requests=requests, utility=[])
 
 
 def codes(findings):

@@ -4,9 +4,11 @@ import pytest
 import trio
 
 from replay_proxy.compare.findings import Severity, exit_code
-from replay_proxy.compare.sessions import compare_sessions, load_rules, load_session
+from replay_proxy.compare.report import build_report
+from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
 from replay_proxy.sim.drift import EngineDrift, FrontendDrift
+from replay_proxy.store.session import load_session
 from tests.conftest import RecordedSession
 
 RULES = load_rules()
@@ -22,7 +24,7 @@ async def record(nursery, db, name, **drift):
     call = await frontend.utility("get_supported_tasks")
     await frontend.wait_for(lambda: call in frontend.utility_results)
     session.recorder.close()
-    return load_session(db, name, RULES)
+    return load_session(db, name)
 
 
 async def diff(db, **drift):
@@ -30,7 +32,7 @@ async def diff(db, **drift):
         baseline = await record(nursery, db, "baseline")
         candidate = await record(nursery, db, "candidate", **drift)
         nursery.cancel_scope.cancel()
-    findings = compare_sessions(baseline, candidate, RULES)
+    findings = build_report("diff", baseline, candidate, RULES).findings
     return [f for f in findings if f.severity >= Severity.WARNING and f.category != "performance"], findings
 
 

@@ -6,8 +6,9 @@ import uuid
 import pytest
 import zmq
 
-from replay_proxy.net.loop import Counter, batch_counts, unbatch
-from replay_proxy.net.relay import Forwarder, capture_tag
+from replay_proxy.net.loop import Counter
+from replay_proxy.net.relay import Forwarder
+from replay_proxy.wire.capture import batch_counts, capture_tag, unbatch
 from replay_proxy.wire.messages import Channel
 
 MESSAGES = [[b"\x00", b"payload"], [b""], [b"a" * 70_000, b"", b"z"], [bytes(range(256))]]

@@ -7,7 +7,7 @@ between the Python frontend and a headless vLLM 0.32.0 engine.
 import pytest
 import sqlite_utils
 
-from replay_proxy.compare.sessions import load_rules
+from replay_proxy.compare.rules import load_rules
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm

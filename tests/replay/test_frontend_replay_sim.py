@@ -17,7 +17,7 @@ import trio
 from replay_proxy.compare.findings import Severity, exit_code
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
-from replay_proxy.replay.frontend import completion
+from replay_proxy.replay.play_engine import completion
 from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.api import serve_api
 from tests.conftest import RecordedSession

@@ -7,18 +7,22 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from replay_proxy.net.relay import FrameEvent
-from replay_proxy.store.writer import Recorder, RecorderError, SessionInfo
+from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
 
-FRAME = FrameEvent(1, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x01", encode(["req-1"])])
+
+
+def frame(seq):
+    """An ABORT as the relay reports it, numbered ``seq`` (the relay numbers what it reports)."""
+    return CapturedFrame(seq, time.time_ns(), Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x01", encode(["req-1"])])
 
 
 def record_burst(db_path, on_full, frames=3000):
     recorder = Recorder(db_path, SessionInfo(name=on_full), on_full=on_full, queue_size=2)
-    for _ in range(frames):
-        recorder.frame(FRAME)
+    for seq in range(1, frames + 1):
+        recorder.frame(frame(seq))
     return recorder, recorder.close()
 
 
@@ -48,10 +52,10 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
 
     script = (
         "import os, sys, time\n"
-        "from replay_proxy.store.writer import Recorder, SessionInfo\n"
-        "from tests.store.test_writer import FRAME\n"
+        "from replay_proxy.store.recorder import Recorder, SessionInfo\n"
+        "from tests.store.test_writer import frame\n"
         "r = Recorder(sys.argv[1], SessionInfo(name='killed'))\n"
-        "[r.frame(FRAME) for _ in range(50)]\n"
+        "[r.frame(frame(seq)) for seq in range(1, 51)]\n"
         "while r.statistics().frames_recorded < 50: time.sleep(0.05)\n"
         "print(r._process.pid, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
@@ -78,8 +82,8 @@ def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path
 
 def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_live(db_path):
     recorder = Recorder(db_path, SessionInfo(name="live"))
-    for _ in range(10):
-        recorder.frame(FRAME)
+    for seq in range(1, 11):
+        recorder.frame(frame(seq))
     db = sqlite_utils.Database(db_path)
     deadline = time.monotonic() + 20
     while db["frames"].count < 10 and time.monotonic() < deadline:
@@ -93,8 +97,8 @@ def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_li
 def test_a_full_queue_drops_frames_but_never_an_engine_loss(db_path):
     recorder = Recorder(db_path, SessionInfo(name="losses"), queue_size=2)
     for i in range(1000):
-        recorder.frame(FRAME)
-        recorder.engine_lost(i, "gone")
+        recorder.frame(frame(2 * i + 1))
+        recorder.engine_lost(EngineLoss(2 * i + 2, time.time_ns(), i, "gone"))
     stats = recorder.close()
     assert stats.frames_dropped > 0
     db = sqlite_utils.Database(db_path)

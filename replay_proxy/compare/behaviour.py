@@ -1,0 +1,134 @@
+"""Behaviour findings: per matched request, what the engine produced and what the frontend did.
+
+Tokens must be identical for greedy or seeded requests (else the first
+divergence is reported), finish reasons the same, logprobs within a
+tolerance, an ABORT where it was recorded; utility calls must get the same
+results. Greedy requests that ran batched do not reproduce on vLLM's CPU
+build, so their divergence is a warning unless repeat runs of the baseline
+(``noise``) show them stable.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.store.session import Matching, Request, Session, match_requests
+
+
+def batched(session: Session) -> set[str]:
+    """Requests that ran while another request on the same engine was running."""
+    spans = [(r.added_ns, r.last_ns or r.added_ns, r.engine_index, r.request_id) for r in session.requests]
+    overlapping = set()
+    for i, (start, end, engine, rid) in enumerate(spans):
+        for other_start, other_end, other_engine, other in spans[i + 1:]:
+            if engine == other_engine and start < other_end and other_start < end:
+                overlapping |= {rid, other}
+    return overlapping
+
+
+def deterministic(session: Session, request: Request) -> bool:
+    """Greedy or seeded: the same tokens run after run (when it ran alone)."""
+    value = session.schema.sampling_value
+    return value(request.params, "temperature") == 0.0 or value(request.params, "seed") is not None
+
+
+def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: dict[str, Any],
+                       noise: list[Session] = (), frontend_under_test: bool = False) -> list[Finding]:
+    findings = []
+    for request in matching.missing:
+        findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
+                                f"baseline request with a {len(request.prompt)}-token prompt has no counterpart",
+                                message_kind="ADD", request_id=request.request_id))
+    for request in matching.extra:
+        findings.append(Finding("behaviour", Severity.WARNING, "request_extra",
+                                "the candidate has a request the baseline does not", message_kind="ADD",
+                                request_id=request.request_id))
+    # Batched requests do not reproduce on vLLM's CPU build: noise, unless repeat runs show them stable.
+    unstable = _unstable(baseline, noise, rules["match_sampling_keys"])
+    noisy = {rid for rid in batched(baseline) if not noise or rid in unstable}
+    for a, b in matching.pairs:
+        rid = a.request_id
+        if a.frontend_aborted or b.frontend_aborted:
+            if a.frontend_aborted != b.frontend_aborted:
+                findings.append(Finding("behaviour", Severity.REGRESSION, "abort_mismatch",
+                                        f"aborted by the frontend in {'baseline' if a.frontend_aborted else 'candidate'}"
+                                        " only", request_id=rid))
+            else:
+                findings.append(_abort_landing(a, b, rules["abort_progress_tolerance_tokens"]))
+            continue
+        if a.tokens != b.tokens and deterministic(baseline, a):
+            first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+                         min(len(a.tokens), len(b.tokens)))
+            is_noise = rid in noisy or rid in unstable
+            why = (" (varied between baseline runs too)" if rid in unstable else
+                   " (batched with other requests: not reproducible run to run on vLLM's CPU build; "
+                   "--noise runs of the baseline tell whether it is)" if rid in noisy else "")
+            findings.append(Finding(
+                "behaviour", Severity.WARNING if is_noise else Severity.REGRESSION, "token_mismatch",
+                f"tokens diverge at position {first} of {len(a.tokens)}{why}", request_id=rid, position=first,
+                baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5]))
+        if a.finish_reason != b.finish_reason:
+            findings.append(Finding("behaviour", Severity.REGRESSION if deterministic(baseline, a) else Severity.WARNING,
+                                    "finish_reason_changed", f"finish reason {a.finish_reason} -> {b.finish_reason}",
+                                    request_id=rid, baseline=a.finish_reason, candidate=b.finish_reason))
+        elif len(a.tokens) != len(b.tokens) and not deterministic(baseline, a):
+            findings.append(Finding("behaviour", Severity.WARNING, "length_changed",
+                                    f"generated {len(a.tokens)} tokens, now {len(b.tokens)}", request_id=rid,
+                                    baseline=len(a.tokens), candidate=len(b.tokens)))
+        if a.logprobs and b.logprobs and a.tokens == b.tokens:
+            worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+            if worst > rules["logprob_tolerance"]:
+                findings.append(Finding("behaviour", Severity.REGRESSION, "logprobs_differ",
+                                        f"logprobs differ by up to {worst:.2g} (tolerance {rules['logprob_tolerance']})",
+                                        request_id=rid, baseline=rules["logprob_tolerance"], candidate=worst))
+    findings += _utility_findings(baseline, candidate, frontend_under_test)
+    return findings
+
+
+def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:
+    """Where the ABORT landed in each session: tokens before it, not the total (what was in flight varies)."""
+    off = abs(a.abort_progress - b.abort_progress) > tolerance
+    return Finding("behaviour", Severity.WARNING if off else Severity.INFO,
+                   "abort_progress" if off else "abort_landed",
+                   f"ABORT after {a.abort_progress} tokens in the baseline, {b.abort_progress} in the candidate"
+                   + (f" (more than {tolerance} off)" if off else ""),
+                   message_kind="ABORT", request_id=a.request_id, baseline=a.abort_progress,
+                   candidate=b.abort_progress)
+
+
+def _unstable(baseline: Session, noise: list[Session], keys: list[str]) -> set[str]:
+    """Baseline requests whose tokens differ in any repeat run of the baseline."""
+    unstable = set()
+    for repeat in noise:
+        unstable |= {a.request_id for a, b in match_requests(baseline, repeat, keys).pairs if a.tokens != b.tokens}
+    return unstable
+
+
+def _utility_findings(baseline: Session, candidate: Session, frontend_under_test: bool) -> list[Finding]:
+    """Utility calls by method; a call the frontend under test no longer makes is its choice: a warning."""
+    findings = []
+    remaining = defaultdict(list)
+    for call in candidate.utility:
+        remaining[call["method"]].append(call)
+    for call in baseline.utility:
+        counterpart = remaining[call["method"]].pop(0) if remaining[call["method"]] else None
+        if counterpart is None:
+            findings.append(Finding("behaviour", Severity.WARNING if frontend_under_test else Severity.REGRESSION,
+                                    "utility_call_missing",
+                                    f"utility call {call['method']} has no counterpart", message_kind="UTILITY",
+                                    field=call["method"]))
+        elif (call["result"], call["failure_message"]) != (counterpart["result"], counterpart["failure_message"]):
+            findings.append(Finding(
+                "behaviour", Severity.REGRESSION, "utility_result_changed",
+                f"utility {call['method']} answered {counterpart['failure_message'] or counterpart['result']} "
+                f"instead of {call['failure_message'] or call['result']}", message_kind="UTILITY_OUTPUT",
+                field=call["method"], baseline=call["failure_message"] or call["result"],
+                candidate=counterpart["failure_message"] or counterpart["result"]))
+    for method, calls in remaining.items():
+        for _ in calls:
+            findings.append(Finding("behaviour", Severity.WARNING, "utility_call_extra",
+                                    f"the candidate made an extra utility call {method}", message_kind="UTILITY",
+                                    field=method))
+    return findings

@@ -1,0 +1,164 @@
+"""Schema findings of two sessions: the registration, array shapes on the wire, finish reasons.
+
+What a struct looked like is observed from the raw frames, not from the
+schema the recorder named them with: an inserted or removed positional field
+shows as a shift of the kinds seen at each position, a longer array as new
+trailing positions (which the Rust reader rejects).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+
+from replay_proxy.compare.findings import PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
+from replay_proxy.compare.schema_diff import readers
+from replay_proxy.store.session import Session
+from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.values import decode_msgpack, kind_of
+
+
+class Shape(msgspec.Struct):
+    """What a positional struct looked like on the wire across a session."""
+
+    lengths: set[int] = set()
+    kinds: dict[int, set[str]] = {}  # position -> msgpack kinds seen there, nil included
+
+
+Shapes = dict[str, Shape]
+
+
+def observed_shapes(session: Session) -> Shapes:
+    """The shapes of EngineCoreRequest (ADD), EngineCoreOutputs, EngineCoreOutput and UtilityOutput."""
+    shapes: Shapes = defaultdict(Shape)
+    for frame in session.inputs + session.outputs:
+        if frame.kind in ("ADD", "OUTPUTS", "UTILITY_OUTPUT"):
+            _observe_shapes(shapes, frame.kind, decode_msgpack(frame.parts[1] if frame.kind == "ADD" else frame.parts[0]))
+    return dict(shapes)
+
+
+def _observe(shapes: Shapes, struct: str, value: Any) -> None:
+    if not isinstance(value, list):
+        return
+    shape = shapes[struct]
+    shape.lengths.add(len(value))
+    for position, item in enumerate(value):
+        shape.kinds.setdefault(position, set()).add(kind_of(item))
+
+
+def _observe_shapes(shapes: Shapes, kind: str, body: Any) -> None:
+    """Positions that are the same in every release: EngineCoreOutputs 1 (outputs), 4 (utility_output)."""
+    if kind == "ADD":
+        _observe(shapes, "EngineCoreRequest", body)
+        return
+    _observe(shapes, "EngineCoreOutputs", body)
+    if isinstance(body, list):
+        for output in body[1] if len(body) > 1 and isinstance(body[1], list) else []:
+            _observe(shapes, "EngineCoreOutput", output)
+        if len(body) > 4:
+            _observe(shapes, "UtilityOutput", body[4])
+
+
+def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes, Shapes],
+                    rules: dict[str, Any]) -> list[Finding]:
+    """The registration's keys and values, array shapes as seen on the wire, unknown finish reasons."""
+    findings = []
+    spec = baseline.schema.structs["EngineCoreReadyResponse"]
+    keys_a, keys_b = (set().union(*s.registrations) for s in (baseline, candidate))
+    if keys_a:
+        for key in sorted(keys_a - keys_b):
+            required = key in spec.by_name and spec.by_name[key].required
+            findings.append(Finding(
+                "schema", Severity.BREAKING if required else Severity.WARNING, "registration_key_missing",
+                f"the registration lacks {key!r}" + (f", which a {baseline.schema.release} frontend requires "
+                                                     f"(\"Object missing required field `{key}`\")" if required else ""),
+                message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key,
+                breaks=(PYTHON_FRONTEND, RUST_FRONTEND) if required else ()))
+        for key in sorted(keys_b - keys_a):
+            findings.append(Finding("schema", Severity.INFO, "registration_key_added",
+                                    f"the registration has a new key {key!r} (frontends ignore unknown keys)",
+                                    message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key))
+        ignored = set(rules["ignore_registration_keys"])
+        for key in sorted(keys_a & keys_b - ignored):
+            a, b = baseline.registrations[0].get(key), candidate.registrations[0].get(key)
+            if a != b:
+                findings.append(Finding("schema", Severity.WARNING, "registration_value_changed",
+                                        f"registration {key}: {a!r} -> {b!r}", message_kind="REGISTRATION",
+                                        struct="EngineCoreReadyResponse", field=key, baseline=a, candidate=b))
+    for struct in ("EngineCoreRequest", "EngineCoreOutputs", "EngineCoreOutput", "UtilityOutput"):
+        if struct in shapes[0] and struct in shapes[1]:
+            findings += _shape_findings(struct, baseline.schema, candidate.schema, shapes[0][struct], shapes[1][struct])
+    finish_names = {k.lower() for k in baseline.schema.enums.get("FinishReason", {})}
+    for reason in sorted(candidate.finish_reasons - finish_names):
+        findings.append(Finding("schema", Severity.BREAKING, "finish_reason_unknown",
+                                f"finish reason {reason!r} is not one that {baseline.schema.release} knows",
+                                message_kind="OUTPUTS", struct="FinishReason", candidate=reason,
+                                breaks=(PYTHON_FRONTEND, RUST_FRONTEND)))
+    return findings
+
+
+def _alignment(a: Shape, b: Shape, at: int, shift: int) -> list[tuple[int, int]]:
+    """Position pairs (baseline, candidate) if ``shift`` elements were inserted (or removed) at ``at``."""
+    length_a, length_b = max(a.lengths), max(b.lengths)
+    pairs = []
+    for p in range(length_a):
+        q = p if p < at else p + shift
+        if 0 <= q < length_b and (shift >= 0 or p < at or p >= at - shift):
+            pairs.append((p, q))
+    return pairs
+
+
+def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b: Shape) -> list[Finding]:
+    """Array drift between two sessions' observed shapes of ``struct``.
+
+    Every way of lining the two up is tried: elements inserted (or removed)
+    at each position, or at the end. The one under which the most positions
+    saw exactly the same kinds (nil included: a field that is sometimes nil
+    has a pattern of its own) wins; ties go to the simpler "at the end".
+    """
+    names_a = [f.name for f in schema_a.structs[struct].fields]
+    names_b = [f.name for f in schema_b.structs[struct].fields]
+    name_a = lambda p: names_a[p] if p < len(names_a) else f"${p}"  # noqa: E731
+    name_b = lambda p: names_b[p] if p < len(names_b) else f"${p}"  # noqa: E731
+    who = readers(schema_a, struct)
+    length_a, length_b = max(a.lengths), max(b.lengths)
+    shift = length_b - length_a
+    end = min(length_a, length_b)
+    score = lambda at: sum(a.kinds.get(p) == b.kinds.get(q) for p, q in _alignment(a, b, at, shift))  # noqa: E731
+    at = max(range(end + 1), key=lambda i: (score(i), i)) if shift else end
+    findings = []
+    if at < end:
+        moved = "inserted" if shift > 0 else "removed"
+        findings.append(Finding(
+            "schema", Severity.BREAKING, f"field_{moved}",
+            f"{struct}: {abs(shift)} element(s) {moved} at position {at}; {name_a(at)} and every later field "
+            f"moved {shift:+d}: a reader of one build misreads the other's messages",
+            struct=struct, field=name_a(at), position=at, baseline=length_a, candidate=length_b, breaks=who))
+    for p, q in _alignment(a, b, at, shift):
+        kinds_a, kinds_b = a.kinds.get(p, set()) - {"nil"}, b.kinds.get(q, set()) - {"nil"}
+        if kinds_a and kinds_b and not kinds_a & kinds_b:
+            findings.append(Finding(
+                "schema", Severity.BREAKING, "position_type_changed",
+                f"{struct} position {p} ({name_a(p)}) held {sorted(kinds_a)}, now {sorted(kinds_b)}",
+                struct=struct, field=name_a(p), position=p, baseline=sorted(kinds_a), candidate=sorted(kinds_b),
+                breaks=who))
+    if at == end and shift > 0:
+        rust = tuple(r for r in who if r == RUST_FRONTEND)
+        findings.append(Finding(
+            "schema", Severity.BREAKING if rust else Severity.INFO, "array_longer",
+            f"{struct} arrays grew from {length_a} to {length_b} elements (new: "
+            f"{', '.join(name_b(p) for p in range(length_a, length_b))}); Python readers skip extra trailing "
+            "elements" + ("; the Rust frontend's reader rejects them (LengthMismatch)" if rust else ""),
+            struct=struct, position=length_a, baseline=length_a, candidate=length_b, breaks=rust))
+    elif at == end and shift < 0:
+        required = [f.name for f in schema_a.structs[struct].fields[length_b:length_a] if f.required]
+        findings.append(Finding(
+            "schema", Severity.BREAKING if required else Severity.INFO, "array_shorter",
+            f"{struct} arrays shrank from {length_a} to {length_b} elements (missing: "
+            f"{', '.join(name_a(p) for p in range(length_b, length_a))})"
+            + (f"; {', '.join(required)} required" if required else "; readers fill in defaults"),
+            struct=struct, position=length_b, baseline=length_a, candidate=length_b,
+            breaks=who if required else ()))
+    return findings

@@ -1,0 +1,98 @@
+"""What both players share: the outcome, pacing, their sockets and how they report what crossed.
+
+A player plays one side of a recorded session against a peer under test:
+``play_frontend.FrontendPlayer`` plays the recorded frontend (against a new
+engine), ``play_engine.EnginePlayer`` the recorded engines (against a new
+frontend). Everything either sends or receives is reported to its observer
+(the recorder, in practice) as a numbered ``CapturedFrame``, so the replay
+is a session of its own, queried and compared like any recording.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from replay_proxy.compare.findings import Finding
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.net.relay import Observer
+from replay_proxy.net.zmq_socket import ZmqSocket
+from replay_proxy.store.session import Session
+from replay_proxy.wire.capture import CapturedFrame
+from replay_proxy.wire.messages import Channel, Direction, WireDecoder
+
+
+class ReplayError(ReplayProxyError):
+    """The replay could not run: the peer under test never became ready, or has another shape."""
+
+
+class ReplayOutcome(msgspec.Struct):
+    """What a player did; its findings join the comparison's in the report."""
+
+    requests: int = 0  # recorded requests
+    sent: int = 0  # messages sent to an engine under test; HTTP requests sent to a frontend under test
+    finished: int = 0  # requests that finished (an engine's finish reason; a complete HTTP response)
+    tokens: int = 0
+    findings: list[Finding] = []
+    summary: str = ""
+    pacing_errors_ms: list[float] = []  # how late each paced send went out
+    send_seconds: float = 0.0  # from the first send to the last
+    http: dict[str, dict[str, Any]] = {}  # against a frontend: recorded request id -> what its HTTP client saw
+
+
+def pace_factor(pace: str) -> float | None:
+    """``original`` -> 1.0, a number -> that speed-up, ``fast`` -> None (no pacing)."""
+    if pace == "fast":
+        return None
+    if pace == "original":
+        return 1.0
+    try:
+        factor = float(pace)
+    except ValueError:
+        raise ReplayError(f"--pace takes original, fast or a number, not {pace!r}") from None
+    if factor <= 0:
+        raise ReplayError(f"--pace must be positive, not {pace!r}")
+    return factor
+
+
+class Player(abc.ABC):
+    """The sockets, decoder, outcome and reporting of a player; ``run`` and ``progress`` are each one's own."""
+
+    def __init__(self, session: Session, observer: Observer, *, pace: str, ready_timeout: float,
+                 finish_timeout: float, context: zmq.Context | None = None):
+        self.session = session
+        self.observer = observer
+        self.factor = pace_factor(pace)
+        self.ready_timeout = ready_timeout
+        self.finish_timeout = finish_timeout
+        self.context = context or zmq.Context.instance()
+        self.decoder = WireDecoder()
+        self.outcome = ReplayOutcome(requests=sum(f.kind == "ADD" for f in session.inputs))
+        self._sockets: list[ZmqSocket] = []
+        self._seq = itertools.count(1)  # one Python thread reports: no forwarders to share a counter with
+
+    @abc.abstractmethod
+    async def run(self) -> ReplayOutcome:
+        """Play the session to the peer under test, then return the outcome."""
+
+    @abc.abstractmethod
+    def progress(self) -> tuple[int, int, int, int]:
+        """Requests sent, requests finished, requests recorded, tokens: for the progress bar."""
+
+    def _socket(self, socket_type: int, identity: bytes | None = None) -> ZmqSocket:
+        sock = ZmqSocket(self.context, socket_type, identity=identity, linger_ms=1000)
+        self._sockets.append(sock)
+        return sock
+
+    def _close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+    def _report(self, channel: Channel, direction: Direction, engine: int | None, client: int | None,
+                parts: list[bytes]) -> None:
+        self.observer.frame(CapturedFrame(next(self._seq), time.time_ns(), channel, direction, engine, client, parts))

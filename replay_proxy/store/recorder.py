@@ -1,0 +1,278 @@
+"""The recorder: what the relay reports, passed on to the writer process, counted.
+
+Theory of operation: decoding and SQLite writing happen in a separate
+*process* (``store/writer.py``), so they never hold the proxy's GIL
+(measured: a writer thread in the proxy process made its p99 round trip
+several milliseconds, one GIL switch interval). The relay's forwarder
+threads number and stamp every message as it passes and send the copies to
+the recorder's ``capture`` socket in batches (in C, without waiting: see
+``net/_forward.c``); the relay's own thread reports the handshake and the
+coordinator with ``frame``. A tap thread takes both, counts them, and passes
+what came within ``TAP_HOLD_S`` to the writer as one message (the layout is
+``wire/capture.py``). Nothing in Python is woken for each frame, and the
+writer only a few times a second: on this project's 2-core machine a
+Python thread woken for every frame, doing nothing else, costs more
+round-trip latency than the forwarding hop itself
+(``scripts/bench/forward.py``).
+
+The tap is the one place that can drop, so it is the one that counts. The
+queue is bounded in frames: the writer reports how many it has written, and
+a batch that would put more than ``queue_size`` frames between the tap and
+SQLite is dropped from the *recording* (it was forwarded all the same; its
+numbers are a gap in ``seq``) and counted, live, in the summary and in the
+``sessions`` row. ``on_full="block"`` makes the tap wait for the writer
+instead, and the forwarders wait once their copies back up: lossless, at
+the cost of latency.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import zmq
+
+from replay_proxy import __version__
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.tables import open_database
+from replay_proxy.store.writer import PROGRESS, Progress
+from replay_proxy.wire.capture import (
+    FLUSH_MS, RELAY, STOP, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry,
+    tap_message)
+
+TAP_BATCH = 4096  # frames per message from the tap to the writer, at most (unless one batch has more) ...
+TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
+BLOCK_BATCHES = 4  # in block mode, batches of copies that may wait at each end of a forwarder's pipe
+STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder come within FLUSH_MS
+PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
+STOP_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 60.0
+
+
+class OnFull(enum.StrEnum):
+    """What the tap does when the writer's queue is full."""
+
+    DROP = "drop"  # count the frame as dropped from the recording (it was forwarded all the same)
+    BLOCK = "block"  # wait for the writer: lossless, at the cost of latency
+
+
+class RecorderError(ReplayProxyError):
+    """The writer process failed or did not finish in time."""
+
+
+class RecorderStats(msgspec.Struct, frozen=True):
+    frames_seen: int
+    frames_recorded: int
+    frames_dropped: int
+    bytes_seen: int
+    requests: int
+    queue_depth_frames: int
+    engines_dead: int
+
+
+class SessionInfo(msgspec.Struct, frozen=True):
+    name: str
+    mode: Literal["record", "replay"] = "record"
+    listen: str | None = None
+    upstream: str | None = None
+    baseline_session_id: int | None = None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class Recorder:
+    """Records one session; an ``Observer`` for the relay (and for the replay players)."""
+
+    def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
+                 queue_size: int = 100_000, context: zmq.Context | None = None):
+        self.db_path = Path(db_path)
+        self._frames_seen = self._frames_dropped = self._bytes_seen = 0
+        self._frames_sent = 0  # passed on to the writer
+        self._queue_size = queue_size
+        self._block = OnFull(on_full) is OnFull.BLOCK
+        db = open_database(self.db_path)
+        self.session_id = db["sessions"].insert({
+            **msgspec.to_builtins(session), "started_at": _now(), "status": "recording",
+            "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0,
+        }).last_pk
+        db.close()
+        context = context or zmq.Context.instance()
+        self._folder = tempfile.mkdtemp(prefix="replay-proxy-")
+        tap, progress = f"ipc://{self._folder}/tap", f"ipc://{self._folder}/progress"
+        # Read by the tap thread only; counts are cumulative, so only the newest matters.
+        self._progress_socket = context.socket(zmq.PULL)
+        self._progress_socket.setsockopt(zmq.CONFLATE, 1)
+        self._progress_socket.bind(progress)
+        self._progress = Progress(0, 0, 0, 0)
+        self._progress_due = 0.0  # when the tap thread reads the writer's progress next
+        # We connect, the writer binds: a connecting PUSH queues from the first frame on,
+        # even before the writer process has started. Unbounded here: the tap counts.
+        self._tap = context.socket(zmq.PUSH)
+        self._tap.setsockopt(zmq.SNDHWM, 0)
+        self._tap.setsockopt(zmq.LINGER, -1)
+        self._tap.connect(tap)
+        # Forwarders must never wait for us when dropping is allowed; when it is not, they wait
+        # once a few batches queue (an inproc pipe is bounded only if both ends are).
+        self.capture_hwm = BLOCK_BATCHES if self._block else 0
+        self.capture = f"inproc://replay-proxy-capture-{uuid.uuid4().hex}"
+        self._collector = context.socket(zmq.ROUTER)
+        self._collector.setsockopt(zmq.RCVHWM, self.capture_hwm)
+        self._collector.bind(self.capture)
+        self._mine = context.socket(zmq.DEALER)  # entries from the relay's own thread
+        self._mine.setsockopt(zmq.SNDHWM, 0)
+        self._mine.setsockopt(zmq.IDENTITY, RELAY)
+        self._mine.connect(self.capture)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
+             progress, str(os.getpid()), str(max(1, queue_size // 2))], stdin=subprocess.DEVNULL,
+            start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
+        # Its start (imports, opening the database) takes a CPU for a while: have it done before
+        # the relay opens, not while the first frames pass.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._progress_socket.poll(100):  # its first report says it has started
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self._give_up_starting()
+        self._tap_thread = threading.Thread(target=self._pass_on, daemon=True, name="recorder tap")
+        self._tap_thread.start()
+        self.status = "recording"
+
+    def _give_up_starting(self) -> None:
+        self._process.kill()
+        for sock in (self._tap, self._collector, self._mine, self._progress_socket):
+            sock.close(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+        error = f"the writer process did not start (exit code {self._process.wait(5)})"
+        db = open_database(self.db_path)
+        db["sessions"].update(self.session_id, {"ended_at": _now(), "status": "failed", "error": error})
+        db.close()
+        raise RecorderError(error)
+
+    # --- called by the relay's thread ------------------------------------------------------
+
+    def frame(self, frame: CapturedFrame) -> None:
+        if not self._mine.closed:  # else the session is over: a late report from a peer shutting down
+            self._mine.send_multipart(relay_entry(frame))
+
+    def engine_lost(self, loss: EngineLoss) -> None:
+        if not self._mine.closed:
+            self._mine.send_multipart(engine_loss_entry(loss))
+
+    # --- the tap thread -------------------------------------------------------------------
+
+    def _pass_on(self) -> None:
+        """Count and pass every entry on to the writer, until STOP from the relay's thread."""
+        collector = self._collector
+        most = min(TAP_BATCH, self._queue_size)
+        stop_by = None  # after STOP: when the forwarders' last batches are in
+        while True:
+            entries: list[list[bytes]] = []
+            frames = 0
+            due = None  # when the entries go: held a while, so that the writer's side wakes less
+            while frames < most:
+                deadline = due or stop_by
+                if not collector.poll(PROGRESS_WAIT_MS if deadline is None
+                                      else max(0.0, deadline - time.monotonic()) * 1000):
+                    break
+                entry = collector.recv_multipart()
+                if due is None:
+                    due = min(time.monotonic() + TAP_HOLD_S, stop_by or math.inf)
+                if entry == [RELAY, *STOP]:
+                    # STOP: a forwarder still running sends what it has batched within FLUSH_MS.
+                    stop_by = time.monotonic() + STOP_GRACE_MS / 1000
+                    continue
+                entry_frames, entry_bytes = entry_counts(entry)
+                frames += entry_frames
+                self._bytes_seen += entry_bytes
+                entries.append(entry)
+            self._frames_seen += frames
+            if time.monotonic() >= self._progress_due:
+                self._read_progress(0)
+            if entries:
+                self._send(entries, frames)
+            elif stop_by is not None and time.monotonic() >= stop_by:  # everything before STOP is passed on
+                self._tap.send_multipart(STOP)
+                return
+
+    def _send(self, entries: list[list[bytes]], frames: int) -> None:
+        """Pass entries on, or drop them if the queue has no room (in block mode: wait for room)."""
+        if not self._has_room(frames):
+            self._read_progress(0)  # the count we have may be stale
+            while not self._has_room(frames):
+                if self._block and self._process.poll() is None:
+                    self._read_progress(PROGRESS_WAIT_MS)
+                    continue
+                self._frames_dropped += frames  # from the recording: they were forwarded all the same
+                # An engine's loss is no frame: it takes no room, and is kept.
+                entries, frames = [entry for entry in entries if is_engine_loss(entry)], 0
+                if not entries:
+                    return
+        self._tap.send_multipart(tap_message(entries, frames))
+        self._frames_sent += frames
+
+    def _has_room(self, frames: int) -> bool:
+        """Room for ``frames`` more; an empty queue takes a batch of copies larger than its size."""
+        queued = self._frames_sent - self._progress.frames_written - self._progress.frames_failed
+        return queued == 0 or queued + frames <= self._queue_size
+
+    def _read_progress(self, timeout_ms: int) -> None:
+        """Take the writer's latest report, waiting up to ``timeout_ms`` for one."""
+        if self._progress_socket.poll(timeout_ms):
+            self._progress = Progress(*PROGRESS.unpack(self._progress_socket.recv()))
+        self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
+
+    def statistics(self) -> RecorderStats:
+        p = self._progress
+        return RecorderStats(self._frames_seen, p.frames_written, self._frames_dropped + p.frames_failed,
+                             self._bytes_seen, p.requests,
+                             self._frames_seen - self._frames_dropped - p.frames_written - p.frames_failed,
+                             p.engines_dead)
+
+    def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
+        """Flush everything queued, stop the writer, then finish the session row.
+
+        Stop the relay first: what its forwarders copy after this is not recorded."""
+        self._mine.send_multipart(STOP)  # after every entry already queued
+        self._mine.close(linger=-1)
+        self._tap_thread.join(STOP_TIMEOUT_S)
+        try:
+            code = self._process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait(5)
+            error = error or f"the writer did not finish within {STOP_TIMEOUT_S:g} s"
+        if code != 0:
+            status, error = "incomplete", error or f"the writer process exited with {code}"
+        self.status = status
+        if not self._tap_thread.is_alive():  # else it still owns them; the process exit takes them
+            for sock in (self._tap, self._collector, self._progress_socket):
+                sock.close(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+        # The final counts come from the database, where the writer left them: the progress
+        # socket only keeps the newest live report, and the last one may still be in flight.
+        db = open_database(self.db_path)
+        row = db["sessions"].get(self.session_id)
+        recorded = row["frames_recorded"] or 0
+        requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
+        # Whatever was seen and not written is lost: dropped at the queue, failed, or cut off.
+        stats = RecorderStats(self._frames_seen, recorded, self._frames_seen - recorded, self._bytes_seen, requests,
+                              0, row["engines_dead"] or 0)
+        db["sessions"].update(self.session_id, {
+            "ended_at": _now(), "status": status, "error": error or row["error"], "frames_seen": stats.frames_seen,
+            "frames_dropped": stats.frames_dropped, "bytes_seen": stats.bytes_seen,
+        })
+        db.close()
+        return stats

@@ -1,0 +1,191 @@
+"""One recorded session, loaded once: what replay plays back and what compare compares.
+
+A session is read from its database into a ``Session``; everything after
+that is pure. Its frames are kept as recorded (raw parts: a replay resends
+these bytes) beside their decoded fields; its requests are put together from
+the concept tables (tokens, times, where an ABORT landed). Requests of two
+sessions are the same request when the user asked for the same thing: the
+prompt and the sampling values that decide the output, in effect (sent, or
+the release's default), never the request id, which is random per run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.queries import find_session, open_existing
+from replay_proxy.wire.schema import Schema, schema_for
+from replay_proxy.wire.values import decode_msgpack
+
+HANDSHAKE_KINDS = ("HELLO", "INIT", "READY", "REGISTRATION")
+INPUT_KINDS = ("ADD", "ABORT", "UTILITY")  # frontend -> engine
+OUTPUT_KINDS = ("OUTPUTS", "UTILITY_OUTPUT", "ENGINE_CORE_DEAD")  # engine -> frontend
+
+
+class SessionError(ReplayProxyError):
+    """The recorded session cannot be used as asked."""
+
+
+class RecordedFrame(msgspec.Struct, frozen=True):
+    seq: int
+    ts_ns: int
+    kind: str
+    engine_index: int
+    client_index: int | None
+    parts: list[bytes]  # exactly as recorded: replay resends these bytes
+    decoded: Any = None
+    # ABORT only: tokens each aborted request had produced when the ABORT crossed.
+    progress: dict[str, int] = {}
+
+
+class Request(msgspec.Struct):
+    seq: int
+    request_id: str
+    engine_index: int | None
+    prompt: list[int]
+    params: dict[str, Any]  # sampling params as sent
+    tokens: list[int]
+    finish_reason: str | None
+    added_ns: int
+    first_token_ns: int | None
+    last_ns: int | None
+    abort_progress: int | None  # tokens produced before the (first) ABORT that named it crossed; None: not aborted
+    output_times: list[int]  # ts of outputs that carried tokens
+    logprobs: list[float]
+
+    @property
+    def frontend_aborted(self) -> bool:
+        return self.abort_progress is not None
+
+
+class Session(msgspec.Struct):
+    db_path: Path
+    id: int
+    name: str
+    schema: Schema  # of the release that sent it (its registration's vllm_version), or the nearest
+    init: dict[str, Any] | None  # the frontend's INIT as recorded (engine 0's)
+    engines: list[int]  # engine indexes, from the recorded HELLOs
+    handshake: list[RecordedFrame]  # HELLO, INIT, READY, REGISTRATION in recorded order
+    inputs: list[RecordedFrame]  # ADD, ABORT, UTILITY in recorded order
+    outputs: list[RecordedFrame]  # OUTPUTS, UTILITY_OUTPUT, ENGINE_CORE_DEAD
+    registrations: list[dict[str, Any]]  # engine 0's first, whatever the start order
+    requests: list[Request]
+    utility: list[dict[str, Any]]  # calls beside their results, in call order
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (#{self.id})"
+
+    @property
+    def api_servers(self) -> int:
+        """Input/output address pairs in the recorded INIT."""
+        return len(self.init["addresses"]["inputs"]) if self.init else 0
+
+    @property
+    def parallel_config(self) -> dict[str, Any]:
+        return (self.init or {}).get("parallel_config") or {}
+
+    @property
+    def finish_reasons(self) -> set[str]:
+        return {r.finish_reason for r in self.requests if r.finish_reason}
+
+
+def load_session(db_path: Path, session: str) -> Session:
+    """Session ``session`` (name or id) of the recording at ``db_path``."""
+    db = open_existing(db_path)
+    row = find_session(db, session)
+    sid = row["id"]
+    progress: dict[int, dict[str, int]] = defaultdict(dict)
+    for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? "
+                      "ORDER BY seq", [sid]):
+        progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
+    frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"],
+                            decode_msgpack(r["raw"]), msgspec.json.decode(r["decoded"]) if r["decoded"] else None,
+                            progress.get(r["seq"], {}))
+              for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, raw, decoded FROM frames "
+                                "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output') "
+                                "ORDER BY seq", [sid])]  # a recorded coordinator is neither replayed nor compared
+    handshake = [f for f in frames if f.kind in HANDSHAKE_KINDS]
+    init = next((f.decoded for f in handshake if f.kind == "INIT"), None)
+    registrations = [json.loads(r["payload"]) for r in db.query(
+        "SELECT payload FROM handshakes WHERE session_id = ? AND kind = 'REGISTRATION' ORDER BY engine_index, seq",
+        [sid])]
+    aborted = {rid: tokens for per_abort in reversed(progress.values()) for rid, tokens in per_abort.items()}
+    return Session(
+        db_path=Path(db_path), id=sid, name=row["name"], schema=schema_for(row["vllm_version"])[0], init=init,
+        engines=sorted({f.engine_index for f in handshake if f.kind == "HELLO"}), handshake=handshake,
+        inputs=[f for f in frames if f.kind in INPUT_KINDS], outputs=[f for f in frames if f.kind in OUTPUT_KINDS],
+        registrations=registrations, requests=_requests(db, sid, aborted),
+        utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
+                              "WHERE session_id = ? ORDER BY called_ns", [sid])))
+
+
+def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:
+    outputs: dict[str, list[dict]] = defaultdict(list)
+    for o in db.query("SELECT request_id, ts_ns, new_token_ids, finish_reason, new_logprobs FROM outputs "
+                      "WHERE session_id = ? ORDER BY seq, position", [sid]):
+        outputs[o["request_id"]].append(o)
+    requests = []
+    for r in db.query("SELECT seq, request_id, engine_index, prompt_token_ids, sampling_params, ts_ns "
+                      "FROM requests WHERE session_id = ? ORDER BY seq", [sid]):
+        outs = outputs.get(r["request_id"], [])
+        tokens, times, logprobs = [], [], []
+        for o in outs:
+            new = json.loads(o["new_token_ids"] or "[]")
+            tokens += new
+            if new:
+                times.append(o["ts_ns"])
+            if o["new_logprobs"]:
+                values = json.loads(o["new_logprobs"]).get("logprobs") or {}
+                logprobs += [v for v in values.get("values") or [] if isinstance(v, float)]
+        requests.append(Request(
+            seq=r["seq"], request_id=r["request_id"], engine_index=r["engine_index"],
+            prompt=json.loads(r["prompt_token_ids"] or "[]"), params=json.loads(r["sampling_params"] or "{}"),
+            tokens=tokens, finish_reason=next((o["finish_reason"] for o in outs if o["finish_reason"]), None),
+            added_ns=r["ts_ns"], first_token_ns=times[0] if times else None,
+            last_ns=outs[-1]["ts_ns"] if outs else None, abort_progress=aborted.get(r["request_id"]),
+            output_times=times, logprobs=logprobs))
+    return requests
+
+
+# --- the same request in two sessions --------------------------------------------------------
+
+def request_key(schema: Schema, prompt: Any, params: dict[str, Any], keys: list[str]) -> str:
+    """What the user asked for, as the engine sees it: the prompt and each of ``keys`` in effect.
+
+    The Rust frontend sends float32 values and [] where Python sends None: both compare equal here.
+    """
+    values = {}
+    for key in keys:
+        value = schema.sampling_value(params, key)
+        if isinstance(value, float):
+            value = round(value, 5)
+        values[key] = None if value == [] else value
+    return json.dumps([prompt, values], sort_keys=True)
+
+
+class Matching(msgspec.Struct):
+    pairs: list[tuple[Request, Request]]  # (baseline, candidate)
+    missing: list[Request]  # baseline requests without a counterpart
+    extra: list[Request]  # candidate requests without a counterpart
+
+
+def match_requests(baseline: Session, candidate: Session, keys: list[str]) -> Matching:
+    """Pairs requests by what was asked (``request_key``), in order."""
+    waiting: dict[str, list[Request]] = defaultdict(list)
+    for request in candidate.requests:
+        waiting[request_key(candidate.schema, request.prompt, request.params, keys)].append(request)
+    pairs, missing = [], []
+    for request in baseline.requests:
+        queue = waiting.get(request_key(baseline.schema, request.prompt, request.params, keys))
+        if queue:
+            pairs.append((request, queue.pop(0)))
+        else:
+            missing.append(request)
+    return Matching(pairs, missing, [r for queue in waiting.values() for r in queue])
