@@ -70,8 +70,9 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                 f"tokens diverge at position {first} of {len(a.tokens)}{why}", request_id=rid, position=first,
                 baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5]))
         if a.finish_reason != b.finish_reason:
-            findings.append(Finding("behaviour", Severity.REGRESSION if deterministic(baseline, a) else Severity.WARNING,
-                                    "finish_reason_changed", f"finish reason {a.finish_reason} -> {b.finish_reason}",
+            severity = Severity.REGRESSION if deterministic(baseline, a) else Severity.WARNING
+            findings.append(Finding("behaviour", severity, "finish_reason_changed",
+                                    f"finish reason {a.finish_reason} -> {b.finish_reason}",
                                     request_id=rid, baseline=a.finish_reason, candidate=b.finish_reason))
         elif len(a.tokens) != len(b.tokens) and not deterministic(baseline, a):
             findings.append(Finding("behaviour", Severity.WARNING, "length_changed",

@@ -39,7 +39,8 @@ def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, 
             if _same(before, after):
                 by_key[key].append("default sent" if key not in old else "default omitted" if key not in new
                                    else "same")
-            elif isinstance(before, float) and isinstance(after, float) and abs(before - after) < rules["float_tolerance"]:
+            elif isinstance(before, float) and isinstance(after, float) and \
+                    abs(before - after) < rules["float_tolerance"]:
                 by_key[key].append("f32")
             elif key not in new:
                 by_key[key].append("handled by the frontend" if key in by_frontend else "dropped")

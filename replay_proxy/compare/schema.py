@@ -35,7 +35,8 @@ def observed_shapes(session: Session) -> Shapes:
     shapes: Shapes = defaultdict(Shape)
     for frame in session.inputs + session.outputs:
         if frame.kind in ("ADD", "OUTPUTS", "UTILITY_OUTPUT"):
-            _observe_shapes(shapes, frame.kind, decode_msgpack(frame.parts[1] if frame.kind == "ADD" else frame.parts[0]))
+            body = frame.parts[1] if frame.kind == "ADD" else frame.parts[0]  # ADD: after its request type
+            _observe_shapes(shapes, frame.kind, decode_msgpack(body))
     return dict(shapes)
 
 

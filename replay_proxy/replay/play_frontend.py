@@ -218,8 +218,8 @@ class FrontendPlayer(Player):
         inputs = self.session.inputs
         aborted = {rid for f in inputs if f.kind == "ABORT" for rid in f.decoded["request_ids"]}
         calls = {f.decoded["call_id"] for f in inputs if f.kind == "UTILITY" and isinstance(f.decoded, dict)}
-        pending = lambda: ([r for r in self._recorded_requests if r not in self._finished and r not in aborted],  # noqa: E731
-                           calls - self._answered)
+        done = lambda r: r in self._finished or r in aborted  # noqa: E731
+        pending = lambda: ([r for r in self._recorded_requests if not done(r)], calls - self._answered)  # noqa: E731
         with trio.move_on_after(self.finish_timeout) as waiting:
             while any(pending()):
                 await self._progress.wait()
