@@ -396,6 +396,10 @@ def sim_engine(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to dial.")],
     index: Annotated[int, typer.Option(min=0, help="Engine index (data-parallel rank).")] = 0,
     release: Annotated[str, typer.Option(help="vLLM release whose schema this engine speaks.")] = "0.32.0",
+    step_ms: Annotated[float, typer.Option(min=0.1, help="One engine step (a token for each running request).")]
+        = 2.0,
+    step_spread: Annotated[float, typer.Option(min=0.0, help=(
+        "Spread of step times: each is --step-ms times a lognormal of this sigma (seeded by --index)."))] = 0.0,
     drift: Annotated[str | None, typer.Option(
         help='Drift knobs as JSON, e.g. \'{"drop_registration_key": "block_size"}\' (see sim/drift.py).')] = None,
 ) -> None:
@@ -411,7 +415,8 @@ def sim_engine(
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(SimEngine(handshake, index, release=release, drift=knobs).run)
+                nursery.start_soon(SimEngine(handshake, index, release=release, drift=knobs,
+                                             step_s=step_ms / 1000, step_spread=step_spread).run)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break

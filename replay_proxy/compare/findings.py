@@ -26,6 +26,18 @@ Category = Literal["schema", "behaviour", "performance", "replay"]
 PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND = "python-engine", "python-frontend", "rust-frontend"
 
 
+class Change(msgspec.Struct, frozen=True):
+    """An estimated relative change and its 95% confidence interval (0.10 = +10%)."""
+
+    relative: float
+    low: float
+    high: float
+    minimum_detectable: float  # the smallest true change in the worse direction this sample shows 4 times in 5
+    paired: bool  # resampled by matched request pairs (else two independent samples)
+    samples: tuple[int, int]  # values on each side
+    noise_runs: int = 0  # repeat runs of the baseline build whose run-to-run variation widened the interval
+
+
 class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     category: Category
     severity: Severity
@@ -39,6 +51,7 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     candidate: Any = None
     request_id: str | None = None
     breaks: tuple[str, ...] = ()  # the decoders that fail on it
+    change: Change | None = None  # performance: the estimate behind the finding
 
 
 class Report(msgspec.Struct, kw_only=True):

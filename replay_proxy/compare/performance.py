@@ -1,70 +1,186 @@
-"""Performance findings: TTFT, inter-token latency and end-to-end time at percentiles, and throughput.
+"""Performance findings: how much TTFT, inter-token latency, end-to-end time and throughput changed.
 
-Each is a ratio to the baseline against a threshold (rules.json), widened to
-the slowest repeat run of the baseline build (``noise``) times
-``noise_margin``, and ignored below an absolute floor.
+Each metric is estimated as the relative change of a percentile (p50, p90)
+from the baseline to the candidate, with a 95% confidence interval from a
+bootstrap over requests:
+
+* Latency is skewed and multi-modal (prefill, batching, the odd scheduler
+  hiccup), so no distribution is assumed: the percentile itself is the
+  statistic, and resampling requests says how much it could move. A rank
+  test would answer "is there a shift?" but not "how large, at p90?".
+* Requests are the unit resampled, never single tokens: the inter-token
+  gaps of one request are not independent, so a request's gaps travel
+  together. Where requests match (same prompt and sampling values), pairs
+  are resampled together, which removes the per-prompt variation that both
+  sessions share.
+* The change is estimated on the log scale (ratio of percentiles), so that
+  +10% and -9.1% are the same distance, then reported as a percentage.
+* Repeat runs of the baseline build (``noise``) measure how much identical
+  builds differ from run to run; that variance is added to the bootstrap's,
+  so a machine that drifts between runs widens every interval.
+
+A change is reported only when the whole interval lies beyond the practical
+threshold (``min_relative_change``, 5%) and the absolute change is above a
+small floor (``min_delta_ms``): a regression when worse, an improvement when
+better. Otherwise the finding says no change was detected and gives the
+minimum detectable effect: the smallest true change this sample would show
+four times in five. "No finding" is then never mistaken for "no regression".
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
-from replay_proxy.compare.findings import Finding, Severity
-from replay_proxy.store.session import Session
+import numpy as np
+
+from replay_proxy.compare.findings import Change, Finding, Severity
+from replay_proxy.store.session import Matching, Request, Session, match_requests
+
+Z_95 = 1.959964  # two-sided 95%
+Z_POWER = 0.841621  # 80% power
+RESAMPLES = 1000
+SEED = 20261201  # a fixed seed: the same sessions give the same report
+
+# Per request, the values a metric takes (an empty list: the request has none).
+LATENCIES: dict[str, Callable[[Request], list[float]]] = {
+    "ttft_ms": lambda r: [(r.first_token_ns - r.added_ns) / 1e6] if r.first_token_ns is not None else [],
+    "itl_ms": lambda r: [(b - a) / 1e6 for a, b in zip(r.output_times, r.output_times[1:])],
+    "e2e_ms": lambda r: [(r.last_ns - r.added_ns) / 1e6] if r.last_ns is not None and not r.frontend_aborted
+    else [],
+}
 
 
 def latency_samples(session: Session) -> dict[str, list[float]]:
-    ttft, itl, e2e = [], [], []
-    for r in session.requests:
-        if r.first_token_ns is not None:
-            ttft.append((r.first_token_ns - r.added_ns) / 1e6)
-        itl += [(b - a) / 1e6 for a, b in zip(r.output_times, r.output_times[1:])]
-        if r.last_ns is not None and not r.frontend_aborted:
-            e2e.append((r.last_ns - r.added_ns) / 1e6)
-    return {"ttft_ms": ttft, "itl_ms": itl, "e2e_ms": e2e}
+    """Every value of each latency metric in a session (for the plots)."""
+    return {metric: [v for r in session.requests for v in values(r)] for metric, values in LATENCIES.items()}
 
 
-def throughput(session: Session) -> float | None:
-    tokens = sum(len(r.tokens) for r in session.requests)
-    ends = [r.last_ns for r in session.requests if r.last_ns]
-    if not ends or not tokens:
-        return None
-    span = (max(ends) - min(r.added_ns for r in session.requests)) / 1e9
-    return tokens / span if span > 0 else None
-
-
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
-
-
-def performance_findings(baseline: Session, candidate: Session, rules: dict[str, Any],
+def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: dict[str, Any],
                          noise: list[Session] = ()) -> list[Finding]:
+    limits = rules["performance"]
+    keys = rules["match_sampling_keys"]
+    # The units resampled: matched pairs when there are enough of them, else each side's own requests.
+    pairs = matching.pairs
+    repeats = [match_requests(baseline, n, keys).pairs for n in noise]
     findings = []
-    a, b = latency_samples(baseline), latency_samples(candidate)
-    repeats = [latency_samples(n) for n in noise]
-    for metric, limits in rules["performance"].items():
-        if metric not in a or not a[metric] or not b[metric]:
-            continue
+    for metric, values in LATENCIES.items():
         for p in rules["percentiles"]:
-            if min(len(a[metric]), len(b[metric])) < rules["min_samples"].get(str(p), 1):
-                continue
-            base, cand = percentile(a[metric], p), percentile(b[metric], p)
-            ratio = cand / base if base > 0 else float("inf")
-            allowed = limits["max_ratio"]
-            for repeat in repeats:  # the noise floor: how much identical builds vary
-                if repeat[metric] and base > 0:
-                    allowed = max(allowed, percentile(repeat[metric], p) / base * rules["noise_margin"])
-            if ratio > allowed and cand - base > limits["min_delta_ms"]:
-                findings.append(Finding(
-                    "performance", Severity.REGRESSION, f"{metric.removesuffix('_ms')}_regression",
-                    f"{metric} p{p} {base:.2f} -> {cand:.2f} ms ({ratio:.2f}x, allowed {allowed:.2f}x)",
-                    field=f"{metric}.p{p}", baseline=round(base, 3), candidate=round(cand, 3)))
-    base_tput, cand_tput = throughput(baseline), throughput(candidate)
-    limit = rules["performance"].get("throughput_tokens_s", {}).get("min_ratio")
-    if base_tput and cand_tput and limit and cand_tput / base_tput < limit:
-        findings.append(Finding("performance", Severity.REGRESSION, "throughput_regression",
-                                f"throughput {base_tput:.1f} -> {cand_tput:.1f} tokens/s "
-                                f"({cand_tput / base_tput:.2f}x, allowed {limit}x)", field="throughput_tokens_s",
-                                baseline=round(base_tput, 2), candidate=round(cand_tput, 2)))
+            estimate = _Estimate(baseline, candidate, pairs, lambda units: _quantile(units, p),
+                                 rules["min_samples"].get(str(p), 1), values)
+            if estimate.usable:
+                noise_changes = [_Estimate(baseline, n, r, lambda units: _quantile(units, p),
+                                           1, values).point_change() for n, r in zip(noise, repeats)]
+                findings.append(_finding(f"{metric}.p{p}", metric, estimate, noise_changes, limits,
+                                         higher_is_better=False, unit="ms"))
+    estimate = _Estimate(baseline, candidate, pairs, _throughput, rules["min_samples"].get("50", 1), None)
+    if estimate.usable:
+        noise_changes = [_Estimate(baseline, n, r, _throughput, 1, None).point_change()
+                         for n, r in zip(noise, repeats)]
+        findings.append(_finding("throughput_tokens_s", "throughput_tokens_s", estimate, noise_changes, limits,
+                                 higher_is_better=True, unit="tokens/s"))
     return findings
+
+
+class _Units:
+    """Requests as resampling units, with their values flattened: ``owner[k]`` is the unit of value k."""
+
+    def __init__(self, requests: list[Request], values: Callable[[Request], list[float]] | None):
+        self.requests = requests
+        flat, owner = [], []
+        for i, request in enumerate(requests):
+            for v in (values(request) if values else ()):
+                flat.append(v)
+                owner.append(i)
+        order = np.argsort(flat, kind="stable")
+        self.values = np.asarray(flat, dtype=float)[order]
+        self.owner = np.asarray(owner, dtype=int)[order]
+        self.tokens = np.asarray([len(r.tokens) for r in requests], dtype=float)
+        self.added = np.asarray([r.added_ns for r in requests], dtype=float)
+        self.last = np.asarray([r.last_ns if r.last_ns is not None else r.added_ns for r in requests], dtype=float)
+
+
+def _quantile(units: tuple[_Units, np.ndarray], p: float) -> np.ndarray:
+    """The p-th percentile of the pooled values, under each row of weights (how often each unit was drawn)."""
+    u, weights = units
+    w = weights[:, u.owner]
+    cumulative = w.cumsum(axis=1)
+    target = cumulative[:, -1:] * (p / 100)
+    index = np.minimum((cumulative < target).sum(axis=1), len(u.values) - 1)
+    return u.values[index]
+
+
+def _throughput(units: tuple[_Units, np.ndarray]) -> np.ndarray:
+    """Tokens per second of the drawn requests, from the first one added to the last one's end."""
+    u, weights = units
+    drawn = weights > 0
+    span_s = (np.where(drawn, u.last, -np.inf).max(axis=1) - np.where(drawn, u.added, np.inf).min(axis=1)) / 1e9
+    return np.where(span_s > 0, (weights @ u.tokens) / np.maximum(span_s, 1e-12), np.nan)
+
+
+class _Estimate:
+    """The log-ratio of one statistic between two sessions, and its bootstrap standard error."""
+
+    def __init__(self, a: Session, b: Session, pairs: list[tuple[Request, Request]], statistic, min_samples: int,
+                 values: Callable[[Request], list[float]] | None):
+        # Paired when the pairs carry enough values on both sides; else two independent samples.
+        paired = [(x, y) for x, y in pairs if values is None or (values(x) and values(y))]
+        self.paired = len(paired) >= max(min_samples, 2)
+        if self.paired:
+            self.a, self.b = _Units([x for x, _ in paired], values), _Units([y for _, y in paired], values)
+        else:
+            self.a, self.b = _Units(a.requests, values), _Units(b.requests, values)
+        self.statistic = statistic
+        sizes = (len(self.a.values), len(self.b.values)) if values else (len(self.a.requests), len(self.b.requests))
+        self.samples = sizes
+        self.usable = min(sizes) >= max(min_samples, 1) and len(self.a.requests) >= 2 and len(self.b.requests) >= 2
+        if self.usable:
+            self.base, self.cand = (float(statistic((u, np.ones((1, len(u.requests)))))[0]) for u in (self.a, self.b))
+            self.usable = self.base > 0 and self.cand > 0 and math.isfinite(self.base) and math.isfinite(self.cand)
+
+    def point_change(self) -> float:
+        """log(candidate / baseline) of the statistic on the whole samples."""
+        return math.log(self.cand / self.base) if self.usable else 0.0
+
+    def standard_error(self) -> float:
+        rng = np.random.default_rng(SEED)
+        draw = lambda n: rng.multinomial(n, np.full(n, 1 / n), size=RESAMPLES).astype(float)  # noqa: E731
+        wa = draw(len(self.a.requests))
+        wb = wa if self.paired else draw(len(self.b.requests))  # a pair is drawn on both sides at once
+        ratios = np.log(self.statistic((self.b, wb)) / self.statistic((self.a, wa)))
+        ratios = ratios[np.isfinite(ratios)]
+        return float(ratios.std(ddof=1)) if len(ratios) > 1 else math.inf
+
+
+def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[float], limits: dict[str, Any],
+             *, higher_is_better: bool, unit: str) -> Finding:
+    threshold = limits["min_relative_change"]
+    floor = limits.get(metric, {}).get("min_delta", 0.0)
+    change = estimate.point_change()
+    run_to_run = sum(d * d for d in noise_changes) / len(noise_changes) if noise_changes else 0.0
+    se = math.sqrt(estimate.standard_error() ** 2 + run_to_run)
+    low, high = change - Z_95 * se, change + Z_95 * se
+    worse_low, worse_high = (-high, -low) if higher_is_better else (low, high)  # "worse" is positive
+    delta = abs(estimate.cand - estimate.base)
+    numbers = Change(relative=math.expm1(change), low=math.expm1(low), high=math.expm1(high),
+                     minimum_detectable=math.expm1(math.log1p(threshold) + (Z_95 + Z_POWER) * se),
+                     paired=estimate.paired, samples=estimate.samples, noise_runs=len(noise_changes))
+    name = metric.removesuffix("_ms").removesuffix("_tokens_s")
+    said = (f"{field} {estimate.base:.3g} -> {estimate.cand:.3g} {unit}: {numbers.relative:+.1%} "
+            f"(95% CI {numbers.low:+.1%} to {numbers.high:+.1%}; {'paired' if estimate.paired else 'unpaired'}, "
+            f"n={estimate.samples[0]}/{estimate.samples[1]}"
+            + (f", {len(noise_changes)} noise run(s)" if noise_changes else "") + ")")
+    beyond = math.log1p(threshold)
+    if worse_low > beyond and delta > floor:
+        return Finding("performance", Severity.REGRESSION, f"{name}_regression", f"{said}: worse beyond "
+                       f"{threshold:.0%}", field=field, baseline=round(estimate.base, 3),
+                       candidate=round(estimate.cand, 3), change=numbers)
+    if worse_high < -beyond and delta > floor:
+        return Finding("performance", Severity.INFO, f"{name}_improvement", f"{said}: better beyond "
+                       f"{threshold:.0%}", field=field, baseline=round(estimate.base, 3),
+                       candidate=round(estimate.cand, 3), change=numbers)
+    return Finding("performance", Severity.INFO, f"{name}_no_change",
+                   f"{said}: no change detected; the smallest change this sample could show is "
+                   f"{numbers.minimum_detectable:.1%}", field=field, baseline=round(estimate.base, 3),
+                   candidate=round(estimate.cand, 3), change=numbers)

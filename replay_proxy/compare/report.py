@@ -6,33 +6,45 @@ from __future__ import annotations
 from typing import Any
 
 from replay_proxy.compare.behaviour import behaviour_findings
-from replay_proxy.compare.findings import Report
-from replay_proxy.compare.performance import latency_samples, performance_findings
+from replay_proxy.compare.findings import Finding, Report, Severity
+from replay_proxy.compare.performance import LATENCIES, latency_samples, performance_findings
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.store.session import Session, match_requests
 from replay_proxy.wire.schema import Schema, schema_lines
 
-METRICS = ("ttft_ms", "itl_ms", "e2e_ms", "throughput_tokens_s")
-
 
 def build_report(title: str, baseline: Session, candidate: Session, rules: dict[str, Any],
-                 noise: list[Session] = (), frontend_under_test: bool = False) -> Report:
-    """The one place where two sessions become a report."""
-    matching = match_requests(baseline, candidate, rules["match_sampling_keys"])
+                 noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False) -> Report:
+    """The one place where two sessions become a report.
+
+    ``noise``: more runs of the baseline build. ``replayed_noise``: they are replays, like the candidate,
+    while the baseline is a recording made under other conditions (the real peers sharing the machine):
+    their first run is then the baseline for timing, and the others measure run-to-run variation.
+    """
+    keys = rules["match_sampling_keys"]
+    matching = match_requests(baseline, candidate, keys)
     shapes = observed_shapes(baseline), observed_shapes(candidate)
+    timing, variation = (noise[0], noise[1:]) if replayed_noise and noise else (baseline, noise)
+    timing_matching = matching if timing is baseline else match_requests(timing, candidate, keys)
     findings = [*schema_findings(baseline, candidate, shapes, rules),
                 *sampling_findings(matching.pairs, candidate, rules),
                 *behaviour_findings(baseline, candidate, matching, rules, noise, frontend_under_test),
-                *performance_findings(baseline, candidate, rules, noise)]
-    a, b = latency_samples(baseline), latency_samples(candidate)
+                *performance_findings(timing, candidate, timing_matching, rules, variation)]
+    if timing is not baseline:
+        findings.append(Finding("performance", Severity.INFO, "timing_baseline",
+                                f"latency is compared with {timing.label}, the baseline build replayed as the "
+                                f"candidate was, not with the recording", field="timing_baseline"))
+    a, b = latency_samples(timing), latency_samples(candidate)
     return Report(
         title=title, baseline=baseline.label, candidate=candidate.label, findings=findings,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas=_side_by_side(baseline.schema, candidate.schema, findings), noise=[n.label for n in noise],
         checks=([f"schema:{s}" for s in sorted(shapes[0])] + ["schema:EngineCoreReadyResponse"]
-                + [f"behaviour:{r.request_id}" for r in baseline.requests] + [f"performance:{m}" for m in METRICS]))
+                + [f"behaviour:{r.request_id}" for r in baseline.requests]
+                + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules["percentiles"]]
+                + ["performance:throughput_tokens_s"]))
 
 
 def schema_report(old: Schema, new: Schema) -> Report:

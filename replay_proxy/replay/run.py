@@ -75,7 +75,7 @@ def replay_session(db: Path, session: str, against: Against, address: str, *,
     if failure:
         return _failed(title, recording.name, name, failure), None
     report = build_report(title, load_session(db, str(recording.id)), load_session(db, str(session_id)), rules, noise,
-                          frontend_under_test=against is Against.FRONTEND)
+                          frontend_under_test=against is Against.FRONTEND, replayed_noise=True)
     report.findings += outcome.findings
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
@@ -181,7 +181,8 @@ def save_findings(db: Path, session_id: int, baseline_session_id: int, findings:
         row = msgspec.to_builtins(f)
         rows.append({**row, "severity": f.severity.name.lower(), "session_id": session_id,
                      "baseline_session_id": baseline_session_id, "breaks": ",".join(f.breaks) or None,
-                     "baseline": to_json(f.baseline), "candidate": to_json(f.candidate)})
+                     "baseline": to_json(f.baseline), "candidate": to_json(f.candidate),
+                     "change": to_json(row.get("change"))})
     database = open_database(db)
     database["findings"].insert_all(rows)
     database.close()

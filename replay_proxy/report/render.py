@@ -63,7 +63,7 @@ def junit(report: Report) -> bytes:
         category, _, name = check.partition(":")
         by_category.setdefault(category, {}).setdefault(name, [])
     for f in report.findings:
-        name = f.request_id or f.struct or f.message_kind or f.code
+        name = f.request_id or f.struct or f.message_kind or f.field or f.code
         by_category.setdefault(f.category, {}).setdefault(name, []).append(f)
     for category, cases in by_category.items():
         failures = sum(any(f.severity >= Severity.REGRESSION for f in fs) for fs in cases.values())

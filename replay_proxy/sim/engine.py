@@ -15,6 +15,7 @@ every step, as vLLM's engines do.
 from __future__ import annotations
 
 import math
+import random
 
 import msgspec
 import trio
@@ -39,7 +40,7 @@ def token_at(prompt: list[int], seed: int | None, position: int) -> int:
 
 class SimEngine:
     def __init__(self, handshake_address: str, index: int = 0, *, release: str = "0.32.0",
-                 drift: EngineDrift = EngineDrift(), step_s: float = 0.002,
+                 drift: EngineDrift = EngineDrift(), step_s: float = 0.002, step_spread: float = 0.0,
                  context: zmq.Context | None = None):
         self.address = handshake_address
         self.index = index
@@ -48,6 +49,10 @@ class SimEngine:
         self.release = release
         self.drift = drift
         self.step_s = step_s
+        # Real steps vary with the batch: each takes step_s times a lognormal of this spread, drawn
+        # from a sequence seeded by the engine index, so that every run of an engine steps alike.
+        self.step_spread = step_spread
+        self._step_times = random.Random(index)
         self.context = context or zmq.Context.instance()
         self.running: dict[str, _Running] = {}
         self.received: list[tuple[str, list[bytes]]] = []  # (client input index, frames)
@@ -168,12 +173,20 @@ class SimEngine:
             await sock.send([ENGINE_CORE_DEAD])
 
     async def _step_loop(self) -> None:
+        # Steps keep to a clock, one every period, so the period is the step time whatever the
+        # work of a step costs on this machine: a step_time_fraction is then exactly that slowdown.
+        period = self.step_s * (1 + self.drift.step_time_fraction)
+        spread = self.step_spread
+        due = None
         while not self.dead:
             if not self.running:
                 await self._wake.wait()
                 self._wake = trio.Event()
+                due = None
                 continue
-            await trio.sleep(self.step_s)
+            step = period * self._step_times.lognormvariate(0, spread) if spread else period
+            due = max((due or trio.current_time()) + step, trio.current_time())
+            await trio.sleep_until(due)
             by_client: dict[int, list[dict]] = {}
             for request_id, request in list(self.running.items()):
                 if request_id not in self.running:

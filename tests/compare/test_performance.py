@@ -1,55 +1,108 @@
-"""Performance findings on hand-built sessions, with and without a noise floor."""
+"""Performance findings on hand-built sessions: effect sizes with intervals, false alarms, detectable effects.
 
+Sessions are drawn from seeded lognormal latencies (skewed, as real ones
+are), so every figure here is exact for its seed and nothing depends on
+this machine's speed.
+"""
+
+import random
 from pathlib import Path
 
+from replay_proxy.compare.findings import Severity
 from replay_proxy.compare.performance import performance_findings
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.store.session import Request, Session
+from replay_proxy.store.session import Request, Session, match_requests
 from replay_proxy.wire.schema import load_schema
 
 RULES = load_rules()
 MS = 1_000_000
 
 
-def session(ttft_ms: float, step_ms: float, name: str = "s", gap_ms: float = 1000) -> Session:
-    requests = []
-    for k in range(20):
+def session(seed: int, factor: float = 1.0, requests: int = 200, tokens: int = 8, name: str = "s",
+            gap_ms: float = 100) -> Session:
+    """``requests`` greedy requests, one every ``gap_ms``: TTFT about 20 ms and gaps about 10 ms, times ``factor``.
+
+    Request k costs what its prompt costs in every session (a lognormal of its own, as a longer
+    prompt would), times this run's noise: the part that pairing by request takes out."""
+    rng = random.Random(seed)
+    made = []
+    for k in range(requests):
         start = int(k * gap_ms * MS)
-        times = [start + int(ttft_ms * MS) + int(i * step_ms * MS) for i in range(5)]
-        requests.append(Request(
-            seq=k, request_id=f"r{k}", engine_index=0, prompt=[k], params={"temperature": 0.0},
-            tokens=[1] * 5, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
+        prompt_cost = random.Random(k).lognormvariate(0, 0.4)
+        ttft = 20 * factor * prompt_cost * rng.lognormvariate(0, 0.1)
+        times = [start + int(ttft * MS)]
+        for _ in range(tokens - 1):
+            times.append(times[-1] + int(10 * factor * rng.lognormvariate(0, 0.1) * MS))
+        made.append(Request(
+            seq=k, request_id=f"{name}-{k}", engine_index=0, prompt=[k], params={"temperature": 0.0},
+            tokens=[1] * tokens, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
             abort_progress=None, output_times=times, logprobs=[]))
-    return Session(db_path=Path("unused.db"), id=1, name=name, schema=load_schema("0.32.0"), init=None, engines=[0],
-                   handshake=[], inputs=[], outputs=[], registrations=[], requests=requests, utility=[])
+    return Session(db_path=Path("unused.db"), id=seed, name=name, schema=load_schema("0.32.0"), init=None,
+                   engines=[0], handshake=[], inputs=[], outputs=[], registrations=[], requests=made, utility=[])
 
 
-def codes(findings):
-    return sorted({f.code for f in findings})
+def findings(baseline, candidate, noise=()):
+    matching = match_requests(baseline, candidate, RULES["match_sampling_keys"])
+    return {f.field: f for f in performance_findings(baseline, candidate, matching, RULES, list(noise))}
 
 
-def test_slower_first_token_and_steps_are_regressions():
-    findings = performance_findings(session(20, 10), session(60, 30), RULES)
-    # Requests a second apart: the session's token rate is set by their pacing, not by latency.
-    assert codes(findings) == ["e2e_regression", "itl_regression", "ttft_regression"]
-    ttft = next(f for f in findings if f.field == "ttft_ms.p50")
-    assert (ttft.baseline, ttft.candidate) == (20.0, 60.0)
-
-
-def test_small_changes_and_tiny_absolute_deltas_are_not():
-    assert performance_findings(session(20, 10), session(24, 11), RULES) == []
-    # 3x slower, but by under a millisecond: below min_delta_ms
-    assert performance_findings(session(0.2, 0.1), session(0.6, 0.3), RULES) == []
-
-
-def test_a_noise_floor_raises_what_counts_as_regression():
-    baseline, candidate = session(20, 10), session(40, 10)
-    assert "ttft_regression" in codes(performance_findings(baseline, candidate, RULES))
-    # Another run of the same build was just as slow: that much variation is noise.
-    noisy_repeat = session(38, 10)
-    assert "ttft_regression" not in codes(performance_findings(baseline, candidate, RULES, [noisy_repeat]))
+def test_a_ten_percent_slowdown_is_a_regression_whose_interval_holds_ten_percent():
+    found = findings(session(1), session(2, factor=1.10))
+    for field in ("itl_ms.p50", "itl_ms.p90", "e2e_ms.p50"):
+        change = found[field].change
+        assert found[field].code.endswith("_regression") and found[field].severity is Severity.REGRESSION, field
+        assert change.low <= 0.10 <= change.high and change.low > RULES["performance"]["min_relative_change"], field
+        assert change.paired and change.samples[0] == change.samples[1]
+    # TTFT varies more with the prompt: its interval holds the 10% too, it is only wider.
+    assert found["ttft_ms.p50"].change.low <= 0.10 <= found["ttft_ms.p50"].change.high
+    # Requests 100 ms apart: the session's token rate is set by their pacing, not by their latency.
+    assert found["throughput_tokens_s"].code == "throughput_no_change"
 
 
 def test_back_to_back_requests_show_a_throughput_regression():
-    findings = performance_findings(session(20, 10, gap_ms=60), session(60, 30, gap_ms=140), RULES)
-    assert "throughput_regression" in codes(findings)
+    found = findings(session(13, gap_ms=60), session(14, factor=1.5, gap_ms=90))
+    assert found["throughput_tokens_s"].code == "throughput_regression"
+    assert found["throughput_tokens_s"].change.high < -0.05
+
+
+def test_identical_builds_raise_a_regression_in_at_most_one_repeat_in_ten():
+    alarms = sum(any(f.severity is Severity.REGRESSION for f in findings(session(2 * k), session(2 * k + 1)).values())
+                 for k in range(40))
+    assert alarms <= 4, alarms
+
+
+def test_an_improvement_is_reported_as_one():
+    found = findings(session(3), session(4, factor=0.8))
+    assert found["ttft_ms.p50"].code == "ttft_improvement" and found["ttft_ms.p50"].severity is Severity.INFO
+    assert found["ttft_ms.p50"].change.high < -0.05
+    assert found["itl_ms.p90"].code == "itl_improvement"
+
+
+def test_no_change_states_the_smallest_change_the_sample_could_show():
+    small, large = (findings(session(5, requests=n), session(6, requests=n)) for n in (12, 400))
+    for found in (small, large):
+        assert found["ttft_ms.p50"].code == "ttft_no_change"
+        assert "the smallest change this sample could show is" in found["ttft_ms.p50"].message
+    # Fewer requests, wider interval: a larger effect could hide in them.
+    assert small["ttft_ms.p50"].change.minimum_detectable > large["ttft_ms.p50"].change.minimum_detectable > 0.05
+    assert "ttft_ms.p90" in small and "ttft_ms.p90" not in findings(session(5, requests=6), session(6, requests=6))
+
+
+def test_noise_runs_that_differ_as_much_widen_the_interval_past_a_regression():
+    baseline, candidate = session(7), session(8, factor=1.08)
+    assert findings(baseline, candidate)["itl_ms.p50"].code == "itl_regression"
+    # Two more runs of the baseline build came out 8% and 7% slower: that much is this machine.
+    noisy = findings(baseline, candidate, [session(9, factor=1.08, name="n1"), session(10, factor=0.93, name="n2")])
+    assert noisy["itl_ms.p50"].code == "itl_no_change" and noisy["itl_ms.p50"].change.noise_runs == 2
+
+
+def test_tiny_absolute_changes_are_not_regressions():
+    def scaled(seed, factor):  # sub-millisecond latencies, tripled: below every absolute floor
+        s = session(seed, factor)
+        for r in s.requests:
+            r.first_token_ns = r.added_ns + (r.first_token_ns - r.added_ns) // 1000
+            r.output_times = [r.first_token_ns + (t - r.output_times[0]) // 1000 for t in r.output_times]
+            r.last_ns = r.output_times[-1]
+        return s
+    found = findings(scaled(11, 1.0), scaled(12, 3.0))
+    assert not [f for f in found.values() if f.field != "throughput_tokens_s" and f.severity is Severity.REGRESSION]

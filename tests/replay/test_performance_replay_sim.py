@@ -1,0 +1,90 @@
+"""A known slowdown, injected with the sim engine's step-time knob, is found with its size.
+
+The effect is relative (each step takes 10% longer than the recorded
+engine's), so the test holds on a machine of any speed; nothing here
+asserts on wall time. The recording and the replays measure the same path:
+the proxy to a sim engine process and back.
+"""
+
+import json
+import shlex
+import sys
+
+import pytest
+import trio
+
+from replay_proxy.processes import Child, free_port
+from replay_proxy.replay.run import replay_session
+from replay_proxy.sim.frontend import SimFrontend
+
+CLI = [sys.executable, "-m", "replay_proxy"]
+STEP_MS = 20
+REQUESTS = 300
+
+
+def engine_argv(listen, fraction=0.0):
+    drift = ["--drift", json.dumps({"step_time_fraction": fraction})] if fraction else []
+    return [*CLI, "sim", "engine", "--handshake", listen, "--step-ms", str(STEP_MS), "--step-spread", "0.2", *drift]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """300 greedy requests, one every 30 ms, through `replay-proxy record` to a sim engine process."""
+    logs = tmp_path_factory.mktemp("recorded")
+    db = logs / "rec.db"
+    upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(db), "--session", "paced"],
+                  logs / "proxy.log")
+    engine = Child(engine_argv(listen), logs / "engine.log")
+    try:
+        proxy.wait_for_log("listening on", timeout=30)
+
+        async def workload():
+            frontend = SimFrontend(upstream)
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(frontend.run)
+                    await frontend.ready.wait()
+                    start = trio.current_time()
+                    for k in range(REQUESTS):
+                        await trio.sleep_until(start + k * 0.03)
+                        await frontend.add(f"r{k}", [3, k % 97, 5], max_tokens=5, temperature=0.0)
+                    await frontend.wait_for(lambda: len(frontend.finish_reasons) == REQUESTS)
+                    nursery.cancel_scope.cancel()
+
+        trio.run(workload)
+    finally:
+        engine.stop()
+        assert proxy.stop(timeout=30) == 0, proxy.log_tail()
+    return db
+
+
+def replay(tmp_path, recorded, fraction, noise_runs):
+    """Replay against a sim engine whose steps take ``fraction`` longer, after ``noise_runs`` replays against
+    the recorded step time: the sim's steps keep to a millisecond timer, whose jitter moves a percentile
+    by more than a bootstrap over one run can see, and the noise runs measure that."""
+    db = tmp_path / "replay.db"
+    db.write_bytes(recorded.read_bytes())
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    report, _ = replay_session(db, "paced", "engine", listen, command=shlex.join(engine_argv(listen, fraction)),
+                               pace="original", ready_timeout=30, finish_timeout=30, logs=tmp_path,
+                               noise_runs=noise_runs, baseline_command=shlex.join(engine_argv(listen)))
+    return {f.field: f for f in report.findings if f.category == "performance"}
+
+
+def test_ten_percent_longer_steps_are_a_regression_whose_interval_holds_ten_percent(tmp_path, recorded):
+    found = replay(tmp_path, recorded, 0.10, noise_runs=2)
+    print("\n".join(f.message for f in found.values()))
+    for field in ("itl_ms.p50", "itl_ms.p90"):
+        assert found[field].code == "itl_regression", found[field].message
+        assert found[field].change.low <= 0.10 <= found[field].change.high, found[field].message
+        assert found[field].change.paired and found[field].change.samples[0] >= REQUESTS * 4
+        assert found[field].change.noise_runs == 1  # the first noise run is the timing baseline
+    assert found["e2e_ms.p50"].code == "e2e_regression", found["e2e_ms.p50"].message
+    assert found["timing_baseline"].message.startswith("latency is compared with paced-noise-")
+
+
+def test_the_same_step_time_is_no_inter_token_regression(tmp_path, recorded):
+    found = replay(tmp_path, recorded, 0.0, noise_runs=1)
+    assert found["itl_ms.p50"].code != "itl_regression", found["itl_ms.p50"].message
+    assert found["itl_ms.p50"].change.minimum_detectable > 0
