@@ -3,8 +3,8 @@
 import json
 import xml.etree.ElementTree as ET
 
-from replay_proxy.compare.findings import Finding, Report, Severity
-from replay_proxy.report.render import write_reports
+from replay_proxy.compare.findings import Change, Finding, Report, Severity
+from replay_proxy.report.render import print_summary, write_reports
 
 REPORT = Report(
     title="diff", baseline="a", candidate="b",
@@ -13,10 +13,20 @@ REPORT = Report(
                 struct="EngineCoreOutput", field="finish_reason", position=5, breaks=("python-frontend",)),
         Finding("behaviour", Severity.REGRESSION, "token_mismatch", "tokens diverge at 2", request_id="r1"),
         Finding("behaviour", Severity.WARNING, "abort_progress", "aborted later", request_id="r2"),
+        Finding("performance", Severity.REGRESSION, "itl_regression", "itl_ms.p50 10 -> 12 ms: +20.0%",
+                field="itl_ms.p50", baseline=10.0, candidate=12.0,
+                change=Change(relative=0.2, low=0.12, high=0.29, minimum_detectable=0.08, paired=True,
+                              samples=(40, 40))),
+        Finding("performance", Severity.INFO, "ttft_no_change", "ttft_ms.p50 5 -> 5.1 ms: +2.0%",
+                field="ttft_ms.p50", baseline=5.0, candidate=5.1,
+                change=Change(relative=0.02, low=-0.04, high=0.08, minimum_detectable=0.11, paired=True,
+                              samples=(8, 8))),
     ],
     samples={"ttft_ms": {"baseline": [1.0, 2.0, 3.0], "candidate": [2.0, 4.0]}},
     schemas={"EngineCoreOutput": {"baseline": ["0 request_id: str"], "candidate": ["0 request_id: str", "1 x: int"]}},
-    checks=["schema:EngineCoreOutput", "behaviour:r1", "behaviour:r2", "behaviour:r3"],
+    checks=["schema:EngineCoreOutput", "behaviour:r1", "behaviour:r2", "behaviour:r3", "performance:itl_ms.p50",
+            "performance:ttft_ms.p50", "performance:e2e_ms.p50"],
+    performance_threshold=0.05,
 )
 
 
@@ -24,8 +34,11 @@ def test_json_report_lists_findings_worst_first_with_the_exit_code(tmp_path):
     write_reports(REPORT, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["exit_code"] == 3
-    assert [f["code"] for f in data["findings"]] == ["field_inserted", "token_mismatch", "abort_progress"]
+    assert [f["code"] for f in data["findings"]] == ["field_inserted", "token_mismatch", "itl_regression",
+                                                     "abort_progress", "ttft_no_change"]
     assert data["findings"][0]["breaks"] == ["python-frontend"] and data["findings"][0]["position"] == 5
+    assert data["findings"][2]["change"] == {"relative": 0.2, "low": 0.12, "high": 0.29, "minimum_detectable": 0.08,
+                                             "paired": True, "samples": [40, 40], "noise_runs": 0}
 
 
 def test_junit_has_a_testcase_per_check_and_fails_only_regressions(tmp_path):
@@ -37,11 +50,30 @@ def test_junit_has_a_testcase_per_check_and_fails_only_regressions(tmp_path):
     assert cases["r1"].find("failure").get("type") == "token_mismatch"
     assert cases["r2"].find("failure") is None and "aborted later" in cases["r2"].find("system-out").text
     assert suites["schema"].find("testcase/failure") is not None
+    performance = {c.get("name"): c for c in suites["performance"]}
+    assert set(performance) == {"itl_ms.p50", "ttft_ms.p50", "e2e_ms.p50"} and suites["performance"].get("failures") == "1"
+    assert "+20.0%" in performance["itl_ms.p50"].find("failure").get("message")
+    assert "+2.0%" in performance["ttft_ms.p50"].find("system-out").text  # a passing metric keeps its numbers
+
+
+def test_the_summary_shows_every_estimate_with_its_interval_and_detectable_change():
+    from rich.console import Console
+
+    console = Console(record=True, width=160)
+    print_summary(REPORT, console)
+    text = console.export_text()
+    assert "performance: change with 95% interval" in text
+    assert "+20.0%" in text and "+12.0% .. +29.0%" in text and "regression" in text
+    assert "ttft_ms.p50" in text and "no change" in text and "11.0%" in text  # shown without --all
 
 
 def test_html_is_self_contained_with_plots_and_side_by_side_schemas(tmp_path):
     write_reports(REPORT, tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "<svg" in page and "ttft_ms (CDF)" in page and "<polyline" in page
+    assert "latency (ms)" in page and "fraction of samples" in page  # labelled axes, with ticks
+    assert ">0.5</text>" in page and ">4</text>" in page
+    forest = page[page.index("change per metric"):]
+    assert forest.count("<circle") == 2 and "itl_ms.p50" in forest and "stroke-dasharray" in forest
     assert "1 x: int" in page and 'class=\'diff\'' in page
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "<script" not in page

@@ -67,6 +67,7 @@ class Report(msgspec.Struct, kw_only=True):
     schemas: dict[str, dict[str, list[str]]] = {}
     noise: list[str] = []  # repeat runs of the baseline build that set the noise floor
     checks: list[str] = []  # what was compared (JUnit testcases that passed are named from these)
+    performance_threshold: float | None = None  # the practical threshold a performance change must pass
 
 
 def exit_code(findings: list[Finding]) -> ExitCode:

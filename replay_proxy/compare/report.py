@@ -41,6 +41,7 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: dict[
         title=title, baseline=baseline.label, candidate=candidate.label, findings=findings,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas=_side_by_side(baseline.schema, candidate.schema, findings), noise=[n.label for n in noise],
+        performance_threshold=rules["performance"]["min_relative_change"],
         checks=([f"schema:{s}" for s in sorted(shapes[0])] + ["schema:EngineCoreReadyResponse"]
                 + [f"behaviour:{r.request_id}" for r in baseline.requests]
                 + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules["percentiles"]]

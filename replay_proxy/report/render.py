@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -20,7 +21,7 @@ SEVERITY_STYLE = {Severity.BREAKING: "bold red", Severity.REGRESSION: "red", Sev
 def where(finding: Finding) -> str:
     place = finding.struct or finding.message_kind or ""
     if finding.field:
-        place += f".{finding.field}"
+        place += f".{finding.field}" if place else finding.field
     if finding.position is not None:
         place += f" @{finding.position}"
     if finding.request_id:
@@ -39,8 +40,25 @@ def print_summary(report: Report, console: Console, show_info: bool = False) -> 
                       Text(where(f)), Text(f.message))
     if findings:
         console.print(table)
+    estimates = [f for f in report.findings if f.change is not None]
+    if estimates:
+        console.print(_estimates_table(estimates))
     counts = {s.name.lower(): sum(f.severity == s for f in report.findings) for s in reversed(Severity)}
     console.print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" -> exit {int(exit_code(report.findings))}")
+
+
+def _estimates_table(findings: list[Finding]) -> Table:
+    """Every performance estimate, whatever its verdict: "no change" comes with what it could have seen."""
+    table = Table(title="performance: change with 95% interval", title_justify="left")
+    for column in ("metric", "baseline", "candidate", "change", "95% interval", "verdict", "detectable"):
+        table.add_column(column, justify="left" if column in ("metric", "verdict") else "right")
+    for f in sorted(findings, key=lambda f: f.field or ""):
+        c = f.change
+        table.add_row(f.field, f"{f.baseline:g}", f"{f.candidate:g}", f"{c.relative:+.1%}",
+                      f"{c.low:+.1%} .. {c.high:+.1%}",
+                      Text(_verdict(f).replace("_", " "), style=SEVERITY_STYLE[f.severity]),
+                      f"{c.minimum_detectable:.1%}")
+    return table
 
 
 def write_reports(report: Report, directory: Path) -> list[Path]:
@@ -81,29 +99,90 @@ def junit(report: Report) -> bytes:
     return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
 
 
-def _cdf_svg(title: str, series: dict[str, list[float]], width: int = 460, height: int = 260) -> str:
-    """A cumulative distribution plot as inline SVG (no scripts, no network)."""
+def _ticks(top: float, count: int = 4) -> list[float]:
+    """Round tick values from 0 to at least ``top``: steps of 1, 2 or 5 times a power of ten."""
+    raw = top / count if top > 0 else 1.0
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(math.ceil(top / step)) + 1)]
+
+
+def _cdf_svg(title: str, series: dict[str, list[float]], width: int = 460, height: int = 280) -> str:
+    """A cumulative distribution plot as inline SVG (no scripts, no network), with labelled axes."""
     values = [v for vs in series.values() for v in vs]
     if not values:
         return ""
-    top = max(values) or 1.0
-    left, bottom = 50, height - 30
+    ticks = _ticks(max(values))
+    top = ticks[-1] or 1.0
+    left, right, top_y, bottom = 56, width - 12, 30, height - 46
+    x = lambda v: left + v / top * (right - left)  # noqa: E731
+    y = lambda f: bottom - f * (bottom - top_y)  # noqa: E731
     colours = {"baseline": "#3b6ea8", "candidate": "#d9622b"}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
              f'aria-label="{html.escape(title)}"><title>{html.escape(title)}</title>',
              f'<text x="{width // 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
-             f'<line x1="{left}" y1="{bottom}" x2="{width - 10}" y2="{bottom}" stroke="#444"/>',
-             f'<line x1="{left}" y1="30" x2="{left}" y2="{bottom}" stroke="#444"/>',
-             f'<text x="{width - 10}" y="{height - 8}" text-anchor="end" font-size="11">{top:.2f} ms</text>',
-             f'<text x="{left - 4}" y="34" text-anchor="end" font-size="11">1.0</text>']
+             f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#444"/>',
+             f'<line x1="{left}" y1="{top_y}" x2="{left}" y2="{bottom}" stroke="#444"/>',
+             f'<text x="{(left + right) // 2}" y="{height - 8}" text-anchor="middle" font-size="11">'
+             'latency (ms)</text>',
+             f'<text x="14" y="{(top_y + bottom) // 2}" text-anchor="middle" font-size="11" '
+             f'transform="rotate(-90 14 {(top_y + bottom) // 2})">fraction of samples</text>']
+    for tick in ticks:
+        parts.append(f'<line x1="{x(tick):.1f}" y1="{bottom}" x2="{x(tick):.1f}" y2="{bottom + 4}" stroke="#444"/>'
+                     f'<text x="{x(tick):.1f}" y="{bottom + 16}" text-anchor="middle" font-size="10">{tick:g}</text>')
+    for fraction in (0, 0.25, 0.5, 0.75, 1.0):
+        parts.append(f'<line x1="{left - 4}" y1="{y(fraction):.1f}" x2="{right}" y2="{y(fraction):.1f}" '
+                     f'stroke="#eee"/><text x="{left - 6}" y="{y(fraction) + 3:.1f}" text-anchor="end" '
+                     f'font-size="10">{fraction:g}</text>')
     for i, (name, vs) in enumerate(series.items()):
         vs = sorted(vs)
-        points = " ".join(f"{left + (v / top) * (width - 10 - left):.1f},{bottom - (k + 1) / len(vs) * (bottom - 30):.1f}"
-                          for k, v in enumerate(vs))
+        points = " ".join(f"{x(v):.1f},{y((k + 1) / len(vs)):.1f}" for k, v in enumerate(vs))
         colour = colours.get(name, "#666")
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>')
-        parts.append(f'<text x="{left + 10}" y="{48 + 14 * i}" font-size="11" fill="{colour}">'
-                     f'{html.escape(name)} (n={len(vs)})</text>')
+        parts.append(f'<text x="{right - 4}" y="{bottom - 24 + 14 * i}" text-anchor="end" font-size="11" '
+                     f'fill="{colour}">{html.escape(name)} (n={len(vs)})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+VERDICT_COLOUR = {"regression": "#c0392b", "improvement": "#2e8b57", "no_change": "#777"}
+
+
+def _verdict(finding: Finding) -> str:
+    return finding.code.rsplit("_", 2)[-1] if not finding.code.endswith("no_change") else "no_change"
+
+
+def _forest_svg(findings: list[Finding], threshold: float, width: int = 560) -> str:
+    """Each performance estimate as a point and its 95% interval, against 0 and the practical threshold."""
+    rows = [f for f in findings if f.change is not None]
+    if not rows:
+        return ""
+    label_w, right, row_h = 150, width - 20, 22
+    height = 40 + row_h * len(rows) + 30
+    reach = max([threshold * 2] + [max(abs(f.change.low), abs(f.change.high)) for f in rows])
+    reach = min(reach, 5.0)  # beyond +-500% the plot says nothing more
+    x = lambda v: label_w + (max(-reach, min(reach, v)) + reach) / (2 * reach) * (right - label_w)  # noqa: E731
+    bottom = 30 + row_h * len(rows)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+             'aria-label="change per metric"><title>change per metric, with 95% intervals</title>',
+             f'<text x="{width // 2}" y="16" text-anchor="middle" font-size="13">change per metric, 95% interval'
+             '</text>']
+    for edge in (-threshold, threshold):
+        parts.append(f'<line x1="{x(edge):.1f}" y1="26" x2="{x(edge):.1f}" y2="{bottom}" stroke="#bbb" '
+                     'stroke-dasharray="4 3"/>')
+    parts.append(f'<line x1="{x(0):.1f}" y1="26" x2="{x(0):.1f}" y2="{bottom}" stroke="#444"/>')
+    for tick in sorted({-reach, -reach / 2, 0.0, reach / 2, reach}):
+        parts.append(f'<text x="{x(tick):.1f}" y="{bottom + 16}" text-anchor="middle" font-size="10">'
+                     f'{tick:+.0%}</text>')
+    for i, f in enumerate(rows):
+        cy = 38 + row_h * i
+        colour = VERDICT_COLOUR[_verdict(f)]
+        parts.append(f'<text x="{label_w - 8}" y="{cy + 4}" text-anchor="end" font-size="11">'
+                     f'{html.escape(f.field or f.code)}</text>'
+                     f'<line x1="{x(f.change.low):.1f}" y1="{cy}" x2="{x(f.change.high):.1f}" y2="{cy}" '
+                     f'stroke="{colour}" stroke-width="2"/>'
+                     f'<circle cx="{x(f.change.relative):.1f}" cy="{cy}" r="4" fill="{colour}">'
+                     f'<title>{html.escape(f.message)}</title></circle>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -114,6 +193,7 @@ def html_page(report: Report) -> str:
         f"<td>{html.escape(f.code)}</td><td>{html.escape(where(f))}</td><td>{html.escape(f.message)}</td></tr>"
         for f in worst_first(report.findings))
     plots = "".join(_cdf_svg(f"{metric} (CDF)", series) for metric, series in report.samples.items())
+    forest = _forest_svg(report.findings, report.performance_threshold or 0.0)
     schemas = "".join(
         f"<h3>{html.escape(struct)}</h3><table class='side'><tr><th>{html.escape(report.baseline)}</th>"
         f"<th>{html.escape(report.candidate)}</th></tr>"
@@ -131,7 +211,7 @@ td.diff{{background:#fde2c8}}.plots svg{{margin-right:1em;border:1px solid #eee}
 <b>{html.escape(report.candidate)}</b>: {len(report.findings)} findings, exit code {code}</p>
 {"<p>noise floor from " + html.escape(", ".join(report.noise)) + "</p>" if report.noise else ""}
 <h2>Findings</h2><table><tr><th>severity</th><th>category</th><th>code</th><th>where</th><th>finding</th></tr>{rows}</table>
-{'<h2>Latency</h2><div class="plots">' + plots + '</div>' if plots else ''}
+{'<h2>Latency</h2><div class="plots">' + forest + plots + '</div>' if plots or forest else ''}
 {'<h2>Schemas side by side</h2>' + schemas if schemas else ''}
 </body></html>"""
 

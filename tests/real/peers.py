@@ -74,19 +74,19 @@ def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0,
                  env=vllm_env(**env), name=name)
 
 
-def command(argv: list[str]) -> str:
-    """A shell-safe --engine-cmd / --frontend-cmd: ``argv`` with the vLLM environment."""
+def command(argv: list[str], **extra: str) -> str:
+    """A shell-safe --engine-cmd / --frontend-cmd: ``argv`` with the vLLM environment (and ``extra``)."""
     import shlex
 
     env = vllm_env()
     settings = [f"{k}={env[k]}" for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
                                            "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK",
                                            "VLLM_HOST_IP", "TMPDIR", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH")]
-    return shlex.join(["env", *settings, *argv])
+    return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
 
 
-def engine_command(rpc_port: int, release: str = "0.32.0") -> str:
-    return command(headless_engine_argv(rpc_port, release=release))
+def engine_command(rpc_port: int, release: str = "0.32.0", **extra: str) -> str:
+    return command(headless_engine_argv(rpc_port, release=release), **extra)
 
 
 def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL) -> list[str]:
