@@ -29,6 +29,7 @@ four times in five. "No finding" is then never mistaken for "no regression".
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -60,26 +61,18 @@ def latency_samples(session: Session) -> dict[str, list[float]]:
 def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: dict[str, Any],
                          noise: list[Session] = ()) -> list[Finding]:
     limits = rules["performance"]
-    keys = rules["match_sampling_keys"]
-    # The units resampled: matched pairs when there are enough of them, else each side's own requests.
-    pairs = matching.pairs
-    repeats = [match_requests(baseline, n, keys).pairs for n in noise]
+    repeats = [match_requests(baseline, n, rules["match_sampling_keys"]).pairs for n in noise]
+    measures = [(f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, str(p))
+                for metric, values in LATENCIES.items() for p in rules["percentiles"]]
+    measures.append(("throughput_tokens_s", "throughput_tokens_s", _throughput, None, "50"))
     findings = []
-    for metric, values in LATENCIES.items():
-        for p in rules["percentiles"]:
-            estimate = _Estimate(baseline, candidate, pairs, lambda units: _quantile(units, p),
-                                 rules["min_samples"].get(str(p), 1), values)
-            if estimate.usable:
-                noise_changes = [_Estimate(baseline, n, r, lambda units: _quantile(units, p),
-                                           1, values).point_change() for n, r in zip(noise, repeats)]
-                findings.append(_finding(f"{metric}.p{p}", metric, estimate, noise_changes, limits,
-                                         higher_is_better=False, unit="ms"))
-    estimate = _Estimate(baseline, candidate, pairs, _throughput, rules["min_samples"].get("50", 1), None)
-    if estimate.usable:
-        noise_changes = [_Estimate(baseline, n, r, _throughput, 1, None).point_change()
-                         for n, r in zip(noise, repeats)]
-        findings.append(_finding("throughput_tokens_s", "throughput_tokens_s", estimate, noise_changes, limits,
-                                 higher_is_better=True, unit="tokens/s"))
+    for field, metric, statistic, values, percentile in measures:
+        estimate = _Estimate(baseline, candidate, matching.pairs, statistic, values)
+        if estimate.usable and min(estimate.samples) >= rules["min_samples"].get(percentile, 1):
+            noise_changes = [_Estimate(baseline, n, r, statistic, values).point_change()
+                             for n, r in zip(noise, repeats)]
+            findings.append(_finding(field, metric, estimate, noise_changes, limits, higher_is_better=values is None,
+                                     unit="ms" if values else "tokens/s"))
     return findings
 
 
@@ -122,19 +115,21 @@ def _throughput(units: tuple[_Units, np.ndarray]) -> np.ndarray:
 class _Estimate:
     """The log-ratio of one statistic between two sessions, and its bootstrap standard error."""
 
-    def __init__(self, a: Session, b: Session, pairs: list[tuple[Request, Request]], statistic, min_samples: int,
+    def __init__(self, a: Session, b: Session, pairs: list[tuple[Request, Request]],
+                 statistic: Callable[[tuple[_Units, np.ndarray]], np.ndarray],
                  values: Callable[[Request], list[float]] | None):
-        # Paired when the pairs carry enough values on both sides; else two independent samples.
+        # The units resampled: matched pairs that have values on both sides, when there are two or
+        # more of them; else each side's own requests, independently.
         paired = [(x, y) for x, y in pairs if values is None or (values(x) and values(y))]
-        self.paired = len(paired) >= max(min_samples, 2)
+        self.paired = len(paired) >= 2
         if self.paired:
             self.a, self.b = _Units([x for x, _ in paired], values), _Units([y for _, y in paired], values)
         else:
             self.a, self.b = _Units(a.requests, values), _Units(b.requests, values)
         self.statistic = statistic
-        sizes = (len(self.a.values), len(self.b.values)) if values else (len(self.a.requests), len(self.b.requests))
-        self.samples = sizes
-        self.usable = min(sizes) >= max(min_samples, 1) and len(self.a.requests) >= 2 and len(self.b.requests) >= 2
+        self.samples = ((len(self.a.values), len(self.b.values)) if values
+                        else (len(self.a.requests), len(self.b.requests)))
+        self.usable = min(self.samples) >= 1 and len(self.a.requests) >= 2 and len(self.b.requests) >= 2
         if self.usable:
             self.base, self.cand = (float(statistic((u, np.ones((1, len(u.requests)))))[0]) for u in (self.a, self.b))
             self.usable = self.base > 0 and self.cand > 0 and math.isfinite(self.base) and math.isfinite(self.cand)
