@@ -29,8 +29,11 @@ def engine_argv(listen, fraction=0.0):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """300 greedy requests, one every 30 ms, through `replay-proxy record` to a sim engine process."""
-    logs = tmp_path_factory.mktemp("recorded")
+    return record_paced(tmp_path_factory.mktemp("recorded"))
+
+
+def record_paced(logs, requests=REQUESTS):
+    """Greedy requests, one every 30 ms, through `replay-proxy record` to a sim engine process."""
     db = logs / "rec.db"
     upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(db), "--session", "paced"],
@@ -46,10 +49,10 @@ def recorded(tmp_path_factory):
                     await nursery.start(frontend.run)
                     await frontend.ready.wait()
                     start = trio.current_time()
-                    for k in range(REQUESTS):
+                    for k in range(requests):
                         await trio.sleep_until(start + k * 0.03)
                         await frontend.add(f"r{k}", [3, k % 97, 5], max_tokens=5, temperature=0.0)
-                    await frontend.wait_for(lambda: len(frontend.finish_reasons) == REQUESTS)
+                    await frontend.wait_for(lambda: len(frontend.finish_reasons) == requests)
                     nursery.cancel_scope.cancel()
 
         trio.run(workload)

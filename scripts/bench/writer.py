@@ -1,0 +1,169 @@
+"""The writer's decode-and-write rate, beside the floor any writer could reach, in one run.
+
+Frames shaped like a busy vLLM 0.32.0 engine's steps (each an EngineCoreOutputs
+with 32 per-request outputs of one token and scheduler stats, as the engine
+sends them), batched as the C forwarding loop batches them and passed as the
+recorder's tap passes them, go through ``store.writer.Writer`` (keep, then
+decode into every table) into a fresh SQLite file. The floor is a minimal
+pipeline over the same frames: msgspec decoding into typed array-like
+Structs, one tuple per output row, ``executemany`` into a table of the same
+columns, a transaction per 500 frames. Both are timed in CPU seconds of this
+one process (one core), and the rate is output rows per second.
+
+    .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from replay_proxy.store.tables import TABLES, open_database  # noqa: E402
+from replay_proxy.store.writer import Writer  # noqa: E402
+from replay_proxy.wire.capture import capture_tag, tap_message  # noqa: E402
+from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
+from replay_proxy.wire.messages import Channel  # noqa: E402
+from replay_proxy.wire.schema import load_schema  # noqa: E402
+
+SCHEMA = load_schema("0.32.0")
+TAP_FRAMES = 4096  # frames per tap message, as the recorder's tap holds them at most
+
+
+def engine_step(step: int, outputs: int) -> bytes:
+    """One EngineCoreOutputs as a 0.32.0 engine sends it for a step of ``outputs`` running requests."""
+    stats = {"num_running_reqs": outputs, "num_waiting_reqs": 0, "step_counter": step, "current_wave": 0,
+             "kv_cache_usage": 0.25, "prefix_cache_stats": {"reset": False, "requests": 0, "queries": 0, "hits": 0}}
+    return encode(struct_value(SCHEMA, "EngineCoreOutputs", {
+        "engine_index": 0, "timestamp": 1000.0 + step / 100, "scheduler_stats": stats,
+        "outputs": [struct_value(SCHEMA, "EngineCoreOutput", {
+            "request_id": f"cmpl-{k:032x}-0", "new_token_ids": [100 + (step + k) % 800]}) for k in range(outputs)]}))
+
+
+def registration() -> bytes:
+    return encode({"status": "READY", "local": False, "headless": True, "vllm_version": "0.32.0",
+                   "data_parallel_size": 1, "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 100})
+
+
+def c_batch(messages: list[tuple[int, int, list[bytes]]]) -> bytes:
+    """A batch of copies in the C forwarding loop's layout (wire/capture.py)."""
+    body = b"".join(struct.pack("<QqI", seq, ts, len(parts)) + b"".join(struct.pack("<I", len(p)) + p for p in parts)
+                    for seq, ts, parts in messages)
+    return struct.pack("<IQ", len(messages), sum(len(p) for _, _, parts in messages for p in parts)) + body
+
+
+def tap_messages(frames: list[bytes]) -> list[list[bytes]]:
+    """The frames as the tap passes them on: batches of copies from the output link, 4,096 frames a message."""
+    tag = capture_tag(Channel.OUTPUT, 0, 0)
+    numbered = [(seq, 1_700_000_000_000_000_000 + seq * 10_000_000, [frame]) for seq, frame in enumerate(frames, 2)]
+    return [tap_message([[tag, c_batch(numbered[i:i + 64])] for i in range(start, min(start + TAP_FRAMES,
+                                                                                         len(numbered)), 64)],
+                        min(TAP_FRAMES, len(numbered) - start))
+            for start in range(0, len(numbered), TAP_FRAMES)]
+
+
+def run_writer(frames: list[bytes], folder: Path) -> float:
+    """CPU seconds for the writer to keep and decode every frame (after the registration, on the input link)."""
+    db_path = folder / "writer.db"
+    db = open_database(db_path)
+    session = db["sessions"].insert({"name": "bench", "mode": "record", "status": "recording"}).last_pk
+    db.close()
+    writer = Writer(str(db_path), session)
+    input_tag = capture_tag(Channel.INPUT, 0, 0)
+    writer.keep([tap_message([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration()])])]], 1)])
+    messages = tap_messages(frames)
+    start = time.process_time()
+    writer.keep(messages)
+    while writer.behind:
+        writer.decode_some()
+    seconds = time.process_time() - start
+    writer.finish()
+    rows = sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM outputs").fetchone()[0]
+    assert rows == len(frames) * ARGS.outputs, (rows, len(frames))  # every output row is there
+    return seconds
+
+
+class Output(msgspec.Struct, array_like=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: msgspec.Raw = msgspec.Raw()  # left encoded: the floor names only what it tabulates
+    new_prompt_logprobs_tensors: msgspec.Raw = msgspec.Raw()
+    pooling_output: msgspec.Raw = msgspec.Raw()
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    events: msgspec.Raw = msgspec.Raw()
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    ec_transfer_params: msgspec.Raw = msgspec.Raw()
+    trace_headers: msgspec.Raw = msgspec.Raw()
+    prefill_stats: msgspec.Raw = msgspec.Raw()
+    routed_experts: msgspec.Raw = msgspec.Raw()
+    num_nans_in_logits: int = 0
+
+
+class Outputs(msgspec.Struct, array_like=True):
+    engine_index: int
+    outputs: list[Output]
+    scheduler_stats: msgspec.Raw = msgspec.Raw()  # left encoded: the floor names only what it tabulates
+    timestamp: float = 0.0
+
+
+def run_floor(frames: list[bytes], folder: Path) -> float:
+    """CPU seconds for the minimal pipeline: typed decoding, a tuple a row, executemany."""
+    connection = sqlite3.connect(folder / "floor.db")
+    columns = TABLES["outputs"][0]
+    connection.execute(f"CREATE TABLE outputs ({', '.join(columns)})")
+    insert = f"INSERT INTO outputs VALUES ({', '.join('?' for _ in columns)})"
+    decode = msgspec.msgpack.Decoder(Outputs).decode
+    tokens_json = msgspec.json.Encoder().encode
+    start = time.process_time()
+    for first in range(0, len(frames), 500):
+        rows = []
+        for seq, frame in enumerate(frames[first:first + 500], first):
+            message = decode(frame)
+            ts = 1_700_000_000_000_000_000 + seq * 10_000_000
+            for position, o in enumerate(message.outputs):
+                rows.append((1, seq, position, ts, message.engine_index, 0, o.request_id,
+                             tokens_json(o.new_token_ids).decode(), len(o.new_token_ids), o.finish_reason,
+                             o.stop_reason, o.num_nans_in_logits, None, None, None))
+        with connection:
+            connection.executemany(insert, rows)
+    seconds = time.process_time() - start
+    connection.close()
+    return seconds
+
+
+def main() -> None:
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frames", type=int, default=20_000)
+    parser.add_argument("--outputs", type=int, default=32, help="per-request outputs in each engine step")
+    parser.add_argument("--rounds", type=int, default=3)
+    ARGS = parser.parse_args()
+    frames = [engine_step(step, ARGS.outputs) for step in range(ARGS.frames)]
+    rows = ARGS.frames * ARGS.outputs
+    wire = sum(map(len, frames))
+    writer_s, floor_s = [], []
+    for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on both
+        with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
+            writer_s.append(run_writer(frames, Path(folder)))
+            floor_s.append(run_floor(frames, Path(folder)))
+    writer_rate, floor_rate = rows / statistics.median(writer_s), rows / statistics.median(floor_s)
+    print(f"{ARGS.frames:,} engine steps of {ARGS.outputs} outputs ({rows:,} output rows, {wire / 1e6:.1f} MB on "
+          f"the wire); medians of {ARGS.rounds} rounds, CPU seconds of one process")
+    print(f"minimal pipeline (msgspec typed, executemany): {floor_rate:>10,.0f} output rows/s")
+    print(f"replay-proxy writer (keep + decode):           {writer_rate:>10,.0f} output rows/s  "
+          f"= {writer_rate / floor_rate:.2f}x the floor (target >= 0.7x and >= 200,000 rows/s)")
+
+
+if __name__ == "__main__":
+    main()
