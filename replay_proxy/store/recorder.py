@@ -98,7 +98,7 @@ class Recorder:
     """Records one session; an ``Observer`` for the relay (and for the replay players)."""
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
-                 queue_size: int = 100_000, context: zmq.Context | None = None):
+                 queue_size: int = 100_000, writer_niceness: int = 0, context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._frames_seen = self._frames_dropped = self._bytes_seen = 0
         self._frames_sent = 0  # passed on to the writer
@@ -140,6 +140,8 @@ class Recorder:
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
              progress, str(os.getpid()), str(max(1, queue_size // 2))], stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
+        if writer_niceness:
+            os.setpriority(os.PRIO_PROCESS, self._process.pid, writer_niceness)
         # Its start (imports, opening the database) takes a CPU for a while: have it done before
         # the relay opens, not while the first frames pass.
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -104,3 +104,13 @@ def test_a_full_queue_drops_frames_but_never_an_engine_loss(db_path):
     db = sqlite_utils.Database(db_path)
     assert db["engine_events"].count == 1000
     assert stats.engines_dead == 1000
+
+
+def test_a_writer_can_be_given_a_lower_priority_and_still_records_everything(db_path):
+    import os
+
+    recorder = Recorder(db_path, SessionInfo(name="yielding"), writer_niceness=10)
+    assert os.getpriority(os.PRIO_PROCESS, recorder._process.pid) == 10
+    for seq in range(1, 101):
+        recorder.frame(frame(seq))
+    assert recorder.close().frames_recorded == 100
