@@ -59,6 +59,7 @@ STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder com
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
 STOP_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 60.0
+_STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it from the relay's thread
 
 
 class OnFull(enum.StrEnum):
@@ -192,7 +193,7 @@ class Recorder:
                 entry = collector.recv_multipart()
                 if due is None:
                     due = min(time.monotonic() + TAP_HOLD_S, stop_by or math.inf)
-                if entry == [RELAY, *STOP]:
+                if entry == _STOP_ENTRY:
                     # STOP: a forwarder still running sends what it has batched within FLUSH_MS.
                     stop_by = time.monotonic() + STOP_GRACE_MS / 1000
                     continue

@@ -86,8 +86,9 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
         assert timing[field]["code"].endswith("_no_change"), timing[field]["message"]
         assert "the smallest change this sample could show is" in timing[field]["message"]
         assert timing[field]["change"]["minimum_detectable"] > 0.05 and timing[field]["change"]["noise_runs"] == 1
-    # Inter-token gaps are stated with their interval, not asserted: a replay process starved of the CPU
-    # on this 2-core machine reads a burst of outputs at once (seen once: gaps of 0.04 ms).
+    # Inter-token gaps: beyond "no regression" (the exit code above), their verdict is not asserted, since a
+    # replay process starved of the CPU on this 2-core machine reads a burst of outputs at once (seen once:
+    # gaps of 0.04 ms, which reads as an improvement).
     assert timing["itl_ms.p50"]["change"]["samples"][0] > 10
     live = diff(tmp_path, db["sessions"].get(1)["name"], db["sessions"].get(2)["name"])
     assert live["itl_ms.p50"]["code"] == "itl_improvement", live["itl_ms.p50"]["message"]
