@@ -21,6 +21,7 @@ gets back is checked against the recorded tokens and finish reason.
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
@@ -214,6 +215,7 @@ class EnginePlayer(Player):
             output[0] = request_id  # the one thing that must change
             body[1] = [output]
             body[2] = None  # scheduler stats went out once, with the batch they belonged to
+            body[3] = time.monotonic()  # an engine stamps its outputs as it makes them: here, the player
             if len(body) > 5 and body[5]:
                 body[5] = [request_id] if rid in body[5] else None
             parts = [encode(body), *frame.parts[1:]]

@@ -99,6 +99,8 @@ class Rows:
         if isinstance(utility, dict):
             self._add("utility_results", **where, call_id=utility.get("call_id"),
                       failure_message=utility.get("failure_message"), result=to_json(utility.get("result")))
+        stamp = fields.get("timestamp")  # the engine's time.monotonic() when it made these outputs
+        engine_time = stamp if type(stamp) is float and stamp > 0 else None
         for position, output in enumerate(fields.get("outputs") or []):
             if not isinstance(output, dict):
                 continue
@@ -107,7 +109,8 @@ class Rows:
             stop = output.get("stop_reason")
             other = {k: v for k, v in output.items()
                      if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
-            self._add("outputs", **where, position=position, request_id=output.get("request_id"),
+            self._add("outputs", **where, position=position, engine_time_s=engine_time,
+                      request_id=output.get("request_id"),
                       new_token_ids=to_json(tokens),
                       num_new_tokens=len(tokens) if isinstance(tokens, list) else None,
                       finish_reason=schema.finish_name(finish),

@@ -57,6 +57,10 @@ class Request(msgspec.Struct):
     last_ns: int | None
     abort_progress: int | None  # tokens produced before the (first) ABORT that named it crossed; None: not aborted
     output_times: list[int]  # ts of outputs that carried tokens
+    # The same outputs by the engine's clock (the time it stamped on them), in ns; None unless every one
+    # has a stamp. Inter-token gaps are taken from these: a reader starved of the CPU reads a backlog of
+    # outputs at once, which bunches their arrival times but not the engine's stamps.
+    engine_times_ns: list[int] | None
     logprobs: list[float]
 
     @property
@@ -128,19 +132,20 @@ def load_session(db_path: Path, session: str) -> Session:
 
 def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:
     outputs: dict[str, list[dict]] = defaultdict(list)
-    for o in db.query("SELECT request_id, ts_ns, new_token_ids, finish_reason, new_logprobs FROM outputs "
+    for o in db.query("SELECT request_id, ts_ns, engine_time_s, new_token_ids, finish_reason, new_logprobs FROM outputs "
                       "WHERE session_id = ? ORDER BY seq, position", [sid]):
         outputs[o["request_id"]].append(o)
     requests = []
     for r in db.query("SELECT seq, request_id, engine_index, prompt_token_ids, sampling_params, ts_ns "
                       "FROM requests WHERE session_id = ? ORDER BY seq", [sid]):
         outs = outputs.get(r["request_id"], [])
-        tokens, times, logprobs = [], [], []
+        tokens, times, engine_times, logprobs = [], [], [], []
         for o in outs:
             new = json.loads(o["new_token_ids"] or "[]")
             tokens += new
             if new:
                 times.append(o["ts_ns"])
+                engine_times.append(o["engine_time_s"])
             if o["new_logprobs"]:
                 values = json.loads(o["new_logprobs"]).get("logprobs") or {}
                 logprobs += [v for v in values.get("values") or [] if isinstance(v, float)]
@@ -150,7 +155,8 @@ def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:
             tokens=tokens, finish_reason=next((o["finish_reason"] for o in outs if o["finish_reason"]), None),
             added_ns=r["ts_ns"], first_token_ns=times[0] if times else None,
             last_ns=outs[-1]["ts_ns"] if outs else None, abort_progress=aborted.get(r["request_id"]),
-            output_times=times, logprobs=logprobs))
+            output_times=times, logprobs=logprobs,
+            engine_times_ns=None if None in engine_times else [round(t * 1e9) for t in engine_times]))
     return requests
 
 

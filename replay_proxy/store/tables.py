@@ -59,8 +59,8 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     }, ["session_id", "seq"]),
     "outputs": ({
         "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
-        "client_index": int, "request_id": str, "new_token_ids": str, "num_new_tokens": int,
-        "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "new_logprobs": str,
+        "client_index": int, "engine_time_s": float, "request_id": str, "new_token_ids": str,
+        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "new_logprobs": str,
         "events": str, "other": str,
     }, ["session_id", "seq", "position"]),
     "aborts": ({
@@ -122,12 +122,14 @@ VIEWS = {
                (SELECT COALESCE(SUM(o.num_new_tokens), 0) FROM outputs o WHERE o.session_id = a.session_id
                 AND o.request_id = a.request_id AND o.seq < a.seq) AS tokens_before_abort
         FROM aborts a""",
-    # The gap before each output that carried tokens, per request.
+    # The gap before each output that carried tokens, per request: as the proxy saw it (itl_ms)
+    # and by the engine's own clock (engine_itl_ms, from the time it stamped on its outputs).
     "inter_token_latencies": """
         SELECT session_id, request_id, engine_index, client_index, seq, ts_ns, num_new_tokens,
-               (ts_ns - LAG(ts_ns) OVER (PARTITION BY session_id, request_id ORDER BY seq)) / 1e6
-                   AS itl_ms
-        FROM outputs WHERE num_new_tokens > 0""",
+               (ts_ns - LAG(ts_ns) OVER w) / 1e6 AS itl_ms,
+               (engine_time_s - LAG(engine_time_s) OVER w) * 1e3 AS engine_itl_ms
+        FROM outputs WHERE num_new_tokens > 0
+        WINDOW w AS (PARTITION BY session_id, request_id ORDER BY seq)""",
     # A utility call beside its result (call ids are unique per engine and API server).
     "utility_calls": """
         SELECT q.session_id, q.engine_index, q.client_index, q.call_id, q.method, q.args,

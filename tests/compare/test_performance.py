@@ -19,7 +19,7 @@ MS = 1_000_000
 
 
 def session(seed: int, factor: float = 1.0, requests: int = 200, tokens: int = 8, name: str = "s",
-            gap_ms: float = 100) -> Session:
+            gap_ms: float = 100, stalled: int = 0) -> Session:
     """``requests`` greedy requests, one every ``gap_ms``: TTFT about 20 ms and gaps about 10 ms, times ``factor``.
 
     Request k costs what its prompt costs in every session (a lognormal of its own, as a longer
@@ -36,9 +36,15 @@ def session(seed: int, factor: float = 1.0, requests: int = 200, tokens: int = 8
         made.append(Request(
             seq=k, request_id=f"{name}-{k}", engine_index=0, prompt=[k], params={"temperature": 0.0},
             tokens=[1] * tokens, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
-            abort_progress=None, output_times=times, logprobs=[]))
+            abort_progress=None, output_times=_read_after_stall(times) if k < stalled else times,
+            engine_times_ns=times, logprobs=[]))
     return Session(db_path=Path("unused.db"), id=seed, name=name, schema=load_schema("0.32.0"), init=None,
                    engines=[0], handshake=[], inputs=[], outputs=[], registrations=[], requests=made, utility=[])
+
+
+def _read_after_stall(times: list[int]) -> list[int]:
+    """Arrival times of outputs a starved reader took at once, after the last was made: 0.02 ms apart."""
+    return [times[0], *(times[-1] + i * MS // 50 for i in range(len(times) - 1))]
 
 
 def findings(baseline, candidate, noise=()):
@@ -96,13 +102,34 @@ def test_noise_runs_that_differ_as_much_widen_the_interval_past_a_regression():
     assert noisy["itl_ms.p50"].code == "itl_no_change" and noisy["itl_ms.p50"].change.noise_runs == 2
 
 
+def test_one_noise_run_is_a_variance_of_one_degree_of_freedom_and_many_runs_narrow_it():
+    baseline, candidate = session(7), session(8, factor=1.45)
+    # One run of the baseline build came out 10% slower: with one run, machine noise of four times
+    # that is not ruled out (Student's t with about one degree of freedom: 12.7, not 1.96).
+    one = findings(baseline, candidate, [session(9, factor=1.10, name="n1")])["itl_ms.p50"]
+    assert one.code == "itl_no_change" and one.change.low < 0, one.message
+    # Six runs 10% either way: the same spread, now known well enough to call the 45% a regression.
+    six = findings(baseline, candidate, [session(10 + k, factor=1.10 ** (-1) ** k, name=f"n{k}") for k in range(6)])
+    assert six["itl_ms.p50"].code == "itl_regression", six["itl_ms.p50"].message
+
+
 def test_tiny_absolute_changes_are_not_regressions():
     def scaled(seed, factor):  # sub-millisecond latencies, tripled: below every absolute floor
         s = session(seed, factor)
         for r in s.requests:
             r.first_token_ns = r.added_ns + (r.first_token_ns - r.added_ns) // 1000
             r.output_times = [r.first_token_ns + (t - r.output_times[0]) // 1000 for t in r.output_times]
-            r.last_ns = r.output_times[-1]
+            r.engine_times_ns, r.last_ns = r.output_times, r.output_times[-1]
         return s
     found = findings(scaled(11, 1.0), scaled(12, 3.0))
     assert not [f for f in found.values() if f.field != "throughput_tokens_s" and f.severity is Severity.REGRESSION]
+
+
+def test_inter_token_gaps_are_the_engines_so_a_reader_that_reads_a_backlog_at_once_changes_nothing():
+    # Three in four requests of the baseline read in one burst (their arrival gaps 0.02 ms, not 10).
+    baseline = session(1, stalled=150)
+    arrived = baseline.requests[0].output_times
+    assert (arrived[2] - arrived[1]) / MS == 0.02
+    found = findings(baseline, session(2))
+    assert found["itl_ms.p50"].code == "itl_no_change", found["itl_ms.p50"].message
+    assert 9 < found["itl_ms.p50"].baseline < 11
