@@ -23,10 +23,7 @@ bootstrap over requests:
   +10% and -9.1% are the same distance, then reported as a percentage.
 * Repeat runs of the baseline build (``noise``) measure how much identical
   builds differ from run to run; that variance is added to the bootstrap's,
-  so a machine that drifts between runs widens every interval. A variance
-  from a few runs is itself uncertain: the interval takes Student's t with
-  Welch-Satterthwaite degrees of freedom, so one noise run widens it far
-  more than six that differ as much.
+  so a machine that drifts between runs widens every interval.
 
 A change is reported only when the whole interval lies beyond the practical
 threshold (``min_relative_change``, 5%) and the absolute change is above a
@@ -50,12 +47,9 @@ from replay_proxy.store.session import Matching, Request, Session, match_request
 
 Z_95 = 1.959964  # two-sided 95%
 Z_POWER = 0.841621  # 80% power
-# Student's t, two-sided 95%, by degrees of freedom 1..30 (beyond, Z_95): for a variance from few runs.
-T_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-        2.045, 2.042)
 RESAMPLES = 1000
 SEED = 20261201  # a fixed seed: the same sessions give the same report
+
 
 def _gaps_ms(times_ns: list[int]) -> list[float]:
     return [(b - a) / 1e6 for a, b in zip(times_ns, times_ns[1:])]
@@ -165,32 +159,18 @@ class _Estimate:
         return float(ratios.std(ddof=1)) if len(ratios) > 1 else math.inf
 
 
-def _critical_95(bootstrap: float, run_to_run: float, runs: int) -> float:
-    """The 95% critical value of a variance that is part bootstrap (many draws) and part ``runs`` noise runs.
-
-    Welch-Satterthwaite: the fewer the runs and the more of the variance they carry, the fewer the
-    degrees of freedom, and the wider the interval (one run: up to 12.7 standard errors, not 1.96).
-    """
-    if not runs or run_to_run <= 0:
-        return Z_95
-    freedom = runs * (1 + bootstrap / run_to_run) ** 2
-    return T_95[int(freedom) - 1] if freedom < len(T_95) + 1 else Z_95
-
-
 def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[float], limits: dict[str, Any],
              *, higher_is_better: bool, unit: str) -> Finding:
     threshold = limits["min_relative_change"]
     floor = limits.get(metric, {}).get("min_delta", 0.0)
     change = estimate.point_change()
     run_to_run = sum(d * d for d in noise_changes) / len(noise_changes) if noise_changes else 0.0
-    bootstrap = estimate.standard_error() ** 2
-    se = math.sqrt(bootstrap + run_to_run)
-    critical = _critical_95(bootstrap, run_to_run, len(noise_changes))
-    low, high = change - critical * se, change + critical * se
+    se = math.sqrt(estimate.standard_error() ** 2 + run_to_run)
+    low, high = change - Z_95 * se, change + Z_95 * se
     worse_low, worse_high = (-high, -low) if higher_is_better else (low, high)  # "worse" is positive
     delta = abs(estimate.cand - estimate.base)
     numbers = Change(relative=math.expm1(change), low=math.expm1(low), high=math.expm1(high),
-                     minimum_detectable=math.expm1(math.log1p(threshold) + (critical + Z_POWER) * se),
+                     minimum_detectable=math.expm1(math.log1p(threshold) + (Z_95 + Z_POWER) * se),
                      paired=estimate.paired, samples=estimate.samples, noise_runs=len(noise_changes))
     name = metric.removesuffix("_ms").removesuffix("_tokens_s")
     said = (f"{field} {estimate.base:.3g} -> {estimate.cand:.3g} {unit}: {numbers.relative:+.1%} "
