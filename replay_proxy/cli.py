@@ -91,6 +91,9 @@ def record(
     record_coordinator: Annotated[bool, typer.Option(
         help="Also relay and record the engines' DP-coordinator channels (subscription, READY, waves, stats); "
              "by default engines talk to the coordinator directly.")] = False,
+    max_db_mb: Annotated[float | None, typer.Option(min=1,
+        help="Stop recording (never forwarding) once the database file reaches this size; what does not "
+             "fit is counted as dropped, as on a full disk.")] = None,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.
 
@@ -103,14 +106,18 @@ def record(
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
-                                                      record_coordinator=record_coordinator, console=err))
+                                                      record_coordinator=record_coordinator, max_db_mb=max_db_mb,
+                                                      console=err))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     err.print(status_line(stats, 0))
     err.print(f"session {name!r} (id {recorder.session_id}) {recorder.status}: {stats.frames_recorded:,} of "
               f"{stats.frames_seen:,} frames recorded, {stats.frames_dropped:,} dropped -> {db}")
-    if recorder.status != "complete":
-        raise fail("the recording is incomplete: see the sessions table's error column")
+    if stats.frames_undecoded:
+        err.print(f"{stats.frames_undecoded:,} frames are kept but not decoded yet: "
+                  f"replay-proxy decode --db {db} --session {name}")
+    if recorder.status not in ("complete", "finishing"):
+        raise fail(f"the recording is {recorder.status}: {stats.error or 'see the sessions table'}")
 
 
 @app.command()
@@ -127,6 +134,31 @@ def sessions(
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
     render(rows, "json" if as_json else "table", title=f"sessions in {db}")
+
+
+@app.command()
+def decode(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
+) -> None:
+    """Decode the frames a recording kept but did not decode yet (a writer stopped at high load keeps them).
+
+    Example: replay-proxy decode --db recordings/staging.db
+    """
+    from replay_proxy.store.writer import finish_decoding
+
+    try:
+        rows = queries.list_sessions(db)
+        if session is not None:
+            rows = [queries.find_session(queries.open_existing(db), session)]
+        for row in rows:
+            if row["frames_undecoded"] and row["status"] == "recording":
+                err.print(f"session {row['name']!r} is still recording: its writer decodes it")
+            elif row["frames_undecoded"]:
+                decoded = finish_decoding(str(db), row["id"])
+                err.print(f"session {row['name']!r}: decoded {decoded:,} frames")
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
@@ -148,9 +180,13 @@ def query(
         raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
     try:
         rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql)
+        partly = [s for s in queries.list_sessions(db) if s["frames_undecoded"]]
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
     render(rows, "json" if as_json else "csv" if as_csv else "table")
+    for s in partly:
+        err.print(f"note: {s['frames_undecoded']:,} frames of session {s['name']!r} are not decoded yet, so not "
+                  f"in these tables: replay-proxy decode --db {db}")
 
 
 @app.command("datasette-metadata")

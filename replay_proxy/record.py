@@ -15,6 +15,7 @@ from replay_proxy.store.recorder import OnFull, Recorder, RecorderStats, Session
 
 STATUS_EVERY_S = 0.25
 PLAIN_STATUS_EVERY_S = 10.0  # when stderr is not a terminal: a log line now and then
+PAGE_BYTES = 4096  # SQLite's default page size
 
 
 def status_line(stats: RecorderStats, engines: int) -> Text:
@@ -24,17 +25,22 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
                 f"{stats.bytes_seen / 1e6:,.2f} MB  requests {stats.requests:,}  "
                 f"queue {stats.queue_depth_frames:,}  ")
     line.append(f"dropped {stats.frames_dropped:,}", style="bold red" if stats.frames_dropped else "")
+    if stats.frames_undecoded:
+        line.append(f"  undecoded {stats.frames_undecoded:,}")
     if stats.engines_dead:
         line.append(f"  engines dead {stats.engines_dead}", style="bold red")
+    if stats.error:
+        line.append(f"  {stats.error}", style="bold red")
     return line
 
 
 async def record(listen: str, upstream: str, db: Path, *, session: str,
-                 on_full: OnFull = OnFull.DROP, record_coordinator: bool = False,
+                 on_full: OnFull = OnFull.DROP, record_coordinator: bool = False, max_db_mb: float | None = None,
                  console: Console | None = None) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)
-    recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full)
+    recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full,
+                        max_db_pages=int(max_db_mb * 2**20 / PAGE_BYTES) if max_db_mb else None)
     relay = Relay(listen, upstream, recorder, record_coordinator=record_coordinator)
     status, error = "complete", None
     try:

@@ -54,7 +54,7 @@ def datasette_metadata(databases: list[Path]) -> dict[str, Any]:
 
 
 SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vllm_version",
-                   "schema_release", "frames_seen", "frames_recorded", "frames_dropped")
+                   "schema_release", "frames_seen", "frames_recorded", "frames_dropped", "frames_undecoded")
 
 
 def open_existing(path: str | Path) -> sqlite_utils.Database:

@@ -47,7 +47,7 @@ import zmq
 from replay_proxy import __version__
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.tables import open_database
-from replay_proxy.store.writer import PROGRESS, Progress
+from replay_proxy.store.writer import Progress, Stop, unpack_progress
 from replay_proxy.wire.capture import (
     FLUSH_MS, RELAY, STOP, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry,
     tap_message)
@@ -57,7 +57,8 @@ TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
 BLOCK_BATCHES = 4  # in block mode, batches of copies that may wait at each end of a forwarder's pipe
 STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder come within FLUSH_MS
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
-STOP_TIMEOUT_S = 120.0
+TAP_STOP_S = 2.0  # the tap passes what it holds within STOP_GRACE_MS: this is only a bound
+WRITER_STOP_S = 4.0  # the writer decodes for 2 s at most after STOP, then keeps the rest and exits
 START_TIMEOUT_S = 60.0
 _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it from the relay's thread
 
@@ -81,6 +82,8 @@ class RecorderStats(msgspec.Struct, frozen=True):
     requests: int
     queue_depth_frames: int
     engines_dead: int
+    frames_undecoded: int = 0
+    error: str | None = None  # the writer's last write error, or its death
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -99,7 +102,8 @@ class Recorder:
     """Records one session; an ``Observer`` for the relay (and for the replay players)."""
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
-                 queue_size: int = 100_000, writer_niceness: int = 0, context: zmq.Context | None = None):
+                 queue_size: int = 100_000, writer_niceness: int = 0, max_db_pages: int | None = None,
+                 context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._frames_seen = self._frames_dropped = self._bytes_seen = 0
         self._frames_sent = 0  # passed on to the writer
@@ -118,7 +122,8 @@ class Recorder:
         self._progress_socket = context.socket(zmq.PULL)
         self._progress_socket.setsockopt(zmq.CONFLATE, 1)
         self._progress_socket.bind(progress)
-        self._progress = Progress(0, 0, 0, 0)
+        self._progress, self._write_error = Progress(0, 0, 0, 0, 0), None
+        self._writer_lost: str | None = None  # why the writer is gone, once the tap has seen it go
         self._progress_due = 0.0  # when the tap thread reads the writer's progress next
         # We connect, the writer binds: a connecting PUSH queues from the first frame on,
         # even before the writer process has started. Unbounded here: the tap counts.
@@ -139,7 +144,7 @@ class Recorder:
         self._mine.connect(self.capture)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(os.getpid()), str(max(1, queue_size // 2))], stdin=subprocess.DEVNULL,
+             progress, str(os.getpid()), str(max_db_pages or "-")], stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
         if writer_niceness:
             os.setpriority(os.PRIO_PROCESS, self._process.pid, writer_niceness)
@@ -207,7 +212,6 @@ class Recorder:
             if entries:
                 self._send(entries, frames)
             elif stop_by is not None and time.monotonic() >= stop_by:  # everything before STOP is passed on
-                self._tap.send_multipart(STOP)
                 return
 
     def _send(self, entries: list[list[bytes]], frames: int) -> None:
@@ -215,67 +219,82 @@ class Recorder:
         if not self._has_room(frames):
             self._read_progress(0)  # the count we have may be stale
             while not self._has_room(frames):
-                if self._block and self._process.poll() is None:
+                if self._block and self._writer_lost is None:
                     self._read_progress(PROGRESS_WAIT_MS)
                     continue
                 self._frames_dropped += frames  # from the recording: they were forwarded all the same
-                # An engine's loss is no frame: it takes no room, and is kept.
+                # An engine's loss is no frame: it takes no room, and is kept (while a writer is there).
                 entries, frames = [entry for entry in entries if is_engine_loss(entry)], 0
-                if not entries:
+                if not entries or self._writer_lost is not None:
                     return
-        self._tap.send_multipart(tap_message(entries, frames))
+        self._tap.send_multipart(tap_message(entries, frames, self._frames_seen, self._bytes_seen))
         self._frames_sent += frames
 
     def _has_room(self, frames: int) -> bool:
-        """Room for ``frames`` more; an empty queue takes a batch of copies larger than its size."""
+        """Room for ``frames`` more; an empty queue takes a batch of copies larger than its size.
+        A writer that is gone has none."""
+        if self._writer_lost is not None:
+            return False
         queued = self._frames_sent - self._progress.frames_written - self._progress.frames_failed
         return queued == 0 or queued + frames <= self._queue_size
 
     def _read_progress(self, timeout_ms: int) -> None:
-        """Take the writer's latest report, waiting up to ``timeout_ms`` for one."""
+        """Take the writer's latest report, waiting up to ``timeout_ms`` for one; notice if it is gone."""
         if self._progress_socket.poll(timeout_ms):
-            self._progress = Progress(*PROGRESS.unpack(self._progress_socket.recv()))
+            self._progress, self._write_error = unpack_progress(self._progress_socket.recv())
         self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
+        if self._writer_lost is None and (code := self._process.poll()) is not None:
+            self._writer_lost = f"the writer process exited with {code} while recording"
 
     def statistics(self) -> RecorderStats:
         p = self._progress
-        return RecorderStats(self._frames_seen, p.frames_written, self._frames_dropped + p.frames_failed,
-                             self._bytes_seen, p.requests,
-                             self._frames_seen - self._frames_dropped - p.frames_written - p.frames_failed,
-                             p.engines_dead)
+        queued = 0 if self._writer_lost else self._frames_seen - self._frames_dropped - p.frames_written - p.frames_failed
+        return RecorderStats(self._frames_seen, p.frames_written, self._frames_seen - p.frames_written - queued,
+                             self._bytes_seen, p.requests, queued, p.engines_dead, p.frames_undecoded,
+                             self._writer_lost or self._write_error)
 
     def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
-        """Flush everything queued, stop the writer, then finish the session row.
+        """Pass on everything queued, tell the writer how the session ended, and wait (bounded) for it.
 
-        Stop the relay first: what its forwarders copy after this is not recorded."""
+        Stop the relay first: what its forwarders copy after this is not recorded. The writer ends
+        the session row itself; if it is gone, the recorder does, from what the database holds.
+        """
         self._mine.send_multipart(STOP)  # after every entry already queued
         self._mine.close(linger=-1)
-        self._tap_thread.join(STOP_TIMEOUT_S)
+        self._tap_thread.join(TAP_STOP_S + STOP_GRACE_MS / 1000)
+        self._read_progress(0)
+        if self._writer_lost is None and not self._tap_thread.is_alive():
+            self._tap.send_multipart([STOP[0], msgspec.json.encode(Stop(status, error, self._frames_seen,
+                                                                        self._bytes_seen))])
         try:
-            code = self._process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            code = self._process.wait(5)
-            error = error or f"the writer did not finish within {STOP_TIMEOUT_S:g} s"
-        if code != 0:
-            status, error = "incomplete", error or f"the writer process exited with {code}"
-        self.status = status
+            self._process.wait(WRITER_STOP_S)
+        except subprocess.TimeoutExpired:  # still writing: it ends the session itself, nothing is cut off
+            pass
+        code = self._process.poll()
         if not self._tap_thread.is_alive():  # else it still owns them; the process exit takes them
             for sock in (self._tap, self._collector, self._progress_socket):
                 sock.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
-        # The final counts come from the database, where the writer left them: the progress
-        # socket only keeps the newest live report, and the last one may still be in flight.
         db = open_database(self.db_path)
+        if code is not None and code != 0:  # the writer died: the session is ended here, by what is kept
+            kept = db.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
+                              "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
+                              {"s": self.session_id}).fetchone()[0]
+            db["sessions"].update(self.session_id, {
+                "ended_at": _now(), "status": "incomplete", "frames_recorded": kept, "frames_seen": self._frames_seen,
+                "frames_dropped": self._frames_seen - kept, "bytes_seen": self._bytes_seen,
+                "error": error or self._writer_lost or f"the writer process exited with {code}"})
         row = db["sessions"].get(self.session_id)
-        recorded = row["frames_recorded"] or 0
         requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
-        # Whatever was seen and not written is lost: dropped at the queue, failed, or cut off.
-        stats = RecorderStats(self._frames_seen, recorded, self._frames_seen - recorded, self._bytes_seen, requests,
-                              0, row["engines_dead"] or 0)
-        db["sessions"].update(self.session_id, {
-            "ended_at": _now(), "status": status, "error": error or row["error"], "frames_seen": stats.frames_seen,
-            "frames_dropped": stats.frames_dropped, "bytes_seen": stats.bytes_seen,
-        })
         db.close()
-        return stats
+        if code is None:
+            self.status = "finishing"  # the writer is still at it, in the background
+            return RecorderStats(self._frames_seen, self._progress.frames_written,
+                                 self._frames_seen - self._progress.frames_written, self._bytes_seen,
+                                 self._progress.requests, 0, self._progress.engines_dead,
+                                 self._progress.frames_undecoded, f"the writer (PID {self._process.pid}) is "
+                                 "still writing; it ends the session itself")
+        self.status = row["status"]
+        return RecorderStats(row["frames_seen"] or 0, row["frames_recorded"] or 0, row["frames_dropped"] or 0,
+                             row["bytes_seen"] or 0, requests, 0, row["engines_dead"] or 0,
+                             row["frames_undecoded"] or 0, row["error"])

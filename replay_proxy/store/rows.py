@@ -1,4 +1,9 @@
-"""From one decoded message to the rows it contributes to each table."""
+"""From one captured frame to the rows it contributes to each table.
+
+A conforming EngineCoreOutputs (nearly every frame of a busy engine) is read
+by the typed fast path (``wire/typed.py``); every other frame is named by the
+generic decoder. Both end in the same row builders here.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ import msgspec
 
 from replay_proxy.store.tables import TABLES, sampling_columns
 from replay_proxy.wire.capture import CapturedFrame
-from replay_proxy.wire.messages import Kind, Message
+from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, Kind, Message, WireDecoder
 from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.typed import typed_outputs
 from replay_proxy.wire.values import decode_msgpack, to_json
 
 _raw = msgspec.msgpack.Encoder()
+_json = msgspec.json.Encoder()
 HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
 # Output fields with a column of their own; the rest go to "other" when set.
 OUTPUT_COLUMNS = {"request_id", "new_token_ids", "finish_reason", "stop_reason",
@@ -25,39 +32,97 @@ def _sqlite_value(value: int) -> int | str:
     return value if -(2**63) <= value < 2**63 else str(value)
 
 
-class Rows:
-    """Rows for every table, accumulated over a batch of frames."""
+def _engine_time(stamp: Any) -> float | None:
+    """EngineCoreOutputs.timestamp: the engine's time.monotonic() when it made the outputs (0.0: unset)."""
+    return stamp if type(stamp) is float and stamp > 0 else None
 
-    def __init__(self):
+
+class Rows:
+    """Rows for every table, accumulated over a batch of frames.
+
+    ``request_numbers`` is the session's: request id -> its number in ``request_ids``, shared by
+    every batch. Ids first numbered in this batch are in ``new_request_ids``, to be forgotten if the
+    batch is not written.
+    """
+
+    def __init__(self, request_numbers: dict[str, int] | None = None):
         self.tables: dict[str, list[tuple]] = defaultdict(list)
+        self.request_numbers = {} if request_numbers is None else request_numbers
+        self.new_request_ids: list[str] = []
 
     def _add(self, table: str, **row: Any) -> None:
         values = [row.get(c) for c in TABLES[table][0]]
         self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v for v in values]))
+
+    def add(self, session_id: int, frame: CapturedFrame, decoder: WireDecoder) -> Kind:
+        """Decode a captured frame and add its rows; return its kind."""
+        if frame.channel is Channel.OUTPUT and frame.direction is Direction.TO_FRONTEND \
+                and frame.parts[:1] != [ENGINE_CORE_DEAD]:
+            typed = typed_outputs(decoder.schema)
+            read = typed.read(frame.parts) if typed is not None else None
+            if read is not None:
+                where = (session_id, frame.seq)
+                for position, (request_id, tokens, finish, stop, nans) in enumerate(read.outputs):
+                    self._output(where, position, request_id, tokens, decoder.schema.finish_name(finish), stop, nans,
+                                 None, None, None)
+                self._frame(session_id, frame, Kind.OUTPUTS, to_json(read.fields), None, read.flags,
+                            _engine_time(read.fields.get("timestamp")))
+                return Kind.OUTPUTS
+        message = decoder.decode(frame.channel, frame.direction, frame.parts)
+        self.add_frame(session_id, frame, message, decoder.schema)
+        return message.kind
 
     def add_frame(self, session_id: int, frame: CapturedFrame, message: Message, schema: Schema) -> None:
         """A frame's row (its bytes, where they went, its named fields) and every concept row it makes."""
         where = dict(session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns,
                      engine_index=frame.engine_index, client_index=frame.client_index)
         error = message.error
+        fields = message.fields
         try:
-            self._concepts(where, frame, message, schema)
+            if self._concepts(where, frame, message, schema):  # its outputs are rows: not kept twice
+                fields = {k: v for k, v in fields.items() if k != "outputs"}
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
-        self._add("frames", **where, channel=str(frame.channel), direction=str(frame.direction),
-                  kind=str(message.kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),
-                  raw=_raw.encode(frame.parts), forwarded_raw=_raw.encode(frame.forwarded) if frame.forwarded else None,
-                  decoded=to_json(message.fields), decode_error=error,
-                  flags=to_json(message.flags) if message.flags else None)
+        engine_time = _engine_time(fields.get("timestamp")) if message.kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT) \
+            and isinstance(fields, dict) else None
+        self._frame(session_id, frame, message.kind, to_json(fields), error, message.flags, engine_time)
 
-    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> None:
+    def _frame(self, session_id: int, frame: CapturedFrame, kind: Kind, decoded: str | None, error: str | None,
+               flags: tuple, engine_time: float | None) -> None:
+        self._add("frames", session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns, engine_index=frame.engine_index,
+                  client_index=frame.client_index, channel=str(frame.channel), direction=str(frame.direction),
+                  kind=str(kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),
+                  raw=_raw.encode(frame.parts), forwarded_raw=_raw.encode(frame.forwarded) if frame.forwarded else None,
+                  decoded=decoded, decode_error=error, flags=to_json(flags) if flags else None,
+                  engine_time_s=engine_time)
+
+    def _output(self, where: tuple[int, int], position: int, request_id: str, tokens: list, finish: str | None,
+                stop: Any, nans: Any, logprobs: str | None, events: str | None, other: str | None) -> None:
+        """One output's row, in ``output_rows``' column order (the typed path makes a busy engine's here)."""
+        number = self.request_numbers.get(request_id)
+        if number is None:
+            number = self.request_numbers[request_id] = len(self.request_numbers) + 1
+            self.new_request_ids.append(request_id)
+            self.tables["request_ids"].append((where[0], number, request_id))
+        self.tables["output_rows"].append((where[0], number, where[1], position, _json.encode(tokens).decode(),
+                                           len(tokens), finish, None if stop is None else str(stop), nans, logprobs, events,
+                                           other))
+
+    def forget_new_request_ids(self) -> None:
+        """The batch was not written: its request numbers are free again."""
+        for request_id in self.new_request_ids:
+            del self.request_numbers[request_id]
+        self.new_request_ids.clear()
+
+    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> bool:
+        """Add the concept rows of a message; True if its ``outputs`` all became rows."""
         fields, kind = message.fields, message.kind
         if kind is Kind.ENGINE_CORE_DEAD:  # a bare sentinel: no fields
             self.add_engine_event(where["session_id"], where["seq"], frame.ts_ns, frame.engine_index,
                                   "ENGINE_CORE_DEAD", f"on the output socket of API server {frame.client_index}")
         if not isinstance(fields, dict):
-            return
+            return False
         if kind in HANDSHAKE_KINDS:
             rewritten = None
             if frame.forwarded:
@@ -67,13 +132,14 @@ class Rows:
         elif kind is Kind.ADD:
             self._request(where, fields, schema)
         elif kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
-            self._outputs(where, fields, schema)
+            return self._outputs(where, fields, schema)
         elif kind is Kind.ABORT:
             for position, request_id in enumerate(fields["request_ids"]):
                 self._add("aborts", **where, position=position, request_id=request_id)
         elif kind is Kind.UTILITY:
             self._add("utility_requests", **where, call_id=fields["call_id"],
                       method=fields["method"], args=to_json(fields["args"]))
+        return False
 
     def add_engine_event(self, session_id: int, seq: int, ts_ns: int, engine_index: int | None,
                          name: str, detail: str) -> None:
@@ -94,28 +160,21 @@ class Rows:
                   data_parallel_rank=fields.get("data_parallel_rank"), priority=fields.get("priority"),
                   sampling_params=to_json(params))
 
-    def _outputs(self, where: dict, fields: dict, schema: Schema) -> None:
+    def _outputs(self, where: dict, fields: dict, schema: Schema) -> bool:
         utility = fields.get("utility_output")
         if isinstance(utility, dict):
             self._add("utility_results", **where, call_id=utility.get("call_id"),
                       failure_message=utility.get("failure_message"), result=to_json(utility.get("result")))
-        stamp = fields.get("timestamp")  # the engine's time.monotonic() when it made these outputs
-        engine_time = stamp if type(stamp) is float and stamp > 0 else None
-        for position, output in enumerate(fields.get("outputs") or []):
-            if not isinstance(output, dict):
+        outputs = fields.get("outputs") or []
+        tabulated = isinstance(outputs, list)
+        for position, output in enumerate(outputs if tabulated else []):
+            if not (isinstance(output, dict) and isinstance(output.get("request_id"), str)
+                    and isinstance(output.get("new_token_ids"), list)):
+                tabulated = False  # kept in the frame's decoded form instead
                 continue
-            tokens = output.get("new_token_ids")
-            finish = output.get("finish_reason")
-            stop = output.get("stop_reason")
-            other = {k: v for k, v in output.items()
-                     if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
-            self._add("outputs", **where, position=position, engine_time_s=engine_time,
-                      request_id=output.get("request_id"),
-                      new_token_ids=to_json(tokens),
-                      num_new_tokens=len(tokens) if isinstance(tokens, list) else None,
-                      finish_reason=schema.finish_name(finish),
-                      stop_reason=None if stop is None else str(stop),
-                      num_nans_in_logits=output.get("num_nans_in_logits"),
-                      new_logprobs=to_json(output.get("new_logprobs")),
-                      events=to_json(output.get("events")), other=to_json(other) if other else None)
-
+            other = {k: v for k, v in output.items() if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
+            self._output((where["session_id"], where["seq"]), position, output["request_id"], output["new_token_ids"],
+                         schema.finish_name(output.get("finish_reason")), output.get("stop_reason"),
+                         output.get("num_nans_in_logits"), to_json(output.get("new_logprobs")),
+                         to_json(output.get("events")), to_json(other) if other else None)
+        return tabulated

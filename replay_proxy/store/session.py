@@ -20,6 +20,8 @@ import msgspec
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, open_existing
+from replay_proxy.store.writer import finish_decoding
+from replay_proxy.wire.messages import Channel, Direction, WireDecoder
 from replay_proxy.wire.schema import Schema, schema_for
 from replay_proxy.wire.values import decode_msgpack
 
@@ -105,16 +107,30 @@ def load_session(db_path: Path, session: str) -> Session:
     db = open_existing(db_path)
     row = find_session(db, session)
     sid = row["id"]
+    if row["frames_undecoded"]:  # kept by a writer that had to stop: decoded now, once
+        if row["status"] == "recording":
+            raise SessionError(f"session {row['name']!r} is still recording and {row['frames_undecoded']:,} of "
+                               "its frames are not decoded yet: wait for it to end")
+        finish_decoding(str(db_path), sid)
+        row = find_session(db, str(sid))
     progress: dict[int, dict[str, int]] = defaultdict(dict)
     for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? "
                       "ORDER BY seq", [sid]):
         progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
-    frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"],
-                            decode_msgpack(r["raw"]), msgspec.json.decode(r["decoded"]) if r["decoded"] else None,
-                            progress.get(r["seq"], {}))
+    # Output frames keep their outputs in their table, not in ``decoded``: named again from the raw bytes.
+    outputs_decoder = WireDecoder(schema_for(row["vllm_version"])[0])
+
+    def decoded(r: dict, parts: list[bytes]) -> Any:
+        if r["kind"] in ("OUTPUTS", "UTILITY_OUTPUT"):
+            return outputs_decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, parts).fields
+        return msgspec.json.decode(r["decoded"]) if r["decoded"] else None
+
+    frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"], parts,
+                            decoded(r, parts), progress.get(r["seq"], {}))
               for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, raw, decoded FROM frames "
                                 "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output') "
-                                "ORDER BY seq", [sid])]  # a recorded coordinator is neither replayed nor compared
+                                "ORDER BY seq", [sid]) for parts in [decode_msgpack(r["raw"])]]
+    # (a recorded coordinator is neither replayed nor compared)
     handshake = [f for f in frames if f.kind in HANDSHAKE_KINDS]
     init = next((f.decoded for f in handshake if f.kind == "INIT"), None)
     registrations = [json.loads(r["payload"]) for r in db.query(

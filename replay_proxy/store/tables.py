@@ -39,12 +39,14 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "id": int, "name": str, "mode": str, "baseline_session_id": int, "started_at": str,
         "ended_at": str, "status": str, "listen": str, "upstream": str, "vllm_version": str,
         "schema_release": str, "schema_exact": int, "proxy_version": str, "frames_seen": int,
-        "frames_recorded": int, "frames_dropped": int, "bytes_seen": int, "engines_dead": int, "error": str,
+        "frames_recorded": int, "frames_dropped": int, "frames_undecoded": int, "bytes_seen": int,
+        "engines_dead": int, "error": str,
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,
         "engine_index": int, "client_index": int, "kind": str, "n_parts": int, "nbytes": int,
         "raw": bytes, "forwarded_raw": bytes, "decoded": str, "decode_error": str, "flags": str,
+        "engine_time_s": float,
     }, ["session_id", "seq"]),
     "handshakes": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
@@ -57,12 +59,18 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         **sampling_columns(),
         "sampling_params": str,
     }, ["session_id", "seq"]),
-    "outputs": ({
-        "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
-        "client_index": int, "engine_time_s": float, "request_id": str, "new_token_ids": str,
-        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "new_logprobs": str,
-        "events": str, "other": str,
-    }, ["session_id", "seq", "position"]),
+    # One row per per-request output, the bulk of a recording: kept small (the view ``outputs`` adds
+    # what its frame and its request id say). request: the request's number in ``request_ids``.
+    # Stored by request, then in order (WITHOUT ROWID): a request's outputs are together, with no index.
+    "output_rows": ({
+        "session_id": int, "request": int, "seq": int, "position": int, "new_token_ids": str,
+        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int,
+        "new_logprobs": str, "events": str, "other": str,
+    }, ["session_id", "request", "seq", "position"]),
+    # Each request id a session's outputs name, numbered in order of first sight.
+    "request_ids": ({
+        "session_id": int, "number": int, "request_id": str,
+    }, ["session_id", "number"]),
     "aborts": ({
         "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
         "client_index": int, "request_id": str,
@@ -90,13 +98,23 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     }, ["session_id", "number"]),
 }
 
+WITHOUT_ROWID = {"output_rows"}  # stored in its primary key's order: no second copy of the key in an index
+
 INDEXES = {
     "frames": [["session_id", "kind"]],
     "requests": [["session_id", "request_id"]],
-    "outputs": [["session_id", "request_id"]],
+    "request_ids": [["session_id", "request_id"]],
 }
 
 VIEWS = {
+    # Every output with its frame's time, engine, API server and engine clock, and its request id.
+    "outputs": """
+        SELECT o.session_id, o.seq, o.position, f.ts_ns, f.engine_index, f.client_index, f.engine_time_s,
+               r.request_id, o.new_token_ids, o.num_new_tokens, o.finish_reason, o.stop_reason,
+               o.num_nans_in_logits, o.new_logprobs, o.events, o.other
+        FROM output_rows o
+        JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
+        LEFT JOIN request_ids r ON r.session_id = o.session_id AND r.number = o.request""",
     # One row per request: when it was added, its first token, how it ended.
     # frontend_aborted: the frontend sent ABORT (the engine never answers those).
     "request_timeline": """
@@ -153,6 +171,25 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
     return db
 
 
+_SQL_NAMES = {int: "INTEGER", float: "FLOAT", str: "TEXT", bytes: "BLOB"}
+
+
+def _move_wide_outputs(db: sqlite_utils.Database) -> None:
+    """A file recorded before ``output_rows``: its one wide ``outputs`` table into the compact layout."""
+    with db.conn:
+        db.execute("""INSERT INTO request_ids SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id
+                      ORDER BY MIN(seq * 65536 + position)), request_id FROM outputs GROUP BY session_id, request_id""")
+        db.execute("""INSERT INTO output_rows SELECT o.session_id, r.number, o.seq, o.position, o.new_token_ids,
+                      o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits, o.new_logprobs,
+                      o.events, o.other FROM outputs o JOIN request_ids r
+                      ON r.session_id = o.session_id AND r.request_id = o.request_id""")
+        db.execute("""UPDATE frames SET engine_time_s = json_extract(decoded, '$.timestamp')
+                      WHERE kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0""")
+        for view in VIEWS.keys() - {"outputs"}:  # remade below, on the new tables
+            db.execute(f"DROP VIEW IF EXISTS [{view}]")
+        db.execute("DROP TABLE outputs")
+
+
 def ensure_schema(db: sqlite_utils.Database) -> None:
     for name, (columns, pk) in TABLES.items():
         table = db[name]
@@ -163,8 +200,13 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
             for column, column_type in columns.items():
                 if column not in existing:
                     table.add_column(column, column_type)
+        elif name in WITHOUT_ROWID:
+            definitions = ", ".join(f"[{c}] {_SQL_NAMES[t]}" for c, t in columns.items())
+            db.execute(f"CREATE TABLE [{name}] ({definitions}, PRIMARY KEY ({', '.join(pk)})) WITHOUT ROWID")
         else:
             table.create(columns, pk=pk)
+    if "outputs" in db.table_names():  # a table, not the view
+        _move_wide_outputs(db)
     for name, indexes in INDEXES.items():
         for columns in indexes:
             db[name].create_index(columns, if_not_exists=True)

@@ -1,49 +1,56 @@
-"""The writer process: the tap's messages into SQLite, decoded when there is time.
+"""The writer process: the tap's messages into SQLite, decoded as they come.
 
-Theory of operation. While the tap sends (a message every ``TAP_HOLD_S`` or
-so), the writer only holds what came, up to ``hold_frames`` (half the
-recorder's queue). Keeping a message as the tap passed it is one row, a few
-microseconds a frame; decoding its frames and filling the frame and concept
-tables, about a hundred. So once nothing has come for ``QUIET_S``, or
-``hold_frames`` are held, the held messages go to the ``undecoded`` table in
-one transaction, and decoding catches up (the oldest messages first, about
-``DECODE_FRAMES`` frames a transaction in ``seq`` order, deleting them from
-``undecoded``) while nothing comes, or when ``MAX_UNDECODED`` frames wait,
-and in full before the writer exits. A burst therefore never backs the queue
-up into drops, and the writing and decoding move to when the peers are idle
-instead of competing with them for the CPU.
+Theory of operation. The tap sends a message every ``TAP_HOLD_S`` or so
+(``recorder.py``). The writer takes what has come, decodes it (the typed
+fast path for conforming output frames, ``wire/typed.py``) and writes the
+frame and concept tables in transactions of about ``DECODE_FRAMES`` frames,
+so a frame is queryable well within a second of crossing the proxy and a
+failed transaction (a full disk) loses no more than that.
+
+If decoding falls behind, what waits is bounded in memory: past
+``HOLD_BYTES`` the waiting messages are *kept* as they came (one row each in
+``undecoded``, a few microseconds a frame) and decoded from there, oldest
+first, until it has caught up; frames are always decoded in the order they
+came. On STOP the writer decodes for at most ``STOP_DECODE_S``, keeps the
+rest and exits, so ``record`` ends in seconds at any load; whatever is kept
+undecoded is counted in ``sessions.frames_undecoded`` and ``replay-proxy
+decode`` (or a replay or diff of the session) finishes it.
 
 It runs in a session of its own, so the signals that stop the proxy's
-process group do not reach it: the proxy sends STOP after its last frame and
-the writer finishes the queue first. If the proxy dies without STOP, the
-writer notices it has another parent than ``parent`` (the proxy's PID,
-given, not read at start: the proxy may already be gone by then) and stops
-once the queue is empty.
+process group do not reach it: the proxy sends STOP, with the session's
+status and final counts, after its last frame. If the proxy dies without
+STOP, the writer notices it has another parent than ``parent`` (the proxy's
+PID, given, not read at start: the proxy may already be gone by then),
+finishes what it has and marks the session ``interrupted``, with the count of
+frames seen that the tap's last message carried.
 
 After every step it reports its ``Progress`` to the recorder's tap, which
-bounds the queue with it.
+bounds the queue with it and shows it on the status line.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import sqlite3
 import struct
 import sys
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
+import msgspec
 import zmq
 
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
-from replay_proxy.wire.capture import STOP, EngineLoss, decode_entries, tap_frames
+from replay_proxy.wire.capture import STOP, CapturedFrame, EngineLoss, decode_entries, tap_counts
 from replay_proxy.wire.messages import Kind, WireDecoder
 
-DECODE_FRAMES = 500  # frames decoded per transaction, about: the tap is looked at again after each
-QUIET_S = 0.1  # twice the tap's hold (recorder.py): once nothing more came for this long, keep and decode ...
-MAX_UNDECODED = 100_000  # ... or decodes while the tap still sends, once this many frames are kept
-PARENT_CHECK_S = 1.0  # idle this long: is the proxy still there?
+DECODE_FRAMES = 2_000  # frames a transaction, about: the tap is looked at again after each
+HOLD_BYTES = 64 * 2**20  # tap messages waiting in memory beyond this are kept on disk instead
+STOP_DECODE_S = 2.0  # after STOP: decode this long at most, then keep the rest
+PARENT_CHECK_S = 1.0  # how often: is the proxy still there?
 
 
 class Progress(NamedTuple):
@@ -53,32 +60,67 @@ class Progress(NamedTuple):
     requests: int  # ADDs decoded
     engines_dead: int  # sent ENGINE_CORE_DEAD or vanished
     frames_failed: int  # could not be written (a full disk, a locked file)
+    frames_undecoded: int  # kept, not yet decoded
 
 
-PROGRESS = struct.Struct("<qqqq")  # a Progress on the wire
+PROGRESS = struct.Struct("<qqqqq")  # a Progress on the wire, then the last write error (UTF-8), if any
+
+
+def pack_progress(progress: Progress, error: str | None) -> bytes:
+    return PROGRESS.pack(*progress) + (error or "").encode()
+
+
+def unpack_progress(data: bytes) -> tuple[Progress, str | None]:
+    return Progress(*PROGRESS.unpack_from(data)), data[PROGRESS.size:].decode() or None
+
+
+class Stop(msgspec.Struct):
+    """What the proxy says with STOP: how the session ended, and the tap's final counts."""
+
+    status: str
+    error: str | None
+    frames_seen: int
+    bytes_seen: int
 
 
 class Writer:
-    """One session's writer: holds, keeps and decodes the tap's messages (see the module's docstring)."""
+    """One session's writer: decodes, or keeps and later decodes, the tap's messages.
 
-    def __init__(self, db_path: str, session_id: int):
+    It picks up where the session's database stands, so it also finishes a session left partly
+    decoded (``replay-proxy decode``).
+    """
+
+    def __init__(self, db_path: str, session_id: int, *, max_pages: int | None = None):
         self.session_id = session_id
-        self.connection = sqlite3.connect(db_path)
+        self.connection = sqlite3.connect(db_path, timeout=30)
         self.connection.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints
+        self.connection.execute("PRAGMA cache_size=-32768")  # 32 MB: the tables' B-tree pages stay in memory
+        if max_pages:
+            self.connection.execute(f"PRAGMA max_page_count={int(max_pages)}")
         self.statements = {
             table: f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in columns)}) "
                    f"VALUES ({', '.join('?' for _ in columns)})"
             for table, (columns, _) in TABLES.items()
         }
+        version, recorded = self.connection.execute(
+            "SELECT vllm_version, COALESCE(frames_recorded, 0) FROM sessions WHERE id = ?", (session_id,)).fetchone()
         self.decoder = WireDecoder()
-        self.last_kept = self.last_decoded = 0  # numbers of the tap's messages in ``undecoded``
-        self.frames_undecoded = self.frames_written = self.frames_failed = 0
+        self.decoder.learn_version(version)  # a session decoded before in part: its registration is past
+        self.request_numbers = dict(self.connection.execute(
+            "SELECT request_id, number FROM request_ids WHERE session_id = ?", (session_id,)))
+        first, last, undecoded = self.connection.execute(
+            "SELECT MIN(number), MAX(number), COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = ?",
+            (session_id,)).fetchone()
+        self.last_decoded = (first - 1) if first is not None else 0  # numbers of the kept messages
+        self.last_kept = last or 0
+        self.frames_undecoded, self.frames_written, self.frames_failed = undecoded, recorded, 0
         self.requests = 0
-        self.dead: set[int | None] = set()  # engines that sent ENGINE_CORE_DEAD or vanished
+        self.dead: set[int | None] = {e for (e,) in self.connection.execute(  # sent ENGINE_CORE_DEAD or vanished
+            "SELECT DISTINCT engine_index FROM engine_events WHERE session_id = ?", (session_id,))}
         self.write_error: str | None = None
 
     def progress(self) -> Progress:
-        return Progress(self.frames_written, self.requests, len(self.dead), self.frames_failed)
+        return Progress(self.frames_written, self.requests, len(self.dead), self.frames_failed, self.frames_undecoded)
 
     def _commit(self, rows: Rows, *, done: tuple[int, int] | None = None) -> bool:
         """Write the rows in one transaction; ``done``: the kept messages they replace (a number range)."""
@@ -91,22 +133,52 @@ class Writer:
                                             (self.session_id, *done))
         except Exception as exc:  # noqa: BLE001 - a full disk, a locked file: count it, keep going
             self.write_error = f"{type(exc).__name__}: {exc}"
+            rows.forget_new_request_ids()
             return False
         return True
 
-    def keep(self, messages: list[list[bytes]]) -> None:
-        """Keep the tap's messages as they came, numbering them."""
-        rows = Rows()
-        frames = 0
-        for message in messages:
-            self.last_kept += 1
-            rows.tables["undecoded"].append((self.session_id, self.last_kept, tap_frames(message), message[1]))
-            frames += tap_frames(message)
+    def _tabulate(self, captured: Iterable[CapturedFrame | EngineLoss]) -> tuple[Rows, int]:
+        """Every row of these frames, in seq order; and how many were ADDs."""
+        rows = Rows(self.request_numbers)
+        added = 0
+        for item in sorted(captured, key=lambda numbered: numbered.seq):
+            if isinstance(item, EngineLoss):
+                rows.add_engine_event(self.session_id, item.seq, item.ts_ns, item.engine_index, "lost", item.reason)
+                self.dead.add(item.engine_index)
+                continue
+            kind = rows.add(self.session_id, item, self.decoder)
+            added += kind is Kind.ADD
+            if kind is Kind.ENGINE_CORE_DEAD:
+                self.dead.add(item.engine_index)
+        return rows, added
+
+    def write(self, messages: list[list[bytes]]) -> None:
+        """Decode the tap's messages and write them, in one transaction."""
+        frames = sum(tap_counts(m)[0] for m in messages)
+        rows, added = self._tabulate(item for m in messages for item in decode_entries(m[1]))
         if self._commit(rows):
             self.frames_written += frames
-            self.frames_undecoded += frames
+            self.requests += added
         else:
             self.frames_failed += frames
+
+    def keep(self, messages: list[list[bytes]]) -> None:
+        """Keep the tap's messages as they came, numbering them, about ``DECODE_FRAMES`` x 10 a transaction."""
+        while messages:
+            rows, frames, taken = Rows(), 0, 0
+            for message in messages:
+                count = tap_counts(message)[0]
+                rows.tables["undecoded"].append((self.session_id, self.last_kept + taken + 1, count, message[1]))
+                frames, taken = frames + count, taken + 1
+                if frames >= 10 * DECODE_FRAMES:
+                    break
+            messages = messages[taken:]
+            if self._commit(rows):
+                self.last_kept += taken
+                self.frames_written += frames
+                self.frames_undecoded += frames
+            else:
+                self.frames_failed += frames
 
     @property
     def behind(self) -> bool:
@@ -115,7 +187,6 @@ class Writer:
 
     def decode_some(self) -> None:
         """Decode and tabulate the oldest kept messages, in seq order; those that fail stay undecoded."""
-        rows = Rows()
         captured = []
         frames = 0
         first = last = None
@@ -132,36 +203,52 @@ class Writer:
         if last is None:  # only messages whose keeping failed were left: nothing to decode
             self.last_decoded = self.last_kept
             return
-        added = 0
-        for item in sorted(captured, key=lambda numbered: numbered.seq):
-            if isinstance(item, EngineLoss):
-                rows.add_engine_event(self.session_id, item.seq, item.ts_ns, item.engine_index, "lost", item.reason)
-                self.dead.add(item.engine_index)
-                continue
-            message = self.decoder.decode(item.channel, item.direction, item.parts)
-            rows.add_frame(self.session_id, item, message, self.decoder.schema)
-            added += message.kind is Kind.ADD
-            if message.kind is Kind.ENGINE_CORE_DEAD:
-                self.dead.add(item.engine_index)
+        rows, added = self._tabulate(captured)
         if self._commit(rows, done=(first, last)):
             self.requests += added
-        self.last_decoded, self.frames_undecoded = last, self.frames_undecoded - frames
+            self.frames_undecoded -= frames
+        self.last_decoded = last
 
-    def finish(self) -> None:
-        """Write the session's totals and close the database."""
+    def decode_all(self) -> None:
+        while self.behind:
+            self.decode_some()
+
+    def finish(self, stop: Stop | None = None) -> None:
+        """Write the session's totals (and, given how it ended, its end) and close the database."""
         decoder = self.decoder
+        end = {} if stop is None else {"status": stop.status, "frames_seen": stop.frames_seen,
+                                       "bytes_seen": stop.bytes_seen,
+                                       "frames_dropped": max(0, stop.frames_seen - self.frames_written),
+                                       "ended_at": _now()}
+        if stop is not None and (self.frames_failed or self.write_error) and stop.status == "complete":
+            end["status"] = "incomplete"
+        error = (stop.error if stop else None) or self.write_error
+        values = {"vllm_version": decoder.vllm_version, "schema_release": decoder.schema.release,
+                  "schema_exact": int(decoder.schema_exact), "frames_recorded": self.frames_written,
+                  "frames_undecoded": self.frames_undecoded, "engines_dead": len(self.dead), **end}
+        assignments = ", ".join(f"{k} = ?" for k in values)
         with self.connection:
-            self.connection.execute(
-                "UPDATE sessions SET vllm_version = ?, schema_release = ?, schema_exact = ?, error = ?, "
-                "frames_recorded = ?, engines_dead = ? WHERE id = ?",
-                (decoder.vllm_version, decoder.schema.release, int(decoder.schema_exact), self.write_error,
-                 self.frames_written, len(self.dead), self.session_id))
+            self.connection.execute(f"UPDATE sessions SET {assignments}, error = COALESCE(?, error) WHERE id = ?",
+                                    (*values.values(), error, self.session_id))
         self.connection.close()
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def finish_decoding(db_path: str, session_id: int) -> int:
+    """Decode what a session kept undecoded (``replay-proxy decode``); return how many frames that was."""
+    writer = Writer(db_path, session_id)
+    before = writer.frames_undecoded
+    writer.decode_all()
+    writer.finish()
+    return before - writer.frames_undecoded
+
+
 def run(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int,
-        hold_frames: int) -> None:
-    """The writer process's loop: take what the tap sends, hold, keep, decode, report."""
+        max_pages: int | None) -> None:
+    """The writer process's loop: take what the tap sends, decode (or keep), report."""
     context = zmq.Context()
     tap = context.socket(zmq.PULL)
     tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
@@ -171,41 +258,58 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
     progress.setsockopt(zmq.CONFLATE, 1)
     progress.setsockopt(zmq.LINGER, 5000)
     progress.connect(progress_address)
-    writer = Writer(db_path, session_id)
-    progress.send(PROGRESS.pack(*writer.progress()))  # started
-    held: list[list[bytes]] = []  # the tap's messages, in memory while the peers are busy
-    held_frames = 0
-    last_message = time.monotonic()
-    stopping = False
+    writer = Writer(db_path, session_id, max_pages=max_pages)
+    progress.send(pack_progress(writer.progress(), None))  # started
+    held: list[list[bytes]] = []  # the tap's messages waiting, in memory
+    held_bytes = 0
+    stop: Stop | None = None
+    stop_by = None  # after STOP: when decoding gives way to keeping
+    frames_seen = bytes_seen = 0  # as the tap's last message said, for a proxy that dies
+    parent_checked = time.monotonic()
     while True:
-        while not stopping:  # take what the tap has sent since the last look, without waiting
+        while stop is None:  # take what the tap has sent since the last look, without waiting
             try:
                 message = tap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if message == STOP:  # the proxy's last frame is in
-                stopping = True
+            if message[0] == STOP[0]:  # the proxy's last frame is in
+                stop = msgspec.json.decode(message[1], type=Stop)
+                stop_by = time.monotonic() + STOP_DECODE_S
                 break
             held.append(message)
-            held_frames += tap_frames(message)
-            last_message = time.monotonic()
-        quiet = stopping or time.monotonic() - last_message >= QUIET_S
-        if held and (quiet or held_frames >= hold_frames):
+            held_bytes += len(message[1])
+            _, frames_seen, bytes_seen = tap_counts(message)
+        late = stop_by is not None and time.monotonic() > stop_by
+        if held and (writer.behind or held_bytes > HOLD_BYTES or late):  # in order, and bounded: keep
             writer.keep(held)
-            held, held_frames = [], 0
-        elif writer.behind and (quiet or writer.frames_undecoded > MAX_UNDECODED):
+            held, held_bytes = [], 0
+        elif writer.behind and not late:
             writer.decode_some()
-        elif stopping:
+        elif held:
+            taken, frames = 0, 0
+            while taken < len(held) and frames < DECODE_FRAMES:
+                frames += tap_counts(held[taken])[0]
+                taken += 1
+            writer.write(held[:taken])
+            held_bytes -= sum(len(m[1]) for m in held[:taken])
+            del held[:taken]
+        elif stop is not None:
             break
-        elif not tap.poll(QUIET_S * 1000 if held or writer.behind else PARENT_CHECK_S * 1000) \
-                and not held and not writer.behind:
-            stopping = os.getppid() != parent  # idle: is the proxy still there?
-        progress.send(PROGRESS.pack(*writer.progress()))
-    writer.finish()
+        else:
+            tap.poll(PARENT_CHECK_S * 1000)
+        if stop is None and time.monotonic() - parent_checked >= PARENT_CHECK_S:
+            parent_checked = time.monotonic()
+            if os.getppid() != parent:  # the proxy died without STOP: finish what came, and say so
+                stop = Stop("interrupted", "the proxy exited without stopping the recording", frames_seen,
+                            bytes_seen)
+                stop_by = time.monotonic() + STOP_DECODE_S
+        progress.send(pack_progress(writer.progress(), writer.write_error))
+    writer.finish(stop)
     tap.close(linger=0)
     progress.close()
     context.term()
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]),
+        int(sys.argv[6]) if sys.argv[6] != "-" else None)

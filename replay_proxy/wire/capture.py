@@ -12,8 +12,11 @@ Sans-IO: bytes in, values out, and back. Three layers, innermost first:
   handshake, the coordinator) or an engine's loss, as one ZMQ message
   ``[header, *parts, *forwarded parts]`` sent from the identity ``RELAY``.
 * A **tap message**, from the recorder's tap thread to the writer process:
-  ``[frames (i64), msgpack list of entries]``, each entry ``[tag, batch]``
-  or ``[RELAY, header, *parts...]``; ``[b""]`` is STOP.
+  ``[counts (3 x i64: its frames, the tap's frames and bytes seen so far),
+  msgpack list of entries]``, each entry ``[tag, batch]`` or
+  ``[RELAY, header, *parts...]``. STOP, from the relay's thread to the tap,
+  is ``[b""]``; from the recorder to the writer ``[b"", JSON]``, saying how
+  the session ended.
 
 Everything is numbered by one counter, the relay's, so ``seq`` is the order
 the proxy forwarded messages in, across links.
@@ -142,20 +145,21 @@ def is_engine_loss(entry: list[bytes]) -> bool:
 
 # --- the tap's messages to the writer ------------------------------------------------------
 
-STOP = [b""]  # the last tap message: every frame before it is in
-_FRAMES = struct.Struct("<q")
+STOP = [b""]  # the last message: every frame before it is in
+_COUNTS = struct.Struct("<qqq")  # frames in the message; frames and bytes the tap had seen when it sent it
 _encode_entries = msgspec.msgpack.Encoder().encode
 _decode_entries = msgspec.msgpack.Decoder(list[list[bytes]]).decode
 
 
-def tap_message(entries: list[list[bytes]], frames: int) -> list[bytes]:
-    """Entries as received by the tap ([identity, ...] each), holding ``frames`` frames, as one message."""
-    return [_FRAMES.pack(frames), _encode_entries(entries)]
+def tap_message(entries: list[list[bytes]], frames: int, frames_seen: int, bytes_seen: int) -> list[bytes]:
+    """Entries as received by the tap ([identity, ...] each), holding ``frames`` frames, as one message;
+    ``frames_seen``, ``bytes_seen``: the tap's counts so far, so that a writer whose proxy died knows them."""
+    return [_COUNTS.pack(frames, frames_seen, bytes_seen), _encode_entries(entries)]
 
 
-def tap_frames(message: list[bytes]) -> int:
-    """How many frames a tap message holds (without decoding it)."""
-    return _FRAMES.unpack(message[0])[0]
+def tap_counts(message: list[bytes]) -> tuple[int, int, int]:
+    """The frames a tap message holds, and the tap's frames and bytes seen (without decoding it)."""
+    return _COUNTS.unpack(message[0])
 
 
 def decode_entries(entries: bytes) -> Iterator[CapturedFrame | EngineLoss]:

@@ -96,10 +96,11 @@ class WireDecoder:
         except Exception as exc:  # noqa: BLE001 - nothing from the wire may raise out of here
             return Message(kind=Kind.UNKNOWN, error=f"{type(exc).__name__}: {exc}")
         if message.kind is Kind.REGISTRATION and isinstance(message.fields, dict):
-            self._learn_version(message.fields.get("vllm_version"))
+            self.learn_version(message.fields.get("vllm_version"))
         return message
 
-    def _learn_version(self, version: Any) -> None:
+    def learn_version(self, version: Any) -> None:
+        """Name what follows with ``version``'s schema (a registration says it; so may a recording)."""
         if isinstance(version, str) and version != self.vllm_version:
             self.vllm_version = version
             self.schema, self.schema_exact = schema_for(version)

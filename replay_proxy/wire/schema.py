@@ -153,7 +153,7 @@ class Namer:
         named: dict[str, Any] = {}
         for field in spec.fields:
             if field.position < len(value):
-                named[field.name] = self._field(name, field, value[field.position], f"{path}[{field.position}]")
+                named[field.name] = self.field(name, field, value[field.position], f"{path}[{field.position}]")
             elif field.required:
                 self._flag(name, "missing_required", path, field=field.name, position=field.position)
         for position in range(len(spec.fields), len(value)):
@@ -171,7 +171,7 @@ class Namer:
                 named[key] = item
                 self._flag(name, "unknown_key", f"{path}.{key}", field=str(key), got=kind_of(item))
             else:
-                named[key] = self._field(name, field, item, f"{path}.{key}")
+                named[key] = self.field(name, field, item, f"{path}.{key}")
         if not spec.omit_defaults:
             # Dataclass maps carry every field; a missing required key is what
             # makes msgspec fail with "Object missing required field".
@@ -180,7 +180,7 @@ class Namer:
                     self._flag(name, "missing_required", path, field=field.name)
         return named
 
-    def _field(self, owner: str, field: Field, value: Any, path: str) -> Any:
+    def field(self, owner: str, field: Field, value: Any, path: str) -> Any:
         kind = kind_of(value)
         if "any" not in field.kinds and kind not in field.kinds:
             self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,

@@ -101,7 +101,8 @@ def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_
     # The recording says the frontend aborted after 4 tokens; say 600 instead: the request (500 tokens)
     # finishes first, so the ABORT goes after the finish, 100 tokens short of the recorded point.
     def abort_after_600(db):
-        db.execute("UPDATE outputs SET num_new_tokens = 150 WHERE request_id = 'long' AND num_new_tokens = 1")
+        db.execute("UPDATE output_rows SET num_new_tokens = 150 WHERE num_new_tokens = 1 AND request = "
+                   "(SELECT number FROM request_ids WHERE request_id = 'long')")
         db.conn.commit()
     report, _, db = replay(tmp_path, recorded, edit=abort_after_600)
     [off] = [f for f in report.findings if f.code == "abort_progress"]

@@ -1,4 +1,5 @@
-"""The recorder's bounded queue: drops are counted, never silent; 'block' loses nothing."""
+"""The recorder and its writer: drops are counted, never silent; 'block' loses nothing; a full disk,
+a dead proxy and a dead writer each end the session with exact counts; kept frames are decoded later."""
 
 import sys
 import time
@@ -8,15 +9,33 @@ import pytest
 import sqlite_utils
 
 from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
-from replay_proxy.wire.capture import CapturedFrame, EngineLoss
+from replay_proxy.store.session import load_session
+from replay_proxy.store.tables import open_database
+from replay_proxy.store.writer import Stop, Writer
+from replay_proxy.wire.capture import RELAY, CapturedFrame, EngineLoss, relay_entry, tap_message
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
 
 
 
-def frame(seq):
+def frame(seq, request_id="req-1"):
     """An ABORT as the relay reports it, numbered ``seq`` (the relay numbers what it reports)."""
-    return CapturedFrame(seq, time.time_ns(), Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x01", encode(["req-1"])])
+    return CapturedFrame(seq, time.time_ns(), Channel.INPUT, Direction.TO_ENGINE, 0, 0,
+                         [b"\x01", encode([request_id])])
+
+
+def kept_in_the_database(db_path, session_id):
+    """Frames of the session in the database: decoded ones, and those kept undecoded."""
+    return next(sqlite_utils.Database(db_path).query(
+        "SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) "
+        "+ (SELECT COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s) AS n", {"s": session_id}))["n"]
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def record_burst(db_path, on_full, frames=3000):
@@ -70,6 +89,10 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
         time.sleep(0.2)
     assert not Path(f"/proc/{writer}").exists() or "Z" in Path(f"/proc/{writer}/stat").read_text().split()[2]
     assert sqlite_utils.Database(db)["aborts"].count == 50
+    row = sqlite_utils.Database(db)["sessions"].get(1)
+    assert (row["status"], row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (
+        "interrupted", 50, 50, 0)
+    assert "without stopping" in row["error"] and row["ended_at"]
 
 
 def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path, monkeypatch):
@@ -80,18 +103,100 @@ def test_a_writer_that_cannot_start_fails_the_session_with_a_clear_error(db_path
     assert row["status"] == "failed" and "exit code 1" in row["error"]
 
 
-def test_kept_frames_are_decoded_once_the_traffic_pauses_while_the_session_is_live(db_path):
+def test_frames_are_queryable_within_a_second_while_the_traffic_never_pauses(db_path):
     recorder = Recorder(db_path, SessionInfo(name="live"))
-    for seq in range(1, 11):
-        recorder.frame(frame(seq))
     db = sqlite_utils.Database(db_path)
-    deadline = time.monotonic() + 20
-    while db["frames"].count < 10 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [r["kind"] for r in db.query("SELECT kind FROM frames ORDER BY seq")] == ["ABORT"] * 10
-    assert db["undecoded"].count == 0  # each kept batch is deleted as it is decoded
+    sent, started, seen_live = 0, time.monotonic(), []
+    while time.monotonic() - started < 3.0:  # a frame every millisecond or so, without a pause
+        sent += 1
+        recorder.frame(frame(sent))
+        if sent % 200 == 0:
+            seen_live.append((sent, db["frames"].count))
+        time.sleep(0.001)
+    # Half-way through, the frames sent a second before were in the tables already.
+    middle, in_tables = seen_live[len(seen_live) // 2]
+    per_second = sent / (time.monotonic() - started)
+    assert in_tables >= middle - per_second, (middle, in_tables, per_second)
     stats = recorder.close()
-    assert (stats.frames_recorded, db["aborts"].count, db["undecoded"].count) == (10, 10, 0)
+    assert (stats.frames_recorded, db["aborts"].count, db["undecoded"].count) == (sent, sent, 0)
+
+
+def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_path):
+    recorder = Recorder(db_path, SessionInfo(name="writer dies"))
+    for seq in range(1, 101):
+        recorder.frame(frame(seq))
+    assert wait_for(lambda: recorder.statistics().frames_recorded == 100)
+    recorder._process.kill()  # by its PID
+    killed = time.monotonic()
+    assert wait_for(lambda: recorder.statistics().error is not None, timeout=5)
+    assert time.monotonic() - killed < 1.5 and "writer process exited" in recorder.statistics().error
+    for seq in range(101, 201):  # still forwarded by the relay: counted, not recorded
+        recorder.frame(frame(seq))
+    assert wait_for(lambda: recorder.statistics().frames_seen == 200)
+    stats = recorder.close()
+    row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
+    assert (recorder.status, row["status"]) == ("incomplete", "incomplete")
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (200, 100, 100)
+    assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (200, 100, 100)
+    assert kept_in_the_database(db_path, recorder.session_id) == 100
+
+
+def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
+    # Room for 300 pages of 4 KB beyond the empty tables (some 1,500 of these frames); then transactions fail.
+    empty = open_database(db_path).execute("PRAGMA page_count").fetchone()[0]
+    recorder = Recorder(db_path, SessionInfo(name="full"), max_db_pages=empty + 300)
+    for seq in range(1, 3001):
+        recorder.frame(frame(seq, f"request-{seq:06d}-" + "x" * 200))
+        if seq % 500 == 0:
+            time.sleep(0.2)  # several transactions, some before the limit
+    assert wait_for(lambda: recorder.statistics().error is not None)
+    assert "full" in recorder.statistics().error  # on the status line at once
+    stats = recorder.close()
+    row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
+    kept = kept_in_the_database(db_path, recorder.session_id)
+    assert 0 < kept < 3000 and row["status"] == "incomplete" and "full" in row["error"]
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (3000, kept, 3000 - kept)
+
+
+def test_frames_kept_undecoded_are_decoded_by_decode_and_before_a_replay_loads_them(db_path):
+    session_id = open_database(db_path)["sessions"].insert({"name": "kept", "status": "recording"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    entries = [[RELAY, *relay_entry(frame(seq, f"r{seq}"))] for seq in range(1, 301)]
+    writer.keep([tap_message(entries[:150], 150, 150, 0), tap_message(entries[150:], 150, 300, 0)])
+    writer.finish(Stop("complete", None, 300, 0))  # stopped under load: nothing decoded yet
+    db = sqlite_utils.Database(db_path)
+    row = db["sessions"].get(session_id)
+    assert (row["frames_recorded"], row["frames_undecoded"], row["frames_dropped"], db["frames"].count) == (
+        300, 300, 0, 0)
+    from tests.test_cli import cli
+
+    listing = cli("sessions", "--db", str(db_path), "--json")
+    assert '"frames_undecoded": 300' in listing.stdout
+    query = cli("query", "--db", str(db_path), "SELECT COUNT(*) AS n FROM frames")
+    assert "300 frames of session 'kept' are not decoded yet" in query.stderr
+    # A replay or diff decodes what it needs first.
+    assert len(load_session(db_path, "kept").inputs) == 300
+    row = db["sessions"].get(session_id)
+    assert (row["frames_undecoded"], row["frames_recorded"], db["aborts"].count, db["undecoded"].count) == (
+        0, 300, 300, 0)
+    assert cli("decode", "--db", str(db_path)).returncode == 0  # nothing left: a no-op
+
+
+def test_decode_finishes_a_session_left_partly_decoded(db_path, monkeypatch):
+    monkeypatch.setattr("replay_proxy.store.writer.DECODE_FRAMES", 100)
+    session_id = open_database(db_path)["sessions"].insert({"name": "part", "status": "complete"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    entries = [[RELAY, *relay_entry(frame(seq, f"r{seq}"))] for seq in range(1, 201)]
+    writer.keep([tap_message(entries[:100], 100, 100, 0), tap_message(entries[100:], 100, 200, 0)])
+    writer.decode_some()  # the first message only: it holds DECODE_FRAMES
+    writer.finish()
+    from tests.test_cli import cli
+
+    result = cli("decode", "--db", str(db_path), "--session", "part")
+    assert result.returncode == 0 and "decoded 100 frames" in result.stderr, result.stderr
+    db = sqlite_utils.Database(db_path)
+    assert [r["seq"] for r in db.query("SELECT seq FROM frames ORDER BY seq")] == list(range(1, 201))
+    assert db["sessions"].get(session_id)["frames_undecoded"] == 0
 
 
 def test_a_full_queue_drops_frames_but_never_an_engine_loss(db_path):
