@@ -162,6 +162,25 @@ def decode(
 
 
 @app.command()
+def export(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    parquet: Annotated[Path, typer.Option(help="Folder to write into: DIR/TABLE/session=NAME/FILE-ID.parquet.")],
+    session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
+) -> None:
+    """Write each table of each session as Parquet, partitioned by session, for DuckDB, Spark or pandas.
+
+    Example: replay-proxy export --db recordings/staging.db --parquet lake/
+    """
+    from replay_proxy.store.export import export_parquet
+
+    try:
+        files = export_parquet(db, parquet, session)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    err.print(f"wrote {len(files)} Parquet files under {parquet}")
+
+
+@app.command()
 def query(
     db: Annotated[Path, typer.Option(help="Recording database.")],
     sql: Annotated[str | None, typer.Argument(help="SQL to run (or use --preset).")] = None,

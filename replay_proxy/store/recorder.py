@@ -57,8 +57,11 @@ TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
 BLOCK_BATCHES = 4  # in block mode, batches of copies that may wait at each end of a forwarder's pipe
 STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder come within FLUSH_MS
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
-TAP_STOP_S = 2.0  # the tap passes what it holds within STOP_GRACE_MS: this is only a bound
-WRITER_STOP_S = 4.0  # the writer decodes for 2 s at most after STOP, then keeps the rest and exits
+# record ends within 5 s: the tap passes what it holds within STOP_GRACE_MS (this is only a bound), and
+# the writer decodes for 2 s at most after STOP, then keeps the rest and exits (else it ends the session
+# itself, in the background).
+TAP_STOP_S = 1.0
+WRITER_STOP_S = 3.5
 START_TIMEOUT_S = 60.0
 _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it from the relay's thread
 
@@ -144,7 +147,8 @@ class Recorder:
         self._mine.connect(self.capture)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(os.getpid()), str(max_db_pages or "-")], stdin=subprocess.DEVNULL,
+             progress, str(os.getpid()), str(max(1, queue_size // 2)), str(max_db_pages or "-")],
+            stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
         if writer_niceness:
             os.setpriority(os.PRIO_PROCESS, self._process.pid, writer_niceness)

@@ -21,10 +21,14 @@ from replay_proxy.wire.values import decode_msgpack, to_json
 
 _raw = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
+_NO_EXTRAS = (None, None, None)
 HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
 # Output fields with a column of their own; the rest go to "other" when set.
 OUTPUT_COLUMNS = {"request_id", "new_token_ids", "finish_reason", "stop_reason",
                   "num_nans_in_logits", "new_logprobs", "events"}
+# EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
+REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
+                             "data_parallel_rank", "priority", "sampling_params"})
 
 
 def _sqlite_value(value: int) -> int | str:
@@ -61,10 +65,7 @@ class Rows:
             typed = typed_outputs(decoder.schema)
             read = typed.read(frame.parts) if typed is not None else None
             if read is not None:
-                where = (session_id, frame.seq)
-                for position, (request_id, tokens, finish, stop, nans) in enumerate(read.outputs):
-                    self._output(where, position, request_id, tokens, decoder.schema.finish_name(finish), stop, nans,
-                                 None, None, None)
+                self._output_rows(session_id, frame.seq, read.outputs, decoder.schema)
                 self._frame(session_id, frame, Kind.OUTPUTS, to_json(read.fields), None, read.flags,
                             _engine_time(read.fields.get("timestamp")))
                 return Kind.OUTPUTS
@@ -79,8 +80,9 @@ class Rows:
         error = message.error
         fields = message.fields
         try:
-            if self._concepts(where, frame, message, schema):  # its outputs are rows: not kept twice
-                fields = {k: v for k, v in fields.items() if k != "outputs"}
+            held = self._concepts(where, frame, message, schema)
+            if held:  # what the concept tables hold is not kept twice
+                fields = {k: v for k, v in fields.items() if k not in held}
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
@@ -97,17 +99,29 @@ class Rows:
                   decoded=decoded, decode_error=error, flags=to_json(flags) if flags else None,
                   engine_time_s=engine_time)
 
-    def _output(self, where: tuple[int, int], position: int, request_id: str, tokens: list, finish: str | None,
-                stop: Any, nans: Any, logprobs: str | None, events: str | None, other: str | None) -> None:
-        """One output's row, in ``output_rows``' column order (the typed path makes a busy engine's here)."""
-        number = self.request_numbers.get(request_id)
-        if number is None:
-            number = self.request_numbers[request_id] = len(self.request_numbers) + 1
-            self.new_request_ids.append(request_id)
-            self.tables["request_ids"].append((where[0], number, request_id))
-        self.tables["output_rows"].append((where[0], number, where[1], position, _json.encode(tokens).decode(),
-                                           len(tokens), finish, None if stop is None else str(stop), nans, logprobs, events,
-                                           other))
+    def _output_rows(self, session_id: int, seq: int, outputs: list[tuple | None], schema: Schema,
+                     extras: list[tuple] | None = None) -> None:
+        """The rows of one frame's outputs, in ``output_rows``' column order (a busy engine's are made here).
+
+        ``outputs``: per position, (request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits)
+        as on the wire, or None for one that is not tabulated; ``extras``: per position, the JSON of
+        (new_logprobs, events, other set fields), where any is set.
+        """
+        numbers, append, finish_name, encode = self.request_numbers, self.tables["output_rows"].append, \
+            schema.finish_name, _json.encode
+        for position, output in enumerate(outputs):
+            if output is None:
+                continue
+            request_id, tokens, finish, stop, nans = output
+            number = numbers.get(request_id)
+            if number is None:
+                number = numbers[request_id] = len(numbers) + 1
+                self.new_request_ids.append(request_id)
+                self.tables["request_ids"].append((session_id, number, request_id))
+            logprobs, events, other = extras[position] if extras else _NO_EXTRAS
+            append((session_id, number, seq, position, encode(tokens).decode(), len(tokens),
+                    None if finish is None else finish_name(finish), None if stop is None else str(stop), nans,
+                    logprobs, events, other))
 
     def forget_new_request_ids(self) -> None:
         """The batch was not written: its request numbers are free again."""
@@ -115,14 +129,14 @@ class Rows:
             del self.request_numbers[request_id]
         self.new_request_ids.clear()
 
-    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> bool:
-        """Add the concept rows of a message; True if its ``outputs`` all became rows."""
+    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> frozenset[str]:
+        """Add the concept rows of a message; return the fields they hold in full."""
         fields, kind = message.fields, message.kind
         if kind is Kind.ENGINE_CORE_DEAD:  # a bare sentinel: no fields
             self.add_engine_event(where["session_id"], where["seq"], frame.ts_ns, frame.engine_index,
                                   "ENGINE_CORE_DEAD", f"on the output socket of API server {frame.client_index}")
         if not isinstance(fields, dict):
-            return False
+            return frozenset()
         if kind in HANDSHAKE_KINDS:
             rewritten = None
             if frame.forwarded:
@@ -131,15 +145,16 @@ class Rows:
                       rewritten=rewritten, vllm_version=fields.get("vllm_version"))
         elif kind is Kind.ADD:
             self._request(where, fields, schema)
+            return REQUEST_COLUMNS
         elif kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
-            return self._outputs(where, fields, schema)
+            return frozenset({"outputs"}) if self._outputs(where, fields, schema) else frozenset()
         elif kind is Kind.ABORT:
             for position, request_id in enumerate(fields["request_ids"]):
                 self._add("aborts", **where, position=position, request_id=request_id)
         elif kind is Kind.UTILITY:
             self._add("utility_requests", **where, call_id=fields["call_id"],
                       method=fields["method"], args=to_json(fields["args"]))
-        return False
+        return frozenset()
 
     def add_engine_event(self, session_id: int, seq: int, ts_ns: int, engine_index: int | None,
                          name: str, detail: str) -> None:
@@ -166,15 +181,19 @@ class Rows:
             self._add("utility_results", **where, call_id=utility.get("call_id"),
                       failure_message=utility.get("failure_message"), result=to_json(utility.get("result")))
         outputs = fields.get("outputs") or []
-        tabulated = isinstance(outputs, list)
-        for position, output in enumerate(outputs if tabulated else []):
+        if not isinstance(outputs, list):
+            return False
+        rows, extras = [], []
+        for output in outputs:
             if not (isinstance(output, dict) and isinstance(output.get("request_id"), str)
                     and isinstance(output.get("new_token_ids"), list)):
-                tabulated = False  # kept in the frame's decoded form instead
+                rows.append(None)  # kept in the frame's decoded form instead
+                extras.append(None)
                 continue
+            rows.append((output["request_id"], output["new_token_ids"], output.get("finish_reason"),
+                         output.get("stop_reason"), output.get("num_nans_in_logits")))
             other = {k: v for k, v in output.items() if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
-            self._output((where["session_id"], where["seq"]), position, output["request_id"], output["new_token_ids"],
-                         schema.finish_name(output.get("finish_reason")), output.get("stop_reason"),
-                         output.get("num_nans_in_logits"), to_json(output.get("new_logprobs")),
-                         to_json(output.get("events")), to_json(other) if other else None)
-        return tabulated
+            extras.append((to_json(output.get("new_logprobs")), to_json(output.get("events")),
+                           to_json(other) if other else None))
+        self._output_rows(where["session_id"], where["seq"], rows, schema, extras)
+        return None not in rows

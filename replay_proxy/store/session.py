@@ -117,12 +117,15 @@ def load_session(db_path: Path, session: str) -> Session:
     for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? "
                       "ORDER BY seq", [sid]):
         progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
-    # Output frames keep their outputs in their table, not in ``decoded``: named again from the raw bytes.
-    outputs_decoder = WireDecoder(schema_for(row["vllm_version"])[0])
+    # ADDs and output frames keep what their tables hold there, not in ``decoded``: named again from the raw
+    # bytes.
+    decoder = WireDecoder(schema_for(row["vllm_version"])[0])
 
     def decoded(r: dict, parts: list[bytes]) -> Any:
         if r["kind"] in ("OUTPUTS", "UTILITY_OUTPUT"):
-            return outputs_decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, parts).fields
+            return decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, parts).fields
+        if r["kind"] == "ADD":
+            return decoder.decode(Channel.INPUT, Direction.TO_ENGINE, parts).fields
         return msgspec.json.decode(r["decoded"]) if r["decoded"] else None
 
     frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"], parts,

@@ -7,10 +7,11 @@ frame and concept tables in transactions of about ``DECODE_FRAMES`` frames,
 so a frame is queryable well within a second of crossing the proxy and a
 failed transaction (a full disk) loses no more than that.
 
-If decoding falls behind, what waits is bounded in memory: past
-``HOLD_BYTES`` the waiting messages are *kept* as they came (one row each in
-``undecoded``, a few microseconds a frame) and decoded from there, oldest
-first, until it has caught up; frames are always decoded in the order they
+If decoding falls behind, what waits is bounded: past ``HOLD_BYTES``, or
+half the recorder's queue (``hold_frames``: the queue must not fill while
+keeping would keep up), the waiting messages are *kept* as they came (one
+row each in ``undecoded``, a few microseconds a frame) and decoded from
+there, oldest first, until it has caught up; frames are always decoded in the order they
 came. On STOP the writer decodes for at most ``STOP_DECODE_S``, keeps the
 rest and exits, so ``record`` ends in seconds at any load; whatever is kept
 undecoded is counted in ``sessions.frames_undecoded`` and ``replay-proxy
@@ -247,7 +248,7 @@ def finish_decoding(db_path: str, session_id: int) -> int:
 
 
 def run(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int,
-        max_pages: int | None) -> None:
+        hold_frames: int, max_pages: int | None) -> None:
     """The writer process's loop: take what the tap sends, decode (or keep), report."""
     context = zmq.Context()
     tap = context.socket(zmq.PULL)
@@ -261,7 +262,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
     writer = Writer(db_path, session_id, max_pages=max_pages)
     progress.send(pack_progress(writer.progress(), None))  # started
     held: list[list[bytes]] = []  # the tap's messages waiting, in memory
-    held_bytes = 0
+    held_bytes = held_frames = 0
     stop: Stop | None = None
     stop_by = None  # after STOP: when decoding gives way to keeping
     frames_seen = bytes_seen = 0  # as the tap's last message said, for a proxy that dies
@@ -278,11 +279,13 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
                 break
             held.append(message)
             held_bytes += len(message[1])
-            _, frames_seen, bytes_seen = tap_counts(message)
+            count, frames_seen, bytes_seen = tap_counts(message)
+            held_frames += count
         late = stop_by is not None and time.monotonic() > stop_by
-        if held and (writer.behind or held_bytes > HOLD_BYTES or late):  # in order, and bounded: keep
+        # In order, and bounded in memory and in the recorder's queue (half of it, ``hold_frames``): keep.
+        if held and (writer.behind or held_bytes > HOLD_BYTES or held_frames > hold_frames or late):
             writer.keep(held)
-            held, held_bytes = [], 0
+            held, held_bytes, held_frames = [], 0, 0
         elif writer.behind and not late:
             writer.decode_some()
         elif held:
@@ -292,6 +295,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
                 taken += 1
             writer.write(held[:taken])
             held_bytes -= sum(len(m[1]) for m in held[:taken])
+            held_frames -= frames
             del held[:taken]
         elif stop is not None:
             break
@@ -311,5 +315,5 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]),
-        int(sys.argv[6]) if sys.argv[6] != "-" else None)
+    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]),
+        int(sys.argv[7]) if sys.argv[7] != "-" else None)

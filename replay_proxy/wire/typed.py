@@ -43,11 +43,7 @@ def _scalar_type(kinds: tuple[str, ...]) -> Any:
     """The msgspec type of a field of scalar kinds, or None if msgspec would accept more than them."""
     if not set(kinds) <= _SCALARS.keys() or ("float" in kinds and "int" not in kinds):
         return None  # msgspec reads an int as a float: only where int is allowed too is that the same
-    types = [_SCALARS[k] for k in kinds]
-    union = types[0]
-    for t in types[1:]:
-        union = union | t
-    return union
+    return _union([_SCALARS[k] for k in kinds])
 
 
 class TypedOutputs:
@@ -87,7 +83,9 @@ class TypedOutputs:
                 kind = _scalar_type(field.kinds) if field.struct is None and not field.tensor else None
                 if kind is None:
                     kind = msgspec.Raw
-                    self._named.append((field.position, field))
+                    check = _field_type(schema, field, {})
+                    self._named.append((field.position, field,
+                                        None if check is None else msgspec.msgpack.Decoder(check).decode))
             frame_fields.append((field.name, kind))
         self._frame_names = [name for name, _ in frame_fields]
         self._outputs_at = self._frame_names.index("outputs")
@@ -113,13 +111,72 @@ class TypedOutputs:
         fields = dict(zip(self._frame_names, value))
         del fields["outputs"]
         namer = Namer(self.schema, parts)
-        for position, field in self._named:
-            fields[field.name] = namer.field("EngineCoreOutputs", field, decode_msgpack(fields[field.name]),
-                                             f"$[{position}]")
+        for position, field, check in self._named:
+            raw = fields[field.name]
+            if check is not None:
+                try:
+                    check(raw)  # it conforms: the Namer would give back the value as decoded
+                    fields[field.name] = decode_msgpack(raw)
+                    continue
+                except msgspec.DecodeError:
+                    pass
+            fields[field.name] = namer.field("EngineCoreOutputs", field, decode_msgpack(raw), f"$[{position}]")
         return Outputs(fields, outputs, tuple(namer.flags))
 
 
 astuple, UNSET = msgspec.structs.astuple, msgspec.UNSET
+_OTHER_KINDS = {"bin": bytes, "ext": msgspec.msgpack.Ext, "map": dict, "array": list, "any": Any}
+
+
+def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
+    """A msgspec type that accepts exactly the values the Namer names without a flag and gives back as
+    decoded, for one field; None where no msgspec type says that (then the Namer checks it)."""
+    if field.tensor:
+        return None  # the Namer resolves tensors: never the value as decoded
+    if field.struct is None:
+        if "float" in field.kinds and "int" not in field.kinds:
+            return None  # msgspec reads an int as a float
+        types = [_SCALARS.get(k) or _OTHER_KINDS.get(k) for k in field.kinds]
+        if None in types:
+            return None
+        return Any if Any in types else _union(types)
+    nested = _struct_type(schema, field.struct, made)
+    if nested is None:
+        return None
+    container = field.type.split("[", 1)[0]
+    if container in ("list", "set", "frozenset", "tuple") and field.kinds == ("array",):
+        return list[nested]
+    if container == "dict" and field.kinds == ("map",):
+        return dict[str, nested]
+    others = [_SCALARS.get(k) for k in field.kinds if k not in ("map", "array")]
+    if None in others or {"map", "array"} <= set(field.kinds):
+        return None
+    return _union([nested, *others])
+
+
+def _struct_type(schema: Schema, name: str, made: dict[str, Any]) -> Any:
+    """A validating Struct for a map-encoded struct (unknown keys refused, required ones required)."""
+    if name in made:
+        return made[name]
+    spec = schema.structs.get(name)
+    made[name] = None  # a struct that holds itself: left to the Namer
+    if spec is None or spec.encoding != "map" or not all(f.name.isidentifier() for f in spec.fields):
+        return None
+    fields = []
+    for field in sorted(spec.fields, key=lambda f: not f.required):  # required first, as msgspec wants
+        kind = _field_type(schema, field, made)
+        if kind is None:
+            return None
+        fields.append((field.name, kind) if field.required and not spec.omit_defaults else (field.name, kind, UNSET))
+    made[name] = msgspec.defstruct(f"Checked{name}", fields, forbid_unknown_fields=True, gc=False)
+    return made[name]
+
+
+def _union(types: list[Any]) -> Any:
+    union = types[0]
+    for t in types[1:]:
+        union = union | t
+    return union
 
 
 def _positional(name: str, kinds: list[Any]) -> type[msgspec.Struct]:

@@ -1,17 +1,19 @@
 """Forwarding cost of the proxy, side by side in one run.
 
-Six ways between the same frontend and engine peers (each peer in its own
+Seven ways between the same frontend and engine peers (each peer in its own
 process, plain pyzmq, the real handshake): direct; libzmq's own C forwarder
 (``zmq.proxy``, the floor: the extra process hop alone); the same with every
 message also copied out of the forwarding path and drained by C, or by a
 Python thread, and nothing more (the floors of any recorder); replay-proxy
-relaying without recording; replay-proxy recording to SQLite. For each:
+relaying without recording; replay-proxy recording to SQLite; and recording
+while the engine also pushes ``--busy-rate`` busy steps a second (32 outputs
+each), so the writer decodes at full load while round trips are timed. For each:
 round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
 rate of 600-byte outputs whose dropped frames are counted.
 
     .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
-        [--skip direct] [--skip drain] [--skip relay]
+        [--busy-rate 2000] [--skip direct] [--skip drain] [--skip relay] [--skip busy]
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
 from replay_proxy.wire.schema import load_schema  # noqa: E402
+from scripts.bench.busy import step as busy_step  # noqa: E402
 
 IDENTITY = engine_identity(0)
+BUSY = "recording, writer busy"  # replay-proxy recording while a busy engine's steps keep its writer decoding
 # The C forwarder alone, and with each message also copied out and drained (see c_forwarder).
 FLOORS = {"zmq.proxy (C)": "", "zmq.proxy + C drain": "c", "zmq.proxy + Python drain": "python"}
 SCHEMA = load_schema("0.32.0")
@@ -80,21 +84,26 @@ def frontend(ports: str, init_inputs: str | None, init_outputs: str | None, roun
     inputs.recv_multipart()  # registration
     handshake.recv_multipart()  # READY
     send = lambda: inputs.send_multipart([IDENTITY, *REQUEST])  # noqa: E731
+
+    def reply() -> None:  # the answer to a request; a busy engine's other steps are passed over
+        while outputs.recv_multipart() != OUTPUT:
+            pass
+
     for _ in range(500):  # warm-up
         send()
-        outputs.recv_multipart()
+        reply()
     rtts = []
     for _ in range(round_trips):
         t0 = time.perf_counter_ns()
         send()
-        outputs.recv_multipart()
+        reply()
         rtts.append((time.perf_counter_ns() - t0) / 1000)
     window = 64
     t0 = time.perf_counter()
     for _ in range(window):
         send()
     for i in range(pipelined):
-        outputs.recv_multipart()
+        reply()
         if i + window < pipelined:
             send()
     throughput = pipelined / (time.perf_counter() - t0)
@@ -104,24 +113,23 @@ def frontend(ports: str, init_inputs: str | None, init_outputs: str | None, roun
     while sent < total:  # paced against one clock: no drift from sleeping after each send
         due = start + sent / rate
         while received < sent and outputs.poll(0):
-            outputs.recv_multipart()
-            received += 1
+            received += outputs.recv_multipart() == OUTPUT
         if time.perf_counter() >= due:
             send()
             sent += 1
     deadline = time.monotonic() + 10
     while received < sent and time.monotonic() < deadline:
         if outputs.poll(100):
-            outputs.recv_multipart()
-            received += 1
+            received += outputs.recv_multipart() == OUTPUT
     rtts.sort()
     print(json.dumps({"p50_us": statistics.median(rtts), "p99_us": rtts[int(len(rtts) * 0.99)],
                       "throughput": throughput, "paced_sent": sent, "paced_received": received}))
     ctx.destroy()
 
 
-def engine(handshake_address: str) -> None:
-    """Handshake like a headless engine, then answer every request with one 600-byte output."""
+def engine(handshake_address: str, busy_rate: float = 0) -> None:
+    """Handshake like a headless engine, then answer every request with one 600-byte output; with
+    ``busy_rate``, also push that many busy engine steps a second (32 outputs each, ``busy.py``'s)."""
     ctx = zmq.Context()
     handshake = socket(ctx, zmq.DEALER, IDENTITY)
     handshake.connect(handshake_address)
@@ -132,9 +140,20 @@ def engine(handshake_address: str) -> None:
     outputs.connect(addresses["outputs"][0])
     inputs.send(encode({"vllm_version": "0.32.0"}))
     handshake.send(encode({"status": "READY", "local": False, "headless": True}))
+    steps = [busy_step(k, 32) for k in range(64)] if busy_rate else []
+    start, sent = time.perf_counter(), 0
     while True:
-        inputs.recv_multipart()
-        outputs.send_multipart(OUTPUT)
+        if not steps:
+            inputs.recv_multipart()
+            outputs.send_multipart(OUTPUT)
+            continue
+        due = start + sent / busy_rate
+        if inputs.poll(max(0, int((due - time.perf_counter()) * 1000))):
+            inputs.recv_multipart()
+            outputs.send_multipart(OUTPUT)
+        if time.perf_counter() >= due:
+            outputs.send(steps[sent % len(steps)])
+            sent += 1
 
 
 def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int, drain: str) -> None:
@@ -210,7 +229,8 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         front = subprocess.Popen([*me, "frontend", ",".join(map(str, ports)), init_inputs, init_outputs,
                                   str(args.round_trips), str(args.pipelined), str(args.rate), str(args.rate_seconds)],
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
-        children.append(Child([*me, "engine", dial], logs / f"engine-{name}.log", name="engine"))
+        busy = str(args.busy_rate) if name == BUSY else "0"
+        children.append(Child([*me, "engine", dial, busy], logs / f"engine-{name}.log", name="engine"))
         try:
             out, _ = front.communicate(timeout=180)
         finally:
@@ -220,7 +240,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
     finally:
         for child in reversed(children):
             child.stop(timeout=180)  # the recording proxy first writes out its queue
-    if name == "replay-proxy recording":
+    if name in ("replay-proxy recording", BUSY):
         row = sqlite3_row(db)
         result["dropped"] = row["frames_dropped"]
         result["recorded"] = row["frames_recorded"]
@@ -244,11 +264,13 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10000, help="messages/s in the paced run")
     parser.add_argument("--rate-seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "relay"],
+    parser.add_argument("--busy-rate", type=float, default=2000,
+                        help="busy engine steps a second (32 outputs each) in the last case, for the writer to decode")
+    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "relay", "busy"],
                         help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
-    cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording"]
+    cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording", BUSY]
              if name.split()[-1] not in args.skip]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
@@ -276,7 +298,7 @@ if __name__ == "__main__":
             ports, ins, outs, n, p, rate, seconds = rest
             frontend(ports, ins or None, outs or None, int(n), int(p), int(rate), float(seconds))
         elif role == "engine":
-            engine(rest[0])
+            engine(rest[0], float(rest[1]))
         elif role == "relay":
             relay(*rest)
         else:

@@ -74,6 +74,10 @@ def test_a_conforming_frame_is_read_typed_and_a_drifted_one_is_not():
 edits = st.sampled_from([
     ("frame", 0, True), ("frame", 3, 7), ("frame", 3, "x"), ("frame", 5, ["r0"]), ("frame", 6, 2),
     ("frame", 8, "w1"), ("frame", 2, {"num_running_reqs": "many"}), ("frame", 4, [1, "m", None]),
+    ("frame", 2, {"num_running_reqs": 3, "unknown": None}), ("frame", 2, {"kv_cache_usage": 1}),
+    ("frame", 2, {"prefix_cache_stats": {"reset": 1}}), ("frame", 2, {"prefix_cache_stats": {"hits": 2}}),
+    ("frame", 2, {"iteration_details": {"iteration_index": 1}}), ("frame", 2, None), ("frame", 2, [1]),
+    ("frame", 5, "r0"), ("frame", 5, None),
     ("output", 0, 5), ("output", 1, [1.5]), ("output", 1, "tokens"), ("output", 2, [[[1]], [[-0.5]], [[1]]]),
     ("output", 5, 1), ("output", 5, "length"), ("output", 6, 13), ("output", 6, "stop!"),
     ("output", 7, [[1, 2.5, None]]), ("output", 8, {"k": 1}), ("output", 13, 3), ("output", 13, None),

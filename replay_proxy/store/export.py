@@ -1,0 +1,68 @@
+"""``replay-proxy export``: a recording's tables as Parquet, for analytics engines beyond one SQLite file.
+
+Each table a user queries (the ``outputs`` view included, not its storage
+tables or the writer's scratch) becomes, per session,
+``DIR/<table>/session=<name>/<file>-<id>.parquet``: Hive partitioning, so
+DuckDB, Spark or pandas read one table of many recordings (from several
+proxies, exported into one folder) as one, and filter on the session. The
+columns are typed from the recording's layout (``tables.py``), so every
+file of a table has the same schema whatever its session held; a column
+that holds anything but integers in a session where the layout says
+integer (a u64 utility call id) is text in that file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from replay_proxy.store.queries import find_session, open_existing
+from replay_proxy.store.tables import TABLES
+
+BATCH_ROWS = 50_000  # rows read and written at once: memory stays bounded whatever the session's size
+EXPORTED = ("sessions", "frames", "handshakes", "requests", "outputs", "aborts", "utility_requests",
+            "utility_results", "engine_events", "findings")
+_ARROW = {int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
+# Every column's type by name (the outputs view's come from its three tables; a name means one thing).
+LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()}
+
+
+def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> list[Path]:
+    """Write every exported table of every session (or of ``session``) under ``folder``; return the files."""
+    db = open_existing(db_path)
+    sessions = [find_session(db, session)] if session is not None else list(db.query("SELECT * FROM sessions"))
+    written = []
+    for row in sessions:
+        partition = "session=" + re.sub(r"[^\w.-]", "_", row["name"])
+        for table in EXPORTED:
+            key = "id" if table == "sessions" else "session_id"
+            where = f"FROM [{table}] WHERE [{key}] = ?"
+            cursor = db.execute(f"SELECT * {where}", [row["id"]])
+            names = [d[0] for d in cursor.description]
+            # Integer columns that hold something else in this session (see the docstring: u64 ids).
+            checks = ", ".join(f"MAX(typeof([{n}]) NOT IN ('integer', 'null'))" if LAYOUT.get(n) is int else "0"
+                               for n in names)
+            text = db.execute(f"SELECT {checks} {where}", [row["id"]]).fetchone()
+            schema = pa.schema([(n, pa.string() if is_text else _ARROW[LAYOUT.get(n, str)])
+                                for n, is_text in zip(names, text)])
+            path = folder / table / partition / f"{Path(db_path).stem}-{row['id']}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with pq.ParquetWriter(path, schema) as out:
+                while batch := cursor.fetchmany(BATCH_ROWS):
+                    out.write_table(pa.table([_array(values, field.type) for values, field in zip(zip(*batch), schema)],
+                                             schema=schema))
+            written.append(path)
+    db.close()
+    return written
+
+
+def _array(values: tuple, arrow_type: pa.DataType) -> pa.Array:
+    """One column of SQLite values: text where the file says text, a float where SQLite kept a whole one."""
+    if arrow_type == pa.string():
+        values = [v if v is None or isinstance(v, str) else str(v) for v in values]
+    elif arrow_type == pa.float64():
+        values = [float(v) if isinstance(v, int) else v for v in values]
+    return pa.array(values, arrow_type)
