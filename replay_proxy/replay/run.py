@@ -85,11 +85,9 @@ def _replay_once(recording: Session, against: Against, address: str, name: str, 
                  http: str | None, pace: str, ready_timeout: float, finish_timeout: float, rules: dict,
                  console: Console | None) -> tuple[int, ReplayOutcome | None, str | None]:
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
-    # A replay's timing is measured: its writer yields the CPU to the peer under test and the player
-    # (seen on two cores: a replayed request's outputs read tens of milliseconds late, in one burst,
-    # while engine, writer and player competed).
+    # Its writer yields the CPU to the peer under test and the player (recorder.py: WRITER_NICENESS).
     recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=address,
-                                                       baseline_session_id=recording.id), writer_niceness=10)
+                                                       baseline_session_id=recording.id))
     observer = LastSent(recorder, Direction.TO_ENGINE if against is Against.ENGINE else Direction.TO_FRONTEND)
     player: Player
     if against is Against.ENGINE:

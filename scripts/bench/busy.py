@@ -104,9 +104,8 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
     ctx.destroy()
 
 
-def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> None:
-    """Handshake like a headless engine, then push ``steps`` steps at ``rate``, reading the ADDs."""
-    ctx = zmq.Context()
+def engine_handshake(ctx: zmq.Context, handshake_address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """Handshake like a headless 0.32.0 engine; return its input and output sockets."""
     handshake = socket(ctx, zmq.DEALER, IDENTITY)
     handshake.connect(handshake_address)
     handshake.send(encode({"status": "HELLO", "local": False, "headless": True}))
@@ -117,6 +116,12 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
     inputs.send(encode({"status": "READY", "local": False, "headless": True, "vllm_version": "0.32.0",
                         "data_parallel_size": 1, "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 100}))
     handshake.send(encode({"status": "READY", "local": False, "headless": True}))
+    return inputs, outputs
+
+
+def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> None:
+    """Handshake like a headless engine, then push ``steps`` steps at ``rate``, reading the ADDs."""
+    inputs, outputs = engine_handshake(zmq.Context(), handshake_address)
     frames = [step(k, per_step) for k in range(DISTINCT_STEPS)]
     for i in paced(rate, steps):
         outputs.send(frames[i % DISTINCT_STEPS])
@@ -172,9 +177,10 @@ def main() -> None:
         deadline = time.monotonic() + steps / args.rate + 600
         while front.running() and time.monotonic() < deadline:
             time.sleep(0.5)
-            newest = connection.execute("SELECT MAX(ts_ns) FROM frames WHERE kind = 'OUTPUTS'").fetchone()[0]
+            newest = connection.execute(  # by the primary key: the measurement must not load the machine
+                "SELECT ts_ns FROM frames WHERE session_id = 1 ORDER BY seq DESC LIMIT 1").fetchone()
             if newest is not None:
-                lags_ms.append((time.time_ns() - newest) / 1e6)
+                lags_ms.append((time.time_ns() - newest[0]) / 1e6)
             if writer is not None and Path(f"/proc/{writer}").exists():
                 memory_mb.append(resident_mb(writer))
         peers = json.loads(front.log_path.read_text().strip().splitlines()[-1])
@@ -191,14 +197,16 @@ def main() -> None:
             "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(*) FROM output_rows), (SELECT COUNT(*) FROM requests), "
             "(SELECT COALESCE(SUM(frames), 0) FROM undecoded)").fetchone()))
         connection.close()
-        db_bytes = sum(p.stat().st_size for p in db.parent.glob(db.name + "*"))  # the WAL too, if one is left
+        db_bytes = db.stat().st_size
+        wal = db.with_name(db.name + "-wal")
+        wal_bytes = wal.stat().st_size if wal.exists() else 0
     finally:
         for child in reversed(children):
             child.stop(timeout=10)
     # Steps and ADDs, plus HELLO, INIT, READY and the registration.
     result = {"steps": steps, "outputs_per_step": args.outputs, "rate": args.rate, "peers": peers,
               "expected_frames": 2 * steps + 4, "proxy_exit": code, "stop_s": round(stop_s, 2),
-              "session": session, "in_tables": counted, "db_mb": round(db_bytes / 2**20, 1),
+              "session": session, "in_tables": counted, "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,
               "decode_lag_ms_p50": round(sorted(lags_ms)[len(lags_ms) // 2], 1) if lags_ms else None,

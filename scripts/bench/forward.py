@@ -28,7 +28,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgspec
 import zmq
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +37,7 @@ from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
 from replay_proxy.wire.schema import load_schema  # noqa: E402
-from scripts.bench.busy import step as busy_step  # noqa: E402
+from scripts.bench.busy import engine_handshake, step as busy_step  # noqa: E402
 
 IDENTITY = engine_identity(0)
 BUSY = "recording, writer busy"  # replay-proxy recording while a busy engine's steps keep its writer decoding
@@ -130,16 +129,7 @@ def frontend(ports: str, init_inputs: str | None, init_outputs: str | None, roun
 def engine(handshake_address: str, busy_rate: float = 0) -> None:
     """Handshake like a headless engine, then answer every request with one 600-byte output; with
     ``busy_rate``, also push that many busy engine steps a second (32 outputs each, ``busy.py``'s)."""
-    ctx = zmq.Context()
-    handshake = socket(ctx, zmq.DEALER, IDENTITY)
-    handshake.connect(handshake_address)
-    handshake.send(encode({"status": "HELLO", "local": False, "headless": True}))
-    addresses = msgspec.msgpack.decode(handshake.recv())["addresses"]
-    inputs, outputs = socket(ctx, zmq.DEALER, IDENTITY), socket(ctx, zmq.PUSH)
-    inputs.connect(addresses["inputs"][0])
-    outputs.connect(addresses["outputs"][0])
-    inputs.send(encode({"vllm_version": "0.32.0"}))
-    handshake.send(encode({"status": "READY", "local": False, "headless": True}))
+    inputs, outputs = engine_handshake(zmq.Context(), handshake_address)
     steps = [busy_step(k, 32) for k in range(64)] if busy_rate else []
     start, sent = time.perf_counter(), 0
     while True:

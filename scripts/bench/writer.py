@@ -5,8 +5,8 @@ with 32 per-request outputs of one token and scheduler stats, as the engine
 sends them), batched as the C forwarding loop batches them and passed as the
 recorder's tap passes them, go through ``store.writer.Writer`` (decoded
 into every table, as its loop does when it keeps up) into a fresh SQLite
-file. The floor is a minimal pipeline over the same frames: msgspec decoding into typed array-like
-Structs, one tuple per output row, ``executemany`` into a table of the same
+file. The floor is a minimal pipeline over the same frames: msgspec
+decoding into typed array-like Structs, one tuple per output row, ``executemany`` into a table of the same
 columns, a transaction per 500 frames. Both are timed in CPU seconds of this
 one process (one core), and the rate is output rows per second.
 
@@ -32,22 +32,11 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.store.tables import TABLES, open_database  # noqa: E402
 from replay_proxy.store.writer import Writer  # noqa: E402
 from replay_proxy.wire.capture import capture_tag, tap_message  # noqa: E402
-from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
+from replay_proxy.wire.encode import encode  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
-from replay_proxy.wire.schema import load_schema  # noqa: E402
+from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
 
-SCHEMA = load_schema("0.32.0")
 TAP_FRAMES = 2048  # frames per tap message (32 batches of 64): about what the writer decodes at once
-
-
-def engine_step(step: int, outputs: int) -> bytes:
-    """One EngineCoreOutputs as a 0.32.0 engine sends it for a step of ``outputs`` running requests."""
-    stats = {"num_running_reqs": outputs, "num_waiting_reqs": 0, "step_counter": step, "current_wave": 0,
-             "kv_cache_usage": 0.25, "prefix_cache_stats": {"reset": False, "requests": 0, "queries": 0, "hits": 0}}
-    return encode(struct_value(SCHEMA, "EngineCoreOutputs", {
-        "engine_index": 0, "timestamp": 1000.0 + step / 100, "scheduler_stats": stats,
-        "outputs": [struct_value(SCHEMA, "EngineCoreOutput", {
-            "request_id": f"cmpl-{k:032x}-0", "new_token_ids": [100 + (step + k) % 800]}) for k in range(outputs)]}))
 
 
 def registration() -> bytes:
@@ -156,7 +145,7 @@ def main() -> None:
     parser.add_argument("--outputs", type=int, default=32, help="per-request outputs in each engine step")
     parser.add_argument("--rounds", type=int, default=3)
     ARGS = parser.parse_args()
-    frames = [engine_step(step, ARGS.outputs) for step in range(ARGS.frames)]
+    frames = [engine_step(k, ARGS.outputs) for k in range(ARGS.frames)]
     rows = ARGS.frames * ARGS.outputs
     wire = sum(map(len, frames))
     writer_s, floor_s = [], []
