@@ -63,11 +63,10 @@ PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may 
 TAP_STOP_S = 1.0
 WRITER_STOP_S = 3.5
 START_TIMEOUT_S = 60.0
-# The writer runs as SCHED_IDLE: only on a core nothing else wants, and any wakeup of the forwarders or
-# the peers takes the core from it at once. It decodes live while there is CPU to spare, and keeps (then
-# decodes) what waits when there is not. Measured on 2 cores (scripts/bench/forward.py, round-trip p99
-# as a ratio to zmq.proxy's): writer at normal priority 4.07x, at niceness 10 4.20x (a woken thread may
-# wait out the scheduler's wakeup granularity), SCHED_IDLE: see the README.
+# The writer runs as SCHED_IDLE: only on a core nothing else wants, so under load the engine's and the
+# forwarders' work comes first; it decodes live while there is CPU to spare, and keeps (then decodes)
+# what waits when there is not. (On this project's 2 shared cores, any work beside the forwarders costs
+# round-trip p99, whatever its priority: README, Performance.)
 _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it from the relay's thread
 
 
@@ -270,7 +269,8 @@ class Recorder:
         self._mine.send_multipart(STOP)  # after every entry already queued
         self._mine.close(linger=-1)
         self._tap_thread.join(TAP_STOP_S + STOP_GRACE_MS / 1000)
-        self._read_progress(0)
+        if not self._tap_thread.is_alive():  # its sockets are this thread's now
+            self._read_progress(0)
         if self._writer_lost is None and not self._tap_thread.is_alive():
             self._tap.send_multipart([STOP[0], msgspec.json.encode(Stop(status, error, self._frames_seen,
                                                                         self._bytes_seen))])
