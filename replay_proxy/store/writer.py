@@ -267,11 +267,16 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
     stop_by = None  # after STOP: when decoding gives way to keeping
     frames_seen = bytes_seen = 0  # as the tap's last message said, for a proxy that dies
     parent_checked = time.monotonic()
+    parent_gone = False
     while True:
         while stop is None:  # take what the tap has sent since the last look, without waiting
             try:
                 message = tap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if parent_gone:  # everything the proxy sent before it died is in
+                    stop = Stop("interrupted", "the proxy exited without stopping the recording", frames_seen,
+                                bytes_seen)
+                    stop_by = time.monotonic() + STOP_DECODE_S
                 break
             if message[0] == STOP[0]:  # the proxy's last frame is in
                 stop = msgspec.json.decode(message[1], type=Stop)
@@ -303,10 +308,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
             tap.poll(PARENT_CHECK_S * 1000)
         if stop is None and time.monotonic() - parent_checked >= PARENT_CHECK_S:
             parent_checked = time.monotonic()
-            if os.getppid() != parent:  # the proxy died without STOP: finish what came, and say so
-                stop = Stop("interrupted", "the proxy exited without stopping the recording", frames_seen,
-                            bytes_seen)
-                stop_by = time.monotonic() + STOP_DECODE_S
+            parent_gone = os.getppid() != parent  # died without STOP: finish what came, and say so
         progress.send(pack_progress(writer.progress(), writer.write_error))
     writer.finish(stop)
     tap.close(linger=0)
