@@ -40,10 +40,8 @@ class Outputs(msgspec.Struct, frozen=True, gc=False):
 
 
 def _scalar_type(kinds: tuple[str, ...]) -> Any:
-    """The msgspec type of a field of scalar kinds, or None if msgspec would accept more than them."""
-    if not set(kinds) <= _SCALARS.keys() or ("float" in kinds and "int" not in kinds):
-        return None  # msgspec reads an int as a float: only where int is allowed too is that the same
-    return _union([_SCALARS[k] for k in kinds])
+    """The msgspec type of a field of scalar kinds only, or None."""
+    return _kinds_type(kinds) if set(kinds) <= _SCALARS.keys() else None
 
 
 class TypedOutputs:
@@ -72,7 +70,8 @@ class TypedOutputs:
             raise ValueError(f"{schema.release}: EngineCoreOutput lacks some of {self.OUTPUT_COLUMNS}")
         self._columns = operator.itemgetter(*(names.index(c) for c in self.OUTPUT_COLUMNS))
         output_struct = _positional("TypedOutput", [kind for _, kind in output_fields])
-        self._named: list[tuple[int, Any]] = []  # frame fields named generically: (position, Field)
+        # Frame fields read raw: (position, Field, a decoder that checks the value conforms, or None).
+        self._named: list[tuple[int, Any, Any]] = []
         frame_fields = []
         for field in frame.fields:
             if field.name == "outputs":
@@ -134,12 +133,7 @@ def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
     if field.tensor:
         return None  # the Namer resolves tensors: never the value as decoded
     if field.struct is None:
-        if "float" in field.kinds and "int" not in field.kinds:
-            return None  # msgspec reads an int as a float
-        types = [_SCALARS.get(k) or _OTHER_KINDS.get(k) for k in field.kinds]
-        if None in types:
-            return None
-        return Any if Any in types else _union(types)
+        return _kinds_type(field.kinds)
     nested = _struct_type(schema, field.struct, made)
     if nested is None:
         return None
@@ -152,6 +146,16 @@ def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
     if None in others or {"map", "array"} <= set(field.kinds):
         return None
     return _union([nested, *others])
+
+
+def _kinds_type(kinds: tuple[str, ...]) -> Any:
+    """A msgspec type that accepts exactly these msgpack kinds, or None where none does."""
+    if "float" in kinds and "int" not in kinds:
+        return None  # msgspec reads an int as a float: only where int is allowed too is that the same
+    types = [_SCALARS.get(k) or _OTHER_KINDS.get(k) for k in kinds]
+    if None in types:
+        return None
+    return Any if Any in types else _union(types)
 
 
 def _struct_type(schema: Schema, name: str, made: dict[str, Any]) -> Any:
