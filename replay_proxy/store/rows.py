@@ -16,16 +16,12 @@ from replay_proxy.store.tables import TABLES, sampling_columns
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, Kind, Message, WireDecoder
 from replay_proxy.wire.schema import Schema
-from replay_proxy.wire.typed import typed_outputs
+from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs
 from replay_proxy.wire.values import decode_msgpack, to_json
 
 _raw = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
-_NO_EXTRAS = (None, None, None)
 HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
-# Output fields with a column of their own; the rest go to "other" when set.
-OUTPUT_COLUMNS = {"request_id", "new_token_ids", "finish_reason", "stop_reason",
-                  "num_nans_in_logits", "new_logprobs", "events"}
 # EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
 REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
                              "data_parallel_rank", "priority", "sampling_params"})
@@ -100,12 +96,12 @@ class Rows:
                   engine_time_s=engine_time)
 
     def _output_rows(self, session_id: int, seq: int, outputs: list[tuple | None], schema: Schema,
-                     extras: list[tuple] | None = None) -> None:
+                     others: list[str | None] | None = None) -> None:
         """The rows of one frame's outputs, in ``output_rows``' column order (a busy engine's are made here).
 
         ``outputs``: per position, (request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits)
-        as on the wire, or None for one that is not tabulated; ``extras``: per position, the JSON of
-        (new_logprobs, events, other set fields), where any is set.
+        as on the wire, or None for one that is not tabulated; ``others``: per position, the JSON
+        object of its other set fields, where any is set.
         """
         numbers, append, finish_name, encode = self.request_numbers, self.tables["output_rows"].append, \
             schema.finish_name, _json.encode
@@ -118,10 +114,9 @@ class Rows:
                 number = numbers[request_id] = len(numbers) + 1
                 self.new_request_ids.append(request_id)
                 self.tables["request_ids"].append((session_id, number, request_id))
-            logprobs, events, other = extras[position] if extras else _NO_EXTRAS
             append((session_id, number, seq, position, encode(tokens).decode(), len(tokens),
                     None if finish is None else finish_name(finish), None if stop is None else str(stop), nans,
-                    logprobs, events, other))
+                    others[position] if others else None))
 
     def forget_new_request_ids(self) -> None:
         """The batch was not written: its request numbers are free again."""
@@ -183,17 +178,16 @@ class Rows:
         outputs = fields.get("outputs") or []
         if not isinstance(outputs, list):
             return False
-        rows, extras = [], []
+        rows, others = [], []
         for output in outputs:
             if not (isinstance(output, dict) and isinstance(output.get("request_id"), str)
                     and isinstance(output.get("new_token_ids"), list)):
                 rows.append(None)  # kept in the frame's decoded form instead
-                extras.append(None)
+                others.append(None)
                 continue
             rows.append((output["request_id"], output["new_token_ids"], output.get("finish_reason"),
                          output.get("stop_reason"), output.get("num_nans_in_logits")))
             other = {k: v for k, v in output.items() if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
-            extras.append((to_json(output.get("new_logprobs")), to_json(output.get("events")),
-                           to_json(other) if other else None))
-        self._output_rows(where["session_id"], where["seq"], rows, schema, extras)
+            others.append(to_json(other) if other else None)
+        self._output_rows(where["session_id"], where["seq"], rows, schema, others)
         return None not in rows

@@ -60,13 +60,15 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "sampling_params": str,
     }, ["session_id", "seq"]),
     # One row per per-request output, the bulk of a recording: kept small (the view ``outputs`` adds
-    # what its frame and its request id say). request: the request's number in ``request_ids``.
-    # Stored by request, then in order (WITHOUT ROWID): a request's outputs are together, with no index.
+    # what its frame and its request id say). request: the request's number in ``request_ids``;
+    # other: a JSON object of the fields that are set and have no column (logprobs, events, ...),
+    # one column because a busy engine's outputs have none and each column costs every row.
+    # No key and no index: rows are appended in the order they crossed, the cheapest insert there is
+    # (a key by request cost the writer a third of its rate). The views below aggregate in one pass.
     "output_rows": ({
         "session_id": int, "request": int, "seq": int, "position": int, "new_token_ids": str,
-        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int,
-        "new_logprobs": str, "events": str, "other": str,
-    }, ["session_id", "request", "seq", "position"]),
+        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "other": str,
+    }, None),
     # Each request id a session's outputs name, numbered in order of first sight.
     "request_ids": ({
         "session_id": int, "number": int, "request_id": str,
@@ -98,7 +100,6 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     }, ["session_id", "number"]),
 }
 
-WITHOUT_ROWID = {"output_rows"}  # stored in its primary key's order: no second copy of the key in an index
 
 INDEXES = {
     "frames": [["session_id", "kind"]],
@@ -111,7 +112,9 @@ VIEWS = {
     "outputs": """
         SELECT o.session_id, o.seq, o.position, f.ts_ns, f.engine_index, f.client_index, f.engine_time_s,
                r.request_id, o.new_token_ids, o.num_new_tokens, o.finish_reason, o.stop_reason,
-               o.num_nans_in_logits, o.new_logprobs, o.events, o.other
+               o.num_nans_in_logits, json_extract(o.other, '$.new_logprobs') AS new_logprobs,
+               json_extract(o.other, '$.events') AS events,
+               NULLIF(json_remove(o.other, '$.new_logprobs', '$.events'), '{}') AS other
         FROM output_rows o
         JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
         LEFT JOIN request_ids r ON r.session_id = o.session_id AND r.number = o.request""",
@@ -125,21 +128,25 @@ VIEWS = {
                        AND a.request_id = t.request_id) AS frontend_aborted
         FROM (
             SELECT r.session_id, r.request_id, r.engine_index, r.client_index, r.ts_ns AS added_ns,
-                   MIN(CASE WHEN o.num_new_tokens > 0 THEN o.ts_ns END) AS first_token_ns,
-                   MAX(o.ts_ns) AS last_ns,
+                   MIN(CASE WHEN o.num_new_tokens > 0 THEN f.ts_ns END) AS first_token_ns,
+                   MAX(f.ts_ns) AS last_ns,
                    COALESCE(SUM(o.num_new_tokens), 0) AS tokens,
                    MAX(o.finish_reason) AS finish_reason
             FROM requests r
-            LEFT JOIN outputs o ON o.session_id = r.session_id AND o.request_id = r.request_id
+            LEFT JOIN request_ids i ON i.session_id = r.session_id AND i.request_id = r.request_id
+            LEFT JOIN output_rows o ON o.session_id = i.session_id AND o.request = i.number
+            LEFT JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
             GROUP BY r.session_id, r.seq
         ) AS t""",
     # Where each ABORT landed: per request it names, the tokens the request had produced (outputs
     # that crossed) before the ABORT crossed. The same for a recording and for its replay.
     "abort_progress": """
         SELECT a.session_id, a.seq, a.ts_ns, a.engine_index, a.client_index, a.request_id,
-               (SELECT COALESCE(SUM(o.num_new_tokens), 0) FROM outputs o WHERE o.session_id = a.session_id
-                AND o.request_id = a.request_id AND o.seq < a.seq) AS tokens_before_abort
-        FROM aborts a""",
+               COALESCE(SUM(o.num_new_tokens), 0) AS tokens_before_abort
+        FROM aborts a
+        LEFT JOIN request_ids i ON i.session_id = a.session_id AND i.request_id = a.request_id
+        LEFT JOIN output_rows o ON o.session_id = i.session_id AND o.request = i.number AND o.seq < a.seq
+        GROUP BY a.session_id, a.seq, a.position""",
     # The gap before each output that carried tokens, per request: as the proxy saw it (itl_ms)
     # and by the engine's own clock (engine_itl_ms, from the time it stamped on its outputs).
     "inter_token_latencies": """
@@ -171,7 +178,16 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
     return db
 
 
-_SQL_NAMES = {int: "INTEGER", float: "FLOAT", str: "TEXT", bytes: "BLOB"}
+# An older file's logprobs and events columns, folded into ``output_rows.other`` (a null patch value
+# removes its key, so an output with neither keeps ``other`` as it was).
+_OTHER_WITH_COLUMNS = """NULLIF(json_patch(COALESCE(other, '{}'), json_object('new_logprobs', json(new_logprobs),
+                         'events', json(events))), '{}')"""
+
+
+def _drop_views(db: sqlite_utils.Database) -> None:
+    """Before a table they read is remade; ``ensure_schema`` makes them again."""
+    for view in VIEWS:
+        db.execute(f"DROP VIEW IF EXISTS [{view}]")
 
 
 def _move_wide_outputs(db: sqlite_utils.Database) -> None:
@@ -179,15 +195,25 @@ def _move_wide_outputs(db: sqlite_utils.Database) -> None:
     with db.conn:
         db.execute("""INSERT INTO request_ids SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id
                       ORDER BY MIN(seq * 65536 + position)), request_id FROM outputs GROUP BY session_id, request_id""")
-        db.execute("""INSERT INTO output_rows SELECT o.session_id, r.number, o.seq, o.position, o.new_token_ids,
-                      o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits, o.new_logprobs,
-                      o.events, o.other FROM outputs o JOIN request_ids r
-                      ON r.session_id = o.session_id AND r.request_id = o.request_id""")
+        db.execute(f"""INSERT INTO output_rows SELECT o.session_id, r.number, o.seq, o.position, o.new_token_ids,
+                      o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits, {_OTHER_WITH_COLUMNS}
+                      FROM outputs o JOIN request_ids r ON r.session_id = o.session_id AND r.request_id = o.request_id""")
         db.execute("""UPDATE frames SET engine_time_s = json_extract(decoded, '$.timestamp')
                       WHERE kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0""")
-        for view in VIEWS.keys() - {"outputs"}:  # remade below, on the new tables
-            db.execute(f"DROP VIEW IF EXISTS [{view}]")
         db.execute("DROP TABLE outputs")
+        _drop_views(db)
+
+
+def _fold_output_columns(db: sqlite_utils.Database) -> None:
+    """A file whose ``output_rows`` had logprobs and events columns: those into ``other``."""
+    with db.conn:
+        _drop_views(db)
+        db["output_rows_folded"].create(TABLES["output_rows"][0])
+        db.execute(f"""INSERT INTO output_rows_folded SELECT session_id, request, seq, position, new_token_ids,
+                      num_new_tokens, finish_reason, stop_reason, num_nans_in_logits, {_OTHER_WITH_COLUMNS}
+                      FROM output_rows""")
+        db.execute("DROP TABLE output_rows")
+        db.execute("ALTER TABLE output_rows_folded RENAME TO output_rows")
 
 
 def ensure_schema(db: sqlite_utils.Database) -> None:
@@ -200,13 +226,12 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
             for column, column_type in columns.items():
                 if column not in existing:
                     table.add_column(column, column_type)
-        elif name in WITHOUT_ROWID:
-            definitions = ", ".join(f"[{c}] {_SQL_NAMES[t]}" for c, t in columns.items())
-            db.execute(f"CREATE TABLE [{name}] ({definitions}, PRIMARY KEY ({', '.join(pk)})) WITHOUT ROWID")
         else:
             table.create(columns, pk=pk)
     if "outputs" in db.table_names():  # a table, not the view
         _move_wide_outputs(db)
+    if "new_logprobs" in db["output_rows"].columns_dict:
+        _fold_output_columns(db)
     for name, indexes in INDEXES.items():
         for columns in indexes:
             db[name].create_index(columns, if_not_exists=True)

@@ -44,10 +44,12 @@ def _scalar_type(kinds: tuple[str, ...]) -> Any:
     return _kinds_type(kinds) if set(kinds) <= _SCALARS.keys() else None
 
 
+# The EngineCoreOutput fields a row of output_rows holds as columns, in the order ``read`` gives them.
+OUTPUT_COLUMNS = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "num_nans_in_logits")
+
+
 class TypedOutputs:
     """Reads conforming EngineCoreOutputs frames of one release (see the module's docstring)."""
-
-    OUTPUT_COLUMNS = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "num_nans_in_logits")
 
     def __init__(self, schema: Schema):
         self.schema = schema
@@ -57,7 +59,7 @@ class TypedOutputs:
             scalar = _scalar_type(field.kinds) if field.struct is None and not field.tensor else None
             if field.name == "new_token_ids" and field.kinds == ("array",):
                 scalar = list
-            if field.name in self.OUTPUT_COLUMNS:
+            if field.name in OUTPUT_COLUMNS:
                 if scalar is None:
                     raise ValueError(f"{schema.release}: EngineCoreOutput.{field.name} is {field.kinds}")
             elif "nil" in field.kinds:
@@ -66,9 +68,9 @@ class TypedOutputs:
                 raise ValueError(f"{schema.release}: EngineCoreOutput.{field.name} is never nil: {field.kinds}")
             output_fields.append((field.name, scalar))
         names = [name for name, _ in output_fields]
-        if not set(self.OUTPUT_COLUMNS) <= set(names):
-            raise ValueError(f"{schema.release}: EngineCoreOutput lacks some of {self.OUTPUT_COLUMNS}")
-        self._columns = operator.itemgetter(*(names.index(c) for c in self.OUTPUT_COLUMNS))
+        if not set(OUTPUT_COLUMNS) <= set(names):
+            raise ValueError(f"{schema.release}: EngineCoreOutput lacks some of {OUTPUT_COLUMNS}")
+        self._columns = operator.itemgetter(*(names.index(c) for c in OUTPUT_COLUMNS))
         output_struct = _positional("TypedOutput", [kind for _, kind in output_fields])
         # Frame fields read raw: (position, Field, a decoder that checks the value conforms, or None).
         self._named: list[tuple[int, Any, Any]] = []

@@ -130,7 +130,7 @@ def run_floor(frames: list[bytes], folder: Path) -> float:
             for position, o in enumerate(message.outputs):
                 number = numbers.setdefault(o.request_id, len(numbers) + 1)
                 rows.append((1, number, seq, position, tokens_json(o.new_token_ids).decode(), len(o.new_token_ids),
-                             o.finish_reason, o.stop_reason, o.num_nans_in_logits, None, None, None))
+                             o.finish_reason, o.stop_reason, o.num_nans_in_logits, None))
         with connection:
             connection.executemany(insert, rows)
     seconds = time.process_time() - start

@@ -26,11 +26,40 @@ def test_the_wide_outputs_table_of_an_older_layout_moves_into_output_rows(db_pat
     old["outputs"].insert_all([
         {"session_id": 1, "seq": 5, "position": p, "ts_ns": 99, "engine_index": 0, "client_index": 1,
          "request_id": rid, "new_token_ids": "[7]", "num_new_tokens": 1, "finish_reason": None, "stop_reason": None,
-         "num_nans_in_logits": 0, "new_logprobs": None, "events": None, "other": None}
+         "num_nans_in_logits": 0, "new_logprobs": None if rid == "a" else '{"logprobs": [[-0.5]]}', "events": None,
+         "other": None}
         for p, rid in enumerate(["b", "a"])], pk=["session_id", "seq", "position"])
     db = open_database(db_path)
     assert "outputs" in db.view_names() and "outputs" not in db.table_names()
-    assert [(r["request_id"], r["position"], r["ts_ns"], r["client_index"], r["engine_time_s"]) for r in db.query(
-        "SELECT * FROM outputs ORDER BY position")] == [("b", 0, 99, 1, 12.5), ("a", 1, 99, 1, 12.5)]
+    assert [(r["request_id"], r["position"], r["ts_ns"], r["client_index"], r["engine_time_s"], r["new_logprobs"])
+            for r in db.query("SELECT * FROM outputs ORDER BY position")] == [
+        ("b", 0, 99, 1, 12.5, '{"logprobs":[[-0.5]]}'), ("a", 1, 99, 1, 12.5, None)]
     assert [tuple(r.values()) for r in db.query("SELECT request_id, number FROM request_ids ORDER BY number")] == [
         ("b", 1), ("a", 2)]
+
+
+OLD_OUTPUT_ROWS = {"session_id": int, "request": int, "seq": int, "position": int, "new_token_ids": str,
+                   "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int,
+                   "new_logprobs": str, "events": str, "other": str}
+
+
+def test_output_rows_with_logprobs_and_events_columns_fold_them_into_other(db_path):
+    old = sqlite_utils.Database(db_path)
+    old["frames"].insert({"session_id": 1, "seq": 5, "ts_ns": 99, "kind": "OUTPUTS"}, pk=["session_id", "seq"])
+    old["request_ids"].insert_all([{"session_id": 1, "number": n, "request_id": r} for n, r in [(1, "a"), (2, "b"),
+                                                                                                (3, "c")]])
+    old["output_rows"].insert_all([
+        {"session_id": 1, "request": 1, "seq": 5, "position": 0, "new_token_ids": "[7]", "num_new_tokens": 1,
+         "num_nans_in_logits": 0, "new_logprobs": '{"logprobs": [[-0.5]]}', "events": '[[1, 2.0]]',
+         "other": '{"kv_transfer_params": {"x": 1}}'},
+        {"session_id": 1, "request": 2, "seq": 5, "position": 1, "new_token_ids": "[8]", "num_new_tokens": 1,
+         "num_nans_in_logits": 0},
+        {"session_id": 1, "request": 3, "seq": 5, "position": 2, "new_token_ids": "[9]", "num_new_tokens": 1,
+         "num_nans_in_logits": 0, "events": '[[0, 1.5]]'}], pk=["session_id", "request", "seq", "position"])
+    db = open_database(db_path)
+    assert db["output_rows"].columns_dict == TABLES["output_rows"][0]
+    assert [(r["request_id"], r["new_token_ids"], r["new_logprobs"], r["events"], r["other"]) for r in db.query(
+        "SELECT * FROM outputs ORDER BY position")] == [
+        ("a", "[7]", '{"logprobs":[[-0.5]]}', "[[1,2.0]]", '{"kv_transfer_params":{"x":1}}'),
+        ("b", "[8]", None, None, None), ("c", "[9]", None, "[[0,1.5]]", None)]
+    assert db.execute("SELECT COUNT(*) FROM output_rows WHERE other IS NULL").fetchone()[0] == 1
