@@ -1,6 +1,9 @@
 """The recorder and its writer: drops are counted, never silent; 'block' loses nothing; a full disk,
-a dead proxy and a dead writer each end the session with exact counts; kept frames are decoded later."""
+a dead proxy and a dead writer each end the session with exact counts; recording resumes when space
+comes back; kept frames are decoded later."""
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,6 +159,55 @@ def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
     kept = kept_in_the_database(db_path, recorder.session_id)
     assert 0 < kept < 12_000 and row["status"] == "incomplete" and "full" in row["error"]
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (12_000, kept, 12_000 - kept)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 4 MB tmpfs of the test's own (root only), unmounted at the end."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_when_space_comes_back_recording_resumes_and_the_gap_is_counted(small_filesystem):
+    db_path = small_filesystem / "recording.db"
+    recorder = Recorder(db_path, SessionInfo(name="resume"))
+    filler = small_filesystem / "filler"
+    room = os.statvfs(small_filesystem)
+    filler.write_bytes(b"x" * (room.f_bavail * room.f_frsize - 700 * 1024))  # 700 KB left
+    seq = 0
+
+    def burst(frames):
+        nonlocal seq
+        for _ in range(frames):
+            seq += 1
+            recorder.frame(frame(seq, f"request-{seq:06d}-" + "x" * 200))
+            if seq % 500 == 0:
+                time.sleep(0.1)  # several transactions
+
+    burst(8000)
+    assert wait_for(lambda: recorder.statistics().error is not None)
+    assert "full" in recorder.statistics().error
+    failed_at = seq
+    assert wait_for(lambda: recorder.statistics().frames_recorded < seq and recorder.statistics().queue_depth_frames == 0)
+    recorded_while_full = recorder.statistics().frames_recorded
+    filler.unlink()  # space comes back
+    burst(1000)
+    assert wait_for(lambda: recorder.statistics().frames_recorded >= recorded_while_full + 1000)
+    stats = recorder.close()
+    db = sqlite_utils.Database(db_path)
+    row = db["sessions"].get(recorder.session_id)
+    seqs = {r["seq"] for r in db.query("SELECT seq FROM frames WHERE session_id = ?", [recorder.session_id])}
+    kept = kept_in_the_database(db_path, recorder.session_id)
+    assert set(range(failed_at + 1, seq + 1)) <= seqs  # everything after the space came back
+    assert row["status"] == "incomplete" and "full" in row["error"]
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (9000, kept, 9000 - kept)
+    assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (9000, kept, 9000 - kept)
+    assert 0 < 9000 - kept <= failed_at  # the gap: frames of the full spell only
 
 
 def test_frames_kept_undecoded_are_decoded_by_decode_and_before_a_replay_loads_them(db_path):
