@@ -70,7 +70,7 @@ class TypedOutputs:
         names = [name for name, _ in output_fields]
         if not set(OUTPUT_COLUMNS) <= set(names):
             raise ValueError(f"{schema.release}: EngineCoreOutput lacks some of {OUTPUT_COLUMNS}")
-        self._columns = operator.itemgetter(*(names.index(c) for c in OUTPUT_COLUMNS))
+        self._columns = operator.attrgetter(*(f"f{names.index(c)}" for c in OUTPUT_COLUMNS))  # _positional's names
         output_struct = _positional("TypedOutput", [kind for _, kind in output_fields])
         # Frame fields read raw: (position, Field, a decoder that checks the value conforms, or None).
         self._named: list[tuple[int, Any, Any]] = []
@@ -105,8 +105,7 @@ class TypedOutputs:
         columns = self._columns
         outputs = []
         for output in value[self._outputs_at]:
-            output = astuple(output)
-            if output[-1] is not UNSET:
+            if output.extra is not UNSET:
                 return None
             outputs.append(columns(output))
         fields = dict(zip(self._frame_names, value))

@@ -5,9 +5,10 @@ with 32 per-request outputs of one token and scheduler stats, as the engine
 sends them), batched as the C forwarding loop batches them and passed as the
 recorder's tap passes them, go through ``store.writer.Writer`` (decoded
 into every table, as its loop does when it keeps up) into a fresh SQLite
-file. The floor is a minimal pipeline over the same frames: msgspec
-decoding into typed array-like Structs, one tuple per output row, ``executemany`` into a table of the same
-columns, a transaction per 500 frames. Both are timed in CPU seconds of this
+file. The floor is the minimal pipeline (``floor.py``) over the same frames:
+msgspec decoding into typed array-like Structs, one tuple per output row,
+``executemany`` into a table of the same columns, a transaction per 500
+frames, the same SQLite journal settings. Both are timed in CPU seconds of this
 one process (one core), and the rate is output rows per second.
 
     .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
@@ -24,17 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from replay_proxy.store.tables import TABLES, open_database  # noqa: E402
+from replay_proxy.store.tables import open_database  # noqa: E402
 from replay_proxy.store.writer import Writer  # noqa: E402
 from replay_proxy.wire.capture import capture_tag, tap_message  # noqa: E402
 from replay_proxy.wire.encode import encode  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
+from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
 TAP_FRAMES = 2048  # frames per tap message (32 batches of 64): about what the writer decodes at once
 
@@ -89,52 +90,15 @@ def run_writer(frames: list[bytes], folder: Path) -> float:
 DISK_BYTES: list[int] = []  # the database file of each writer run, checkpointed
 
 
-class Output(msgspec.Struct, array_like=True):
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: msgspec.Raw = msgspec.Raw()  # left encoded: the floor names only what it tabulates
-    new_prompt_logprobs_tensors: msgspec.Raw = msgspec.Raw()
-    pooling_output: msgspec.Raw = msgspec.Raw()
-    finish_reason: int | None = None
-    stop_reason: int | str | None = None
-    events: msgspec.Raw = msgspec.Raw()
-    kv_transfer_params: msgspec.Raw = msgspec.Raw()
-    ec_transfer_params: msgspec.Raw = msgspec.Raw()
-    trace_headers: msgspec.Raw = msgspec.Raw()
-    prefill_stats: msgspec.Raw = msgspec.Raw()
-    routed_experts: msgspec.Raw = msgspec.Raw()
-    num_nans_in_logits: int = 0
-
-
-class Outputs(msgspec.Struct, array_like=True):
-    engine_index: int
-    outputs: list[Output]
-    scheduler_stats: msgspec.Raw = msgspec.Raw()  # left encoded: the floor names only what it tabulates
-    timestamp: float = 0.0
-
-
 def run_floor(frames: list[bytes], folder: Path) -> float:
-    """CPU seconds for the minimal pipeline: typed decoding, a tuple a row, executemany."""
-    connection = sqlite3.connect(folder / "floor.db")
-    columns = TABLES["output_rows"][0]
-    connection.execute(f"CREATE TABLE output_rows ({', '.join(columns)})")
-    insert = f"INSERT INTO output_rows VALUES ({', '.join('?' for _ in columns)})"
-    numbers: dict[str, int] = {}
-    decode = msgspec.msgpack.Decoder(Outputs).decode
-    tokens_json = msgspec.json.Encoder().encode
+    """CPU seconds for the minimal pipeline (``floor.py``), a transaction per 500 frames."""
+    pipeline = MinimalPipeline(folder / "floor.db", frames=False)
+    numbered = [(seq, [frame]) for seq, frame in enumerate(frames)]
     start = time.process_time()
-    for first in range(0, len(frames), 500):
-        rows = []
-        for seq, frame in enumerate(frames[first:first + 500], first):
-            message = decode(frame)
-            for position, o in enumerate(message.outputs):
-                number = numbers.setdefault(o.request_id, len(numbers) + 1)
-                rows.append((1, number, seq, position, tokens_json(o.new_token_ids).decode(), len(o.new_token_ids),
-                             o.finish_reason, o.stop_reason, o.num_nans_in_logits, None))
-        with connection:
-            connection.executemany(insert, rows)
+    for first in range(0, len(numbered), 500):
+        pipeline.write(numbered[first:first + 500])
     seconds = time.process_time() - start
-    connection.close()
+    pipeline.close()
     return seconds
 
 
