@@ -1,19 +1,22 @@
 """Forwarding cost of the proxy, side by side in one run.
 
-Seven ways between the same frontend and engine peers (each peer in its own
+Nine ways between the same frontend and engine peers (each peer in its own
 process, plain pyzmq, the real handshake): direct; libzmq's own C forwarder
 (``zmq.proxy``, the floor: the extra process hop alone); the same with every
 message also copied out of the forwarding path and drained by C, or by a
-Python thread, and nothing more (the floors of any recorder); replay-proxy
-relaying without recording; replay-proxy recording to SQLite; and recording
-while the engine also pushes ``--busy-rate`` busy steps a second (32 outputs
-each), so the writer decodes at full load while round trips are timed. For each:
+Python thread, and nothing more (the floors of getting frames out); the same
+with the copies recorded live by the minimal pipeline (``floor.py``) in a
+process of its own, idle and busy (the floors of any recorder that decodes
+as traffic flows); replay-proxy relaying without recording; replay-proxy
+recording to SQLite; and recording while the engine also pushes
+``--busy-rate`` busy steps a second (32 outputs each), so the writer decodes
+at full load while round trips are timed. For each:
 round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
 rate of 600-byte outputs whose dropped frames are counted.
 
     .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
-        [--busy-rate 2000] [--skip direct] [--skip drain] [--skip relay] [--skip busy]
+        [--busy-rate 2000] [--skip direct] [--skip drain] [--skip recorder] [--skip relay] [--skip busy]
 """
 
 from __future__ import annotations
@@ -38,11 +41,17 @@ from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
 from replay_proxy.wire.schema import load_schema  # noqa: E402
 from scripts.bench.busy import engine_handshake, step as busy_step  # noqa: E402
+from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
 IDENTITY = engine_identity(0)
 BUSY = "recording, writer busy"  # replay-proxy recording while a busy engine's steps keep its writer decoding
-# The C forwarder alone, and with each message also copied out and drained (see c_forwarder).
-FLOORS = {"zmq.proxy (C)": "", "zmq.proxy + C drain": "c", "zmq.proxy + Python drain": "python"}
+FLOOR_RECORDER, FLOOR_RECORDER_BUSY = "zmq.proxy + minimal recorder", "zmq.proxy + minimal recorder, busy"
+# The C forwarder alone, and with each message also copied out and drained or recorded (see c_forwarder).
+FLOORS = {"zmq.proxy (C)": "", "zmq.proxy + C drain": "c", "zmq.proxy + Python drain": "python",
+          FLOOR_RECORDER: "record", FLOOR_RECORDER_BUSY: "record"}
+# What each recording case is held to besides zmq.proxy: the floor recorder under the same load.
+RECORDER_FLOORS = {"replay-proxy recording": FLOOR_RECORDER, BUSY: FLOOR_RECORDER_BUSY}
+BUSY_CASES = {BUSY, FLOOR_RECORDER_BUSY}
 SCHEMA = load_schema("0.32.0")
 REQUEST = [b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
     "request_id": "bench-0000", "prompt_token_ids": list(range(40)), "mm_features": None,
@@ -146,16 +155,22 @@ def engine(handshake_address: str, busy_rate: float = 0) -> None:
             sent += 1
 
 
-def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int, drain: str) -> None:
+def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_out: int, drain: str,
+                recorder: str) -> None:
     """libzmq's zmq.proxy for both directions (DEALER<->DEALER for inputs, PULL->PUSH for outputs).
 
     ``drain`` "c" or "python": each proxy also copies every message to a capture socket, emptied by
     a C loop that discards (into a PUB nobody subscribes to) or by a Python thread that only receives.
     These are floors for any recorder: getting each frame out of the forwarding path, and no more.
+    ``drain`` "record": the copies go to ``recorder``, the minimal recorder's process (see floor_recorder).
     """
     ctx = zmq.Context()
     captures = [None, None]
-    if drain:
+    if drain == "record":
+        captures = [socket(ctx, zmq.PUSH), socket(ctx, zmq.PUSH)]
+        for capture in captures:
+            capture.connect(recorder)
+    elif drain:
         sink = socket(ctx, zmq.PULL)
         sink.bind("inproc://capture")
         captures = [socket(ctx, zmq.PUSH), socket(ctx, zmq.PUSH)]
@@ -174,6 +189,28 @@ def c_forwarder(frontend_inputs: str, frontend_outputs: str, port_in: int, port_
     up_out.connect(frontend_outputs)
     threading.Thread(target=zmq.proxy, args=(down_out, up_out, captures[0]), daemon=True).start()
     zmq.proxy(up_in, down_in, captures[1])
+
+
+def floor_recorder(address: str, db: str) -> None:
+    """The floor of a recorder that decodes live, in its own process as replay-proxy's writer is: take
+    what the copies socket holds, at least every 50 ms, and write it with the minimal pipeline (every
+    frame's bytes, every output row)."""
+    sink = socket(zmq.Context(), zmq.PULL)
+    sink.bind(address)
+    pipeline = MinimalPipeline(Path(db), frames=True)
+    seq = 0
+    while True:
+        sink.poll(50)
+        messages = []
+        while len(messages) < 2000:
+            try:
+                parts = sink.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            seq += 1
+            messages.append((seq, parts))
+        if messages:
+            pipeline.write(messages)
 
 
 def relay(listen: str, upstream: str) -> None:
@@ -206,8 +243,14 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         if name.startswith("zmq.proxy"):
             port_in, port_out = free_port(), free_port()
             init_inputs, init_outputs = f"tcp://127.0.0.1:{port_in}", f"tcp://127.0.0.1:{port_out}"
+            recorder = f"tcp://127.0.0.1:{free_port()}"
+            if FLOORS[name] == "record":
+                db.unlink(missing_ok=True)
+                children.append(Child([*me, "floor-recorder", recorder, str(db)], logs / "floor-recorder.log",
+                                      name="floor recorder"))
             children.append(Child([*me, "c-forwarder", f"tcp://127.0.0.1:{ports[1]}", f"tcp://127.0.0.1:{ports[2]}",
-                                   str(port_in), str(port_out), FLOORS[name]], logs / "c-forwarder.log", name=name))
+                                   str(port_in), str(port_out), FLOORS[name], recorder], logs / "c-forwarder.log",
+                                  name=name))
         elif name != "direct":
             dial = f"tcp://127.0.0.1:{free_port()}"
             if name == "replay-proxy relay":
@@ -219,7 +262,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         front = subprocess.Popen([*me, "frontend", ",".join(map(str, ports)), init_inputs, init_outputs,
                                   str(args.round_trips), str(args.pipelined), str(args.rate), str(args.rate_seconds)],
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
-        busy = str(args.busy_rate) if name == BUSY else "0"
+        busy = str(args.busy_rate) if name in BUSY_CASES else "0"
         children.append(Child([*me, "engine", dial, busy], logs / f"engine-{name}.log", name="engine"))
         try:
             out, _ = front.communicate(timeout=180)
@@ -256,7 +299,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--busy-rate", type=float, default=2000,
                         help="busy engine steps a second (32 outputs each) in the last case, for the writer to decode")
-    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "relay", "busy"],
+    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "recorder", "relay", "busy"],
                         help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
@@ -279,10 +322,16 @@ def main() -> None:
         print(f"{name:<24} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['throughput']:>9.0f} "
               f"{r['p50_us'] / floor['p50_us']:>6.2f} {r['p99_us'] / floor['p99_us']:>6.2f} "
               f"{r['throughput'] / floor['throughput']:>6.2f}  {paced}")
+    print("\nrecording beside the minimal recorder under the same load (p50, p99, throughput ratios):")
+    for name, floor_name in RECORDER_FLOORS.items():
+        if name in results and floor_name in results:
+            r, f = results[name], results[floor_name]
+            print(f"{name:<24} {r['p50_us'] / f['p50_us']:>6.2f} {r['p99_us'] / f['p99_us']:>6.2f} "
+                  f"{r['throughput'] / f['throughput']:>6.2f}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("frontend", "engine", "c-forwarder", "relay"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("frontend", "engine", "c-forwarder", "floor-recorder", "relay"):
         role, rest = sys.argv[1], sys.argv[2:]
         if role == "frontend":
             ports, ins, outs, n, p, rate, seconds = rest
@@ -291,7 +340,9 @@ if __name__ == "__main__":
             engine(rest[0], float(rest[1]))
         elif role == "relay":
             relay(*rest)
+        elif role == "floor-recorder":
+            floor_recorder(*rest)
         else:
-            c_forwarder(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4])
+            c_forwarder(rest[0], rest[1], int(rest[2]), int(rest[3]), rest[4], rest[5])
     else:
         main()
