@@ -15,7 +15,6 @@ from replay_proxy.store.recorder import OnFull, Recorder, RecorderStats, Session
 
 STATUS_EVERY_S = 0.25
 PLAIN_STATUS_EVERY_S = 10.0  # when stderr is not a terminal: a log line now and then
-PAGE_BYTES = 4096  # SQLite's default page size
 
 
 def status_line(stats: RecorderStats, engines: int) -> Text:
@@ -40,7 +39,7 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
     """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)
     recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full,
-                        max_db_pages=int(max_db_mb * 2**20 / PAGE_BYTES) if max_db_mb else None)
+                        max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None)
     relay = Relay(listen, upstream, recorder, record_coordinator=record_coordinator)
     status, error = "complete", None
     try:

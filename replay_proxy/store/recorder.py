@@ -109,7 +109,7 @@ class Recorder:
     """Records one session; an ``Observer`` for the relay (and for the replay players)."""
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
-                 queue_size: int = 100_000, max_db_pages: int | None = None,
+                 queue_size: int = 100_000, max_db_bytes: int | None = None,
                  context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._frames_seen = self._frames_dropped = self._bytes_seen = 0
@@ -151,7 +151,7 @@ class Recorder:
         self._mine.connect(self.capture)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(os.getpid()), str(max(1, queue_size // 2)), str(max_db_pages or "-")],
+             progress, str(os.getpid()), str(max(1, queue_size // 2)), str(max_db_bytes or "-")],
             stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
         os.sched_setscheduler(self._process.pid, os.SCHED_IDLE, os.sched_param(0))

@@ -37,6 +37,14 @@ def _engine_time(stamp: Any) -> float | None:
     return stamp if type(stamp) is float and stamp > 0 else None
 
 
+def _compact(fields: dict, held: frozenset[str] = frozenset()) -> dict:
+    """A frame's fields for ``frames.decoded`` where tables hold its substance (an ADD, an
+    EngineCoreOutputs): without what they hold, and without nil values two levels deep (for those
+    json_extract gives NULL either way, and ``raw`` keeps the frame as sent)."""
+    return {k: {k2: v2 for k2, v2 in v.items() if v2 is not None} if type(v) is dict else v
+            for k, v in fields.items() if v is not None and k not in held}
+
+
 class Rows:
     """Rows for every table, accumulated over a batch of frames.
 
@@ -62,7 +70,7 @@ class Rows:
             read = typed.read(frame.parts) if typed is not None else None
             if read is not None:
                 self._output_rows(session_id, frame.seq, read.outputs, decoder.schema)
-                self._frame(session_id, frame, Kind.OUTPUTS, to_json(read.fields), None, read.flags,
+                self._frame(session_id, frame, Kind.OUTPUTS, to_json(_compact(read.fields)), None, read.flags,
                             _engine_time(read.fields.get("timestamp")))
                 return Kind.OUTPUTS
         message = decoder.decode(frame.channel, frame.direction, frame.parts)
@@ -78,7 +86,7 @@ class Rows:
         try:
             held = self._concepts(where, frame, message, schema)
             if held:  # what the concept tables hold is not kept twice
-                fields = {k: v for k, v in fields.items() if k not in held}
+                fields = _compact(fields, held)
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"

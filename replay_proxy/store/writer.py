@@ -91,13 +91,14 @@ class Writer:
     decoded (``replay-proxy decode``).
     """
 
-    def __init__(self, db_path: str, session_id: int, *, max_pages: int | None = None):
+    def __init__(self, db_path: str, session_id: int, *, max_bytes: int | None = None):
         self.session_id = session_id
         self.connection = sqlite3.connect(db_path, timeout=30)
         self.connection.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints
         self.connection.execute("PRAGMA cache_size=-32768")  # 32 MB: the tables' B-tree pages stay in memory
-        if max_pages:
-            self.connection.execute(f"PRAGMA max_page_count={int(max_pages)}")
+        if max_bytes:  # the file's own page size: an older file may have another
+            page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]
+            self.connection.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_bytes)}")
         self.statements = {
             table: f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in columns)}) "
                    f"VALUES ({', '.join('?' for _ in columns)})"
@@ -248,7 +249,7 @@ def finish_decoding(db_path: str, session_id: int) -> int:
 
 
 def run(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int,
-        hold_frames: int, max_pages: int | None) -> None:
+        hold_frames: int, max_bytes: int | None) -> None:
     """The writer process's loop: take what the tap sends, decode (or keep), report."""
     context = zmq.Context()
     tap = context.socket(zmq.PULL)
@@ -259,7 +260,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
     progress.setsockopt(zmq.CONFLATE, 1)
     progress.setsockopt(zmq.LINGER, 5000)
     progress.connect(progress_address)
-    writer = Writer(db_path, session_id, max_pages=max_pages)
+    writer = Writer(db_path, session_id, max_bytes=max_bytes)
     progress.send(pack_progress(writer.progress(), None))  # started
     held: list[list[bytes]] = []  # the tap's messages waiting, in memory
     held_bytes = held_frames = 0

@@ -17,7 +17,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from replay_proxy.store.tables import TABLES  # noqa: E402
+from replay_proxy.store.tables import PAGE_BYTES, TABLES  # noqa: E402
 
 
 class Output(msgspec.Struct, array_like=True):
@@ -49,6 +49,7 @@ class MinimalPipeline:
 
     def __init__(self, db_path: Path, *, frames: bool):
         self.connection = sqlite3.connect(db_path)
+        self.connection.execute(f"PRAGMA page_size={PAGE_BYTES}")
         self.connection.execute("PRAGMA journal_mode=WAL")
         self.connection.execute("PRAGMA synchronous=NORMAL")
         columns = TABLES["output_rows"][0]

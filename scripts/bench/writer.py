@@ -8,8 +8,9 @@ into every table, as its loop does when it keeps up) into a fresh SQLite
 file. The floor is the minimal pipeline (``floor.py``) over the same frames:
 msgspec decoding into typed array-like Structs, one tuple per output row,
 ``executemany`` into a table of the same columns, a transaction per 500
-frames, the same SQLite journal settings. Both are timed in CPU seconds of this
-one process (one core), and the rate is output rows per second.
+frames, the same SQLite page size and journal settings. Both are timed in
+CPU seconds of this one process (one core), and the rate is output rows per
+second.
 
     .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
 """

@@ -144,10 +144,11 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
 
 
 def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
-    # Room for 600 pages of 4 KB beyond the empty tables: one transaction of the writer's (at most some
-    # 2,000 of these frames, about 430 pages) always fits, all 12,000 frames (decoded or kept) never do.
-    empty = open_database(db_path).execute("PRAGMA page_count").fetchone()[0]
-    recorder = Recorder(db_path, SessionInfo(name="full"), max_db_pages=empty + 600)
+    # Room for 2.4 MB beyond the empty tables: one transaction of the writer's (at most some 2,000 of
+    # these frames, about 1.7 MB) always fits, all 12,000 frames (decoded or kept) never do.
+    empty = open_database(db_path)
+    empty_bytes = empty.execute("PRAGMA page_count").fetchone()[0] * empty.execute("PRAGMA page_size").fetchone()[0]
+    recorder = Recorder(db_path, SessionInfo(name="full"), max_db_bytes=empty_bytes + 2_400_000)
     for seq in range(1, 12_001):
         recorder.frame(frame(seq, f"request-{seq:06d}-" + "x" * 200))
         if seq % 1000 == 0:
