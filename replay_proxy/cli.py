@@ -6,7 +6,6 @@ import csv
 import datetime
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
@@ -247,32 +246,38 @@ def _bytes_hex(value: Any) -> str:
 
 @schema_app.command("extract")
 def schema_extract(
-    python: Annotated[Path, typer.Option(help="Python interpreter of a vLLM installation.")],
+    release: Annotated[str | None, typer.Option(
+        help="A release pip has: its wheel is fetched (cached) and its classes read; written to the package's "
+             "schemas/RELEASE.json unless --out says otherwise.")] = None,
+    python: Annotated[Path | None, typer.Option(help="Python interpreter of a vLLM installation.")] = None,
     vllm_src: Annotated[Path | None, typer.Option(
-        help="A folder holding an unpacked vllm/ package to import instead (an older release's classes).")] = None,
-    output: Annotated[Path | None, typer.Option("--out", help="Write here instead of stdout.")] = None,
+        help="With --python: a folder holding a vllm/ package to import instead (a source tree).")] = None,
+    output: Annotated[Path | None, typer.Option("--out", help="Write here (- for stdout).")] = None,
 ) -> None:
     """Extract a release's wire schema from vLLM's own classes.
 
-    Example: replay-proxy schema extract --python ~/.cache/replay-proxy/vllm-0.32.0/bin/python --out 0.32.0.json
-    """
-    from replay_proxy.wire import extract
+    Example: replay-proxy schema extract --release 0.33.0
 
-    env = None
-    if vllm_src is not None:
-        import os
-        env = {**os.environ, "PYTHONPATH": str(vllm_src)}
+    Example: replay-proxy schema extract --python ~/vllm/.venv/bin/python --vllm-src ~/vllm --out -
+    """
+    from replay_proxy import releases
+
+    if (release is None) == (python is None):
+        raise fail("give either --release or --python", ExitCode.USAGE)
+    if vllm_src is not None and python is None:
+        raise fail("--vllm-src goes with --python", ExitCode.USAGE)
     try:
-        result = subprocess.run([str(python), extract.__file__], capture_output=True, env=env, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise fail(f"could not run {python}: {exc}") from None
-    if result.returncode != 0:
-        last = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise fail(f"schema extraction failed under {python}: {last[0]}")
-    if output is None:
-        sys.stdout.write(result.stdout.decode())
+        schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
+    except releases.ReleaseError as exc:
+        raise fail(str(exc)) from None
+    if output is None and release:
+        from replay_proxy.wire import schema as wire_schema
+
+        output = Path(wire_schema.__file__).parent / "schemas" / f"{release}.json"
+    if output is None or str(output) == "-":
+        sys.stdout.write(schema.decode())
     else:
-        output.write_bytes(result.stdout)
+        output.write_bytes(schema)
         err.print(f"wrote {output}")
 
 
@@ -296,6 +301,41 @@ def schema_diff(
         if release not in shipped_releases():
             raise fail(f"no shipped schema for {release!r}; shipped: {', '.join(shipped_releases())}", ExitCode.USAGE)
     finish_report(schema_report(load_schema(old), load_schema(new)), report_dir, show_info)
+
+
+@schema_app.command("history")
+def schema_history(
+    struct: Annotated[str, typer.Argument(help="A struct, e.g. EngineCoreOutput.")],
+    field: Annotated[str | None, typer.Argument(help="Only this field.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+) -> None:
+    """Each field's first and last release, and every change of position, type or default between,
+    across all shipped schemas.
+
+    Example: replay-proxy schema history EngineCoreOutput num_nans_in_logits
+    """
+    import msgspec
+
+    from replay_proxy.compare.schema_history import struct_history
+    from replay_proxy.wire.schema import load_schema, shipped_releases
+
+    schemas = [load_schema(r) for r in shipped_releases()]
+    try:
+        history = struct_history(schemas, struct, field)
+    except KeyError as exc:
+        known = sorted({n for s in schemas for n in s.structs})
+        raise fail(f"no {exc.args[0]} in any shipped schema" + ("" if field else f"; structs: {', '.join(known)}"),
+                   ExitCode.USAGE) from None
+    if as_json:
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(history)).decode() + "\n")
+        return
+    table = Table(title=f"{struct} across {shipped_releases()[0]} .. {shipped_releases()[-1]}")
+    for column in ("field", "first", "last", "position", "type", "changes"):
+        table.add_column(column)
+    for h in history:
+        changes = "; ".join(f"{c.release}: {c.what} {c.before!r} -> {c.after!r}" for c in h.changes)
+        table.add_row(h.field, h.first, h.last, "" if h.position is None else str(h.position), h.type, changes)
+    out.print(table)
 
 
 @app.command()

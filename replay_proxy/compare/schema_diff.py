@@ -60,7 +60,72 @@ def diff_schemas(old: Schema, new: Schema) -> list[Finding]:
                                         f"{enum_name}.{key} ({value!r}) {label} in {new.release}",
                                         struct=enum_name, field=key, candidate=value if label == "added" else None,
                                         baseline=value if label == "removed" else None))
+    findings += _ext_type_changes(old, new)
+    findings += _utility_changes(old, new)
     return findings
+
+
+def _ext_type_changes(old: Schema, new: Schema) -> list[Finding]:
+    findings = []
+    for name in sorted(set(old.ext_types) | set(new.ext_types)):
+        a, b = old.ext_types.get(name), new.ext_types.get(name)
+        if a != b:
+            findings.append(Finding("schema", Severity.BREAKING if a is not None and b is not None else Severity.WARNING,
+                                    "ext_type_changed", f"msgpack extension {name}: code {a} -> {b} in {new.release}",
+                                    struct="ext_types", field=name, baseline=a, candidate=b,
+                                    breaks=(PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND) if a and b else ()))
+    return findings
+
+
+def _utility_changes(old: Schema, new: Schema) -> list[Finding]:
+    """A UTILITY request calls ``method(*args)`` on the engine: what a frontend of one release sends
+    that the engine of the other cannot take."""
+    if old.utility_methods is None or new.utility_methods is None:
+        return []
+    findings = []
+    for method in sorted(set(old.utility_methods) | set(new.utility_methods)):
+        a, b = old.utility_methods.get(method), new.utility_methods.get(method)
+        if a is None or b is None:
+            findings.append(Finding(
+                "schema", Severity.WARNING, "utility_method_added" if a is None else "utility_method_removed",
+                f"utility {method} {'is new in' if a is None else 'no longer exists in'} {new.release}: a "
+                f"{(old if a is None else new).release} engine answers a call to it with a failure",
+                struct="utility_methods", field=method, baseline=_signature(a), candidate=_signature(b)))
+            continue
+        positional_a = [p for p in a if p.kind in ("positional_only", "positional_or_keyword")]
+        positional_b = [p for p in b if p.kind in ("positional_only", "positional_or_keyword")]
+        takes_any = lambda ps: any(p.kind == "var_positional" for p in ps)  # noqa: E731
+        required_a, required_b = sum(p.required for p in positional_a), sum(p.required for p in positional_b)
+        problems = []
+        if required_b > required_a:  # an older frontend sends fewer arguments than the newer engine needs
+            problems.append(f"needs {required_b} positional arguments, {old.release} callers send {required_a}+")
+        if len(positional_b) < len(positional_a) and not takes_any(b):
+            problems.append(f"takes at most {len(positional_b)} positional arguments, {old.release} callers may "
+                            f"send {len(positional_a)}")
+        if len(positional_a) < len(positional_b) and not takes_any(a):
+            problems.append(f"{new.release} callers may send {len(positional_b)} positional arguments, a "
+                            f"{old.release} engine takes {len(positional_a)}")
+        renamed = [(p.name, q.name) for p, q in zip(positional_a, positional_b) if p.name != q.name]
+        if problems:
+            findings.append(Finding("schema", Severity.BREAKING, "utility_signature_changed",
+                                    f"utility {method}({_signature(a)}) -> ({_signature(b)}): {'; '.join(problems)}",
+                                    struct="utility_methods", field=method, baseline=_signature(a),
+                                    candidate=_signature(b), breaks=(PYTHON_ENGINE,)))
+        elif a != b:
+            findings.append(Finding("schema", Severity.INFO, "utility_signature_changed",
+                                    f"utility {method}({_signature(a)}) -> ({_signature(b)})"
+                                    + (f": parameters renamed {renamed}" if renamed else ""),
+                                    struct="utility_methods", field=method, baseline=_signature(a),
+                                    candidate=_signature(b)))
+    return findings
+
+
+def _signature(parameters) -> str | None:
+    if parameters is None:
+        return None
+    marks = {"var_positional": "*", "var_keyword": "**"}
+    return ", ".join(f"{marks.get(p.kind, '')}{p.name}{'' if p.required or p.kind in marks else '=...'}"
+                     for p in parameters)
 
 
 def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ...],

@@ -8,10 +8,15 @@ vLLM and the standard library. It walks every struct reachable from the
 top-level messages with ``msgspec.inspect.type_info`` and prints one JSON
 document: per struct its encoding (array or map), and per field its name,
 position, printable type, the msgpack kinds it accepts, whether it is
-required, its default, the nested struct it holds and whether it is a tensor.
+required, its default, the nested struct it holds and whether it is a tensor;
+the enums (request types, finish reasons, ...); the msgpack extension type
+codes; and every method a UTILITY request can call on the engine, with its
+positional parameters (the engine calls ``method(*args)``, so a new required
+parameter breaks a call from an older frontend as surely as a new field).
 """
 
 import enum
+import inspect
 import json
 import sys
 
@@ -31,6 +36,8 @@ ENUMS = {
     "RequestOutputKind": "vllm.sampling_params:RequestOutputKind",
 }
 TENSOR_TYPES = {"Tensor", "ndarray"}
+SERIAL_UTILS = "vllm.v1.serial_utils"  # CUSTOM_TYPE_* constants: the msgpack ext codes
+UTILITY_TARGET = "vllm.v1.engine.core:EngineCoreProc"  # what a UTILITY request's method is looked up on
 
 
 def load(path):
@@ -143,6 +150,32 @@ def default_of(field):
         return repr(value)
 
 
+def ext_types():
+    module = __import__(SERIAL_UTILS, fromlist=["_"])
+    return {name: value for name, value in sorted(vars(module).items())
+            if name.startswith("CUSTOM_TYPE_") and isinstance(value, int)}
+
+
+def utility_methods():
+    """Public methods of the engine process, each with its parameters after self, or None if it does not import."""
+    try:
+        cls = load(UTILITY_TARGET)
+    except Exception as exc:  # noqa: BLE001 - an older release's engine module may need what is not here
+        print(f"utility methods not extracted: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    methods = {}
+    for name, function in sorted(inspect.getmembers(cls, inspect.isfunction)):
+        if name.startswith("_"):
+            continue
+        parameters = list(inspect.signature(function).parameters.values())[1:]
+        methods[name] = [{"name": p.name, "kind": p.kind.name.lower(), "required": p.default is p.empty
+                          and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD),
+                          "type": None if p.annotation is p.empty else
+                          (p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation))}
+                         for p in parameters]
+    return methods
+
+
 def main():
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM logs to stdout at import; keep ours clean
@@ -165,6 +198,8 @@ def main():
             "extracted_from": f"vllm {vllm.__version__}, msgspec {msgspec.__version__}",
             "structs": dict(sorted(walker.structs.items())),
             "enums": enums,
+            "ext_types": ext_types(),
+            "utility_methods": utility_methods(),
         },
         out,
         indent=1,

