@@ -93,6 +93,9 @@ def record(
     max_db_mb: Annotated[float | None, typer.Option(min=1,
         help="Stop recording (never forwarding) once the database file reaches this size; what does not "
              "fit is counted as dropped, as on a full disk.")] = None,
+    fail_on_drift: Annotated[bool, typer.Option(
+        help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
+             "(the drift alarms, in the drift_alarms table).")] = False,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.
 
@@ -117,6 +120,10 @@ def record(
                   f"replay-proxy decode --db {db} --session {name}")
     if recorder.status not in ("complete", "finishing"):
         raise fail(f"the recording is {recorder.status}: {stats.error or 'see the sessions table'}")
+    if stats.drift_alarms:
+        err.print(f"{stats.drift_alarms} drift alarm(s): replay-proxy query --db {db} --preset drift")
+        if fail_on_drift:
+            raise typer.Exit(int(ExitCode.SCHEMA_BREAKING))
 
 
 @app.command()

@@ -30,6 +30,9 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
         line.append(f"  engines dead {stats.engines_dead}", style="bold red")
     if stats.error:
         line.append(f"  {stats.error}", style="bold red")
+    if stats.drift:
+        line.append(f"  {stats.drift_alarms} drift alarm{'s' if stats.drift_alarms > 1 else ''}, newest: "
+                    f"{stats.drift}", style="bold yellow")
     return line
 
 
@@ -62,10 +65,14 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
 
 
 async def _show_status(console: Console, recorder: Recorder, relay: Relay) -> None:
-    if not console.is_terminal:
+    if not console.is_terminal:  # a log line now and then, and one at once for each new drift alarm
+        shown, alarms = trio.current_time(), 0
         while True:
-            await trio.sleep(PLAIN_STATUS_EVERY_S)
-            console.print(status_line(recorder.statistics(), len(relay.engines)))
+            await trio.sleep(STATUS_EVERY_S)
+            stats = recorder.statistics()
+            if stats.drift_alarms > alarms or trio.current_time() - shown >= PLAIN_STATUS_EVERY_S:
+                console.print(status_line(stats, len(relay.engines)))
+                shown, alarms = trio.current_time(), stats.drift_alarms
     with Live(console=console, refresh_per_second=4, transient=True) as live:
         while True:
             live.update(status_line(recorder.statistics(), len(relay.engines)))

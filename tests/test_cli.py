@@ -10,6 +10,7 @@ import sqlite_utils
 import trio
 
 from replay_proxy.processes import Child, free_port
+from replay_proxy.sim.drift import EngineDrift
 from replay_proxy.sim.engine import SimEngine
 from replay_proxy.sim.frontend import SimFrontend
 from replay_proxy.sim.workload import run_workload
@@ -50,6 +51,37 @@ async def test_sigterm_flushes_the_recording_and_exits_0(tmp_path):
         "SELECT COUNT(*) FROM frames WHERE channel = 'input' AND direction = 'to_engine'").fetchone()[0]
     assert rows == sent_to_engines
     assert "complete: " in proxy.log_tail(1)
+    assert "drift" not in proxy.log_tail(100)  # same-release traffic: no alarm
+    assert sqlite_utils.Database(db)["drift_alarms"].count == 0
+
+
+async def test_a_drifted_engine_raises_a_drift_alarm_while_recording_and_fail_on_drift_exits_3(tmp_path):
+    db = tmp_path / "r.db"
+    upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(db), "--session", "s",
+                   "--fail-on-drift"], tmp_path / "proxy.log")
+    try:
+        proxy.wait_for_log("listening on", timeout=30)
+        frontend = SimFrontend(upstream)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(frontend.run)
+                nursery.start_soon(SimEngine(listen, 0, drift=EngineDrift(append_output_field=True)).run)
+                await frontend.ready.wait()
+                await run_workload(frontend, requests=5)
+                # On the status line while the traffic flows, before any stop.
+                await trio.to_thread.run_sync(lambda: proxy.wait_for_log("drift alarm", timeout=30))
+                nursery.cancel_scope.cancel()
+    finally:
+        code = proxy.stop(timeout=30)
+    log = proxy.log_tail(100)
+    assert code == 3, log
+    assert "EngineCoreOutput position 18: extra position" in log and "against the 0.32.0 schema" in log
+    [alarm] = sqlite_utils.Database(db)["drift_alarms"].rows
+    assert (alarm["struct"], alarm["issue"], alarm["position"], alarm["kind"], alarm["announced"]) == (
+        "EngineCoreOutput", "extra_position", 18, "OUTPUTS", "0.32.0")
+    preset = cli("query", "--db", str(db), "--json", "--preset", "drift")
+    assert '"struct": "EngineCoreOutput"' in preset.stdout and '"frames_flagged": ' in preset.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -91,6 +91,8 @@ class RecorderStats(msgspec.Struct, frozen=True):
     engines_dead: int
     frames_undecoded: int = 0
     error: str | None = None  # the writer's last write error, or its death
+    drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
+    drift: str | None = None  # the newest drift alarm
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -129,7 +131,7 @@ class Recorder:
         self._progress_socket = context.socket(zmq.PULL)
         self._progress_socket.setsockopt(zmq.CONFLATE, 1)
         self._progress_socket.bind(progress)
-        self._progress, self._write_error = Progress(0, 0, 0, 0, 0), None
+        self._progress, self._write_error, self._drift = Progress(0, 0, 0, 0, 0, 0), None, None
         self._writer_lost: str | None = None  # why the writer is gone, once the tap has seen it go
         self._progress_due = 0.0  # when the tap thread reads the writer's progress next
         # We connect, the writer binds: a connecting PUSH queues from the first frame on,
@@ -248,7 +250,7 @@ class Recorder:
     def _read_progress(self, timeout_ms: int) -> None:
         """Take the writer's latest report, waiting up to ``timeout_ms`` for one; notice if it is gone."""
         if self._progress_socket.poll(timeout_ms):
-            self._progress, self._write_error = unpack_progress(self._progress_socket.recv())
+            self._progress, self._write_error, self._drift = unpack_progress(self._progress_socket.recv())
         self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
         if self._writer_lost is None and (code := self._process.poll()) is not None:
             self._writer_lost = f"the writer process exited with {code} while recording"
@@ -258,7 +260,7 @@ class Recorder:
         queued = 0 if self._writer_lost else self._frames_seen - self._frames_dropped - p.frames_written - p.frames_failed
         return RecorderStats(self._frames_seen, p.frames_written, self._frames_seen - p.frames_written - queued,
                              self._bytes_seen, p.requests, queued, p.engines_dead, p.frames_undecoded,
-                             self._writer_lost or self._write_error)
+                             self._writer_lost or self._write_error, p.drift_alarms, self._drift)
 
     def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
         """Pass on everything queued, tell the writer how the session ended, and wait (bounded) for it.
@@ -294,6 +296,8 @@ class Recorder:
                 "error": error or self._writer_lost or f"the writer process exited with {code}"})
         row = db["sessions"].get(self.session_id)
         requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
+        alarms = [m for (m,) in db.execute("SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid",
+                                           [self.session_id])]
         db.close()
         if code is None:
             self.status = "finishing"  # the writer is still at it, in the background
@@ -301,8 +305,9 @@ class Recorder:
                                  self._frames_seen - self._progress.frames_written, self._bytes_seen,
                                  self._progress.requests, 0, self._progress.engines_dead,
                                  self._progress.frames_undecoded, f"the writer (PID {self._process.pid}) is "
-                                 "still writing; it ends the session itself")
+                                 "still writing; it ends the session itself", self._progress.drift_alarms,
+                                 self._drift)
         self.status = row["status"]
         return RecorderStats(row["frames_seen"] or 0, row["frames_recorded"] or 0, row["frames_dropped"] or 0,
                              row["bytes_seen"] or 0, requests, 0, row["engines_dead"] or 0,
-                             row["frames_undecoded"] or 0, row["error"])
+                             row["frames_undecoded"] or 0, row["error"], len(alarms), alarms[-1] if alarms else None)

@@ -15,7 +15,7 @@ import msgspec
 from replay_proxy.store.tables import TABLES, sampling_columns
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, Kind, Message, WireDecoder
-from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.schema import Flag, Schema
 from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs
 from replay_proxy.wire.values import decode_msgpack, to_json
 
@@ -57,6 +57,7 @@ class Rows:
         self.tables: dict[str, list[tuple]] = defaultdict(list)
         self.request_numbers = {} if request_numbers is None else request_numbers
         self.new_request_ids: list[str] = []
+        self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...]]] = []  # frames the schema does not describe
 
     def _add(self, table: str, **row: Any) -> None:
         values = [row.get(c) for c in TABLES[table][0]]
@@ -96,6 +97,8 @@ class Rows:
 
     def _frame(self, session_id: int, frame: CapturedFrame, kind: Kind, decoded: str | None, error: str | None,
                flags: tuple, engine_time: float | None) -> None:
+        if flags:
+            self.flagged.append((frame, kind, flags))
         self._add("frames", session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns, engine_index=frame.engine_index,
                   client_index=frame.client_index, channel=str(frame.channel), direction=str(frame.direction),
                   kind=str(kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),

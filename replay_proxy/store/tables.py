@@ -93,6 +93,14 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
     }, ["session_id", "seq"]),
+    # The first frame of each way a session's traffic disagreed with the schema of the release its
+    # engine announced (struct, issue, field or position): the live drift alarm. message: as the
+    # status line said it.
+    "drift_alarms": ({
+        "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int, "kind": str,
+        "struct": str, "issue": str, "field": str, "position": int, "path": str, "expected": str, "got": str,
+        "schema_release": str, "announced": str, "message": str,
+    }, None),
     # What the recorder has kept but not yet decoded: the tap's messages as they came, numbered
     # in arrival order. Emptied as the writer catches up; empty once a session is finished.
     "undecoded": ({

@@ -62,17 +62,19 @@ class Progress(NamedTuple):
     engines_dead: int  # sent ENGINE_CORE_DEAD or vanished
     frames_failed: int  # could not be written (a full disk, a locked file)
     frames_undecoded: int  # kept, not yet decoded
+    drift_alarms: int  # distinct ways the traffic disagreed with its release's schema
 
 
-PROGRESS = struct.Struct("<qqqqq")  # a Progress on the wire, then the last write error (UTF-8), if any
+PROGRESS = struct.Struct("<qqqqqq")  # a Progress on the wire, then the last write error and drift alarm (UTF-8)
 
 
-def pack_progress(progress: Progress, error: str | None) -> bytes:
-    return PROGRESS.pack(*progress) + (error or "").encode()
+def pack_progress(progress: Progress, error: str | None, drift: str | None) -> bytes:
+    return PROGRESS.pack(*progress) + f"{error or ''}\0{drift or ''}".encode()
 
 
-def unpack_progress(data: bytes) -> tuple[Progress, str | None]:
-    return Progress(*PROGRESS.unpack_from(data)), data[PROGRESS.size:].decode() or None
+def unpack_progress(data: bytes) -> tuple[Progress, str | None, str | None]:
+    error, drift = data[PROGRESS.size:].decode().split("\0")
+    return Progress(*PROGRESS.unpack_from(data)), error or None, drift or None
 
 
 class Stop(msgspec.Struct):
@@ -120,9 +122,34 @@ class Writer:
         self.dead: set[int | None] = {e for (e,) in self.connection.execute(  # sent ENGINE_CORE_DEAD or vanished
             "SELECT DISTINCT engine_index FROM engine_events WHERE session_id = ?", (session_id,))}
         self.write_error: str | None = None
+        self.alarmed = {tuple(r) for r in self.connection.execute(  # drift alarms raised: (struct, issue, field, position)
+            "SELECT struct, issue, field, position FROM drift_alarms WHERE session_id = ?", (session_id,))}
+        self.last_alarm: str | None = None
 
     def progress(self) -> Progress:
-        return Progress(self.frames_written, self.requests, len(self.dead), self.frames_failed, self.frames_undecoded)
+        return Progress(self.frames_written, self.requests, len(self.dead), self.frames_failed, self.frames_undecoded,
+                        len(self.alarmed))
+
+    def _alarms(self, rows: Rows) -> None:
+        """A drift alarm row for each new way a frame disagreed with the schema (the first frame of each)."""
+        schema, announced = self.decoder.schema, self.decoder.vllm_version
+        against = f"the {schema.release} schema" + ("" if self.decoder.schema_exact else
+                                                    f" (nearest to the announced {announced or 'nothing'})")
+        for frame, kind, flags in rows.flagged:
+            for flag in flags:
+                key = (flag.struct, flag.issue, flag.field, flag.position)
+                if key in self.alarmed:
+                    continue
+                self.alarmed.add(key)
+                where = f"position {flag.position}" if flag.position is not None else \
+                    f"field {flag.field}" if flag.field else flag.path
+                self.last_alarm = (f"drift: {kind} {flag.struct} {where}: {flag.issue.replace('_', ' ')}"
+                                   f"{f' (expected {flag.expected}, got {flag.got})' if flag.expected else ''}"
+                                   f" against {against}")
+                rows.tables["drift_alarms"].append((
+                    self.session_id, frame.seq, frame.ts_ns, frame.engine_index, frame.client_index, str(kind),
+                    flag.struct, flag.issue, flag.field, flag.position, flag.path, flag.expected, flag.got,
+                    schema.release, announced, self.last_alarm))
 
     def _commit(self, rows: Rows, *, done: tuple[int, int] | None = None) -> bool:
         """Write the rows in one transaction; ``done``: the kept messages they replace (a number range)."""
@@ -152,6 +179,8 @@ class Writer:
             added += kind is Kind.ADD
             if kind is Kind.ENGINE_CORE_DEAD:
                 self.dead.add(item.engine_index)
+        if rows.flagged:
+            self._alarms(rows)
         return rows, added
 
     def write(self, messages: list[list[bytes]]) -> None:
@@ -261,7 +290,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
     progress.setsockopt(zmq.LINGER, 5000)
     progress.connect(progress_address)
     writer = Writer(db_path, session_id, max_bytes=max_bytes)
-    progress.send(pack_progress(writer.progress(), None))  # started
+    progress.send(pack_progress(writer.progress(), None, None))  # started
     held: list[list[bytes]] = []  # the tap's messages waiting, in memory
     held_bytes = held_frames = 0
     stop: Stop | None = None
@@ -310,7 +339,7 @@ def run(db_path: str, session_id: int, tap_address: str, progress_address: str, 
         if stop is None and time.monotonic() - parent_checked >= PARENT_CHECK_S:
             parent_checked = time.monotonic()
             parent_gone = os.getppid() != parent  # died without STOP: finish what came, and say so
-        progress.send(pack_progress(writer.progress(), writer.write_error))
+        progress.send(pack_progress(writer.progress(), writer.write_error, writer.last_alarm))
     writer.finish(stop)
     tap.close(linger=0)
     progress.close()

@@ -72,6 +72,7 @@ def test_recording_has_every_message_decoded_without_unknowns(which, python_reco
     problems = list(db.query("SELECT kind, decode_error, flags FROM frames "
                              "WHERE decode_error IS NOT NULL OR flags IS NOT NULL"))
     assert problems == []
+    assert db["drift_alarms"].count == 0  # real same-release traffic: the live alarm stays silent
     session = next(db.query("SELECT * FROM sessions"))
     assert (session["status"], session["vllm_version"], session["schema_exact"]) == ("complete", "0.32.0", 1)
     assert session["frames_seen"] == session["frames_recorded"] > 0 and session["frames_dropped"] == 0
