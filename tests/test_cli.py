@@ -66,7 +66,7 @@ async def test_a_drifted_engine_raises_a_drift_alarm_while_recording_and_fail_on
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 await nursery.start(frontend.run)
-                nursery.start_soon(SimEngine(listen, 0, drift=EngineDrift(append_output_field=True)).run)
+                nursery.start_soon(SimEngine(listen, 0, drift=EngineDrift(append_outputs_field=True)).run)
                 await frontend.ready.wait()
                 await run_workload(frontend, requests=5)
                 # On the status line while the traffic flows, before any stop.
@@ -76,12 +76,13 @@ async def test_a_drifted_engine_raises_a_drift_alarm_while_recording_and_fail_on
         code = proxy.stop(timeout=30)
     log = proxy.log_tail(100)
     assert code == 3, log
-    assert "EngineCoreOutput position 18: extra position" in log and "against the 0.32.0 schema" in log
+    assert "EngineCoreOutputs position 9: extra position" in log and "against the 0.32.0 schema" in log
     [alarm] = sqlite_utils.Database(db)["drift_alarms"].rows
-    assert (alarm["struct"], alarm["issue"], alarm["position"], alarm["kind"], alarm["announced"]) == (
-        "EngineCoreOutput", "extra_position", 18, "OUTPUTS", "0.32.0")
+    assert (alarm["struct"], alarm["issue"], alarm["position"], alarm["announced"]) == (
+        "EngineCoreOutputs", "extra_position", 9, "0.32.0")
+    assert alarm["kind"] in ("OUTPUTS", "UTILITY_OUTPUT")  # the first frame the drifted engine sent after READY
     preset = cli("query", "--db", str(db), "--json", "--preset", "drift")
-    assert '"struct": "EngineCoreOutput"' in preset.stdout and '"frames_flagged": ' in preset.stdout
+    assert '"struct": "EngineCoreOutputs"' in preset.stdout and '"frames_flagged": ' in preset.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
+from replay_proxy.compare.readers import how_they_read, rejecting
 from replay_proxy.compare.schema_diff import readers
 from replay_proxy.store.session import Session
 from replay_proxy.wire.schema import Schema
@@ -76,7 +77,7 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
                 f"the registration lacks {key!r}" + (f", which a {baseline.schema.release} frontend requires "
                                                      f"(\"Object missing required field `{key}`\")" if required else ""),
                 message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key,
-                breaks=(PYTHON_FRONTEND, RUST_FRONTEND) if required else ()))
+                breaks=rejecting((PYTHON_FRONTEND, RUST_FRONTEND), "missing_required_key") if required else ()))
         for key in sorted(keys_b - keys_a):
             findings.append(Finding("schema", Severity.INFO, "registration_key_added",
                                     f"the registration has a new key {key!r} (frontends ignore unknown keys)",
@@ -146,13 +147,13 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
                 struct=struct, field=name_a(p), position=p, baseline=sorted(kinds_a), candidate=sorted(kinds_b),
                 breaks=who))
     if at == end and shift > 0:
-        rust = tuple(r for r in who if r == RUST_FRONTEND)
+        breaks = rejecting(who, "extra_trailing_elements", struct)
         findings.append(Finding(
-            "schema", Severity.BREAKING if rust else Severity.INFO, "array_longer",
+            "schema", Severity.BREAKING if breaks else Severity.INFO, "array_longer",
             f"{struct} arrays grew from {length_a} to {length_b} elements (new: "
-            f"{', '.join(name_b(p) for p in range(length_a, length_b))}); Python readers skip extra trailing "
-            "elements" + ("; the Rust frontend's reader rejects them (LengthMismatch)" if rust else ""),
-            struct=struct, position=length_a, baseline=length_a, candidate=length_b, breaks=rust))
+            f"{', '.join(name_b(p) for p in range(length_a, length_b))}); "
+            f"{how_they_read(who, 'extra_trailing_elements', struct)}",
+            struct=struct, position=length_a, baseline=length_a, candidate=length_b, breaks=breaks))
     elif at == end and shift < 0:
         required = [f.name for f in schema_a.structs[struct].fields[length_b:length_a] if f.required]
         findings.append(Finding(

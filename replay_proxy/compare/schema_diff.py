@@ -1,17 +1,16 @@
 """Breaking-change analysis between two release schemas (``buf breaking`` for msgspec structs).
 
-msgspec's schema-evolution rules decide what a Python reader accepts:
-array_like structs only ever append at the end, with defaults; an existing
-field never changes type; required fields are never added. vLLM's Rust
-frontend (rmp-serde + serde_tuple) is stricter on arrays: it rejects extra
-trailing elements (LengthMismatch), and Python always sends arrays at full
-length. Each finding says which decoder breaks in a mixed deployment: the
-struct's reader of one release with its writer of the other.
+Which reader a change breaks is the readers' rules' (``readers.json``): for
+example msgspec skips extra trailing array elements while vLLM's Rust
+frontend (rmp-serde + serde_tuple) rejects them, and Python always sends
+arrays at full length. Each finding says which decoder breaks in a mixed
+deployment: the struct's reader of one release with its writer of the other.
 """
 
 from __future__ import annotations
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
+from replay_proxy.compare.readers import how_they_read, rejecting
 from replay_proxy.wire.schema import Field, Schema, StructSchema
 
 # Roots of what the frontend sends; everything else travels engine -> frontend.
@@ -141,12 +140,10 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
     old_rest, new_rest = old_names[common:], new_names[common:]
     if not old_rest:  # pure append
         for field in b.fields[common:]:
-            rust = [r for r in who if r == RUST_FRONTEND]
-            severity = Severity.BREAKING if field.required or rust else Severity.INFO
-            breaks = tuple(who) if field.required else tuple(rust)
+            breaks = tuple(who) if field.required else rejecting(who, "extra_trailing_elements", name)
+            severity = Severity.BREAKING if breaks else Severity.INFO
             why = ("required: older writers cannot send it" if field.required else
-                   f"{new} writers send it; Python readers of {old} skip extra trailing elements"
-                   + ("; the Rust frontend's reader rejects them (LengthMismatch)" if rust else ""))
+                   f"{new} writers send it; of {old}'s readers, {how_they_read(who, 'extra_trailing_elements', name)}")
             findings.append(Finding("schema", severity, "field_appended",
                                     f"{name}.{field.name} appended at position {field.position} ({why})",
                                     struct=name, field=field.name, position=field.position,
@@ -195,7 +192,8 @@ def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ..
             findings.append(Finding(
                 "schema", Severity.BREAKING if key.required else Severity.INFO, code,
                 f"{name}.{key.name} {code.removeprefix('key_')} ({if_required if key.required else if_optional})",
-                struct=name, field=key.name, breaks=who if key.required else (), **{side: key.type}))
+                struct=name, field=key.name, breaks=rejecting(who, "missing_required_key") if key.required else (),
+                **{side: key.type}))
     for field_a in a.fields:
         field_b = b.by_name.get(field_a.name)
         if field_b is not None:  # map fields have no position on the wire
@@ -222,7 +220,8 @@ def _type_change(name: str, a: Field, b: Field, who: tuple[str, ...], old: str, 
             f"{name}.{a.name} changed type {a.type} -> {b.type}"
             + (f" (widened: {old} readers reject the new {sorted(set(b.kinds) - set(a.kinds))} values)"
                if widened else ""),
-            struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type, breaks=who))
+            struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type,
+            breaks=rejecting(who, "changed_type")))
     elif a.type != b.type:
         findings.append(Finding("schema", Severity.INFO, "type_renamed",
                                 f"{name}.{a.name} type {a.type} -> {b.type} (same wire kinds)",

@@ -2,7 +2,7 @@
 
 Each knob reproduces a break from vLLM's history (shared/protocol, section 6):
 a required registration key missing, a field inserted into a positional
-struct, a trailing field that only Rust readers reject, a sampling-params key
+struct, a trailing field that only the Rust reader rejects, a sampling-params key
 renamed or added, a finish reason or token stream that changed.
 """
 
@@ -17,7 +17,9 @@ class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     drop_registration_key: str | None = None  # e.g. "block_size": a required key goes missing
     add_registration_key: str | None = None
     insert_output_field: int | None = None  # a new field at this position of EngineCoreOutput
-    append_output_field: bool = False  # a trailing field: fine for Python readers, breaks Rust
+    # A trailing EngineCoreOutputs field, as 0.32.0 appended weight_version: Python readers skip it, vllm-rs
+    # rejects it (an extra element in each EngineCoreOutput, vllm-rs skips too: readers.json).
+    append_outputs_field: bool = False
     finish_reason: str | None = None  # report this finish reason instead of the true one
     token_offset: int = 0  # shift every generated token id
     die_after_requests: int | None = None  # send ENGINE_CORE_DEAD after this many ADDs

@@ -206,6 +206,8 @@ class SimEngine:
 
     async def _send(self, client: int, named: dict) -> None:
         named = {"engine_index": self.index, "timestamp": trio.current_time(), **named}
+        if self.drift.append_outputs_field:
+            named["$extra"] = 0
         await self.outputs[client].send([encode(struct_value(self.schema, "EngineCoreOutputs", named))])
 
 
@@ -229,7 +231,5 @@ class _Running:
         output = {"request_id": request_id, "new_token_ids": [token], "finish_reason": finish}
         if finish == FINISH["stop"]:
             output["stop_reason"] = token
-        if drift.append_output_field:
-            output["$extra"] = 0
         return output
 

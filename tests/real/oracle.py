@@ -4,6 +4,9 @@
 MsgpackEncoder, print their frames (hex) and the values they hold.
 `decode`: read frames (hex, JSON on stdin) made by our sim peers, decode them
 with vLLM's MsgpackDecoder into its classes, print the values it got.
+`tolerate`: read cases (JSON on stdin: name -> [class, frame hex]), decode each
+as vLLM's readers do (MsgpackDecoder for requests and outputs, a typed
+msgspec decode for the registration), print "accepted" or the error.
 """
 
 import json
@@ -13,7 +16,9 @@ sys.stdout, out = sys.stderr, sys.stdout  # vLLM logs to stdout at import
 
 import numpy as np  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, UtilityOutput  # noqa: E402
+import msgspec  # noqa: E402
+from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReadyResponse,  # noqa: E402
+                            EngineCoreRequest, UtilityOutput)
 from vllm.v1.outputs import LogprobsLists  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
@@ -53,6 +58,22 @@ def decode(frames: dict) -> dict:
             "finish_reason": int(output.finish_reason), "engine_index": outputs.engine_index}
 
 
+def tolerate(cases: dict) -> dict:
+    classes = {"EngineCoreRequest": EngineCoreRequest, "EngineCoreOutputs": EngineCoreOutputs}
+    verdicts = {}
+    for name, (cls, frame) in cases.items():
+        try:
+            if cls == "EngineCoreReadyResponse":
+                msgspec.msgpack.decode(bytes.fromhex(frame), type=EngineCoreReadyResponse)
+            else:
+                MsgpackDecoder(classes[cls]).decode([bytes.fromhex(frame)])
+            verdicts[name] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - the verdict is the point
+            verdicts[name] = f"rejected: {type(exc).__name__}: {exc}"
+    return verdicts
+
+
 if __name__ == "__main__":
-    result = encode() if sys.argv[1] == "encode" else decode(json.load(sys.stdin))
-    json.dump(result, out)
+    modes = {"encode": lambda: encode(), "decode": lambda: decode(json.load(sys.stdin)),
+             "tolerate": lambda: tolerate(json.load(sys.stdin))}
+    json.dump(modes[sys.argv[1]](), out)

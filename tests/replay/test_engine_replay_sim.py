@@ -116,7 +116,7 @@ def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_
 @pytest.mark.parametrize("drift, code, expected", [
     ({"drop_registration_key": "block_size"}, ExitCode.SCHEMA_BREAKING, "registration_key_missing"),
     ({"insert_output_field": 5}, ExitCode.SCHEMA_BREAKING, "field_inserted"),
-    ({"append_output_field": True}, ExitCode.SCHEMA_BREAKING, "array_longer"),
+    ({"append_outputs_field": True}, ExitCode.SCHEMA_BREAKING, "array_longer"),
     ({"finish_reason": "stop"}, ExitCode.BEHAVIOUR, "finish_reason_changed"),
     ({"token_offset": 3}, ExitCode.BEHAVIOUR, "token_mismatch"),
     ({"die_after_requests": 2}, ExitCode.BEHAVIOUR, "engine_dead"),

@@ -1,0 +1,163 @@
+"""The readers' rules (replay_proxy/compare/readers.json), pinned against the real readers.
+
+Python: real 0.32.0 frames from our recording, changed one way each, decoded by vLLM's own classes
+(tests/real/oracle.py). Rust: the recording replayed against real vllm-rs binaries (0.32.0, 0.33.0) with the proxy as
+its engine, changed the same ways. Each test compares what the real reader did with what the rules
+say it does, so a rule that is wrong fails here.
+"""
+
+import json
+import sqlite3
+import subprocess
+
+import msgspec
+import pytest
+import sqlite_utils
+
+from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
+from replay_proxy.compare.readers import verdict
+from replay_proxy.wire.schema import load_schema
+from tests.real import peers
+from tests.real.test_oracle_vllm import ORACLE
+
+pytestmark = pytest.mark.real_vllm
+UNSET = object()
+
+
+def recorded(kind):
+    """The first recorded frame of ``kind`` with something in it: (session_id, seq, parts)."""
+    db = sqlite3.connect(peers.RECORDING)
+    where = " AND length(raw) > 100" if kind == "OUTPUTS" else ""
+    session, seq, raw = db.execute(f"SELECT session_id, seq, raw FROM frames WHERE kind = ?{where} ORDER BY seq",
+                                   [kind]).fetchone()
+    return session, seq, msgspec.msgpack.decode(raw)
+
+
+def changed(value, path, new=UNSET, append=UNSET, cut=None):
+    """A copy of a decoded msgpack value with the item at ``path`` replaced, appended to, cut, or deleted."""
+    value = msgspec.msgpack.decode(msgspec.msgpack.encode(value))
+    *parents, last = path
+    holder = value
+    for key in parents:
+        holder = holder[key]
+    if append is not UNSET:
+        holder[last].append(append)
+    elif cut is not None:
+        holder[last] = holder[last][:cut]
+    elif new is UNSET:
+        del holder[last]
+    else:
+        holder[last] = new
+    return value
+
+
+def test_python_readers_with_vllms_own_decoder():
+    request = msgspec.msgpack.decode(recorded("ADD")[2][1])
+    outputs = msgspec.msgpack.decode(recorded("OUTPUTS")[2][0])
+    registration = msgspec.msgpack.decode(recorded("REGISTRATION")[2][0])
+    required = sum(f.required for f in load_schema("0.32.0").structs["EngineCoreRequest"].fields)  # the leading ones
+    cases = {  # name: (class, value, reader, rule)
+        "request_extra": ("EngineCoreRequest", [*request, 7], PYTHON_ENGINE, "extra_trailing_elements"),
+        "request_short": ("EngineCoreRequest", request[:required], PYTHON_ENGINE, "missing_trailing_with_default"),
+        "sampling_unknown": ("EngineCoreRequest", changed(request, [3, "sim_unknown_key"], new=1),
+                             PYTHON_ENGINE, "unknown_map_key"),
+        "request_missing": ("EngineCoreRequest", request[:1], PYTHON_ENGINE, "missing_required_key"),
+        "request_type": ("EngineCoreRequest", changed(request, [0], new=12), PYTHON_ENGINE, "changed_type"),
+        "output_extra": ("EngineCoreOutputs", changed(outputs, [1, 0], append=7), PYTHON_FRONTEND,
+                         "extra_trailing_elements"),
+        "output_short": ("EngineCoreOutputs", changed(outputs, [1, 0], cut=6), PYTHON_FRONTEND,
+                         "missing_trailing_with_default"),
+        "registration_unknown": ("EngineCoreReadyResponse", {**registration, "sim_unknown_key": 1}, PYTHON_FRONTEND,
+                                 "unknown_map_key"),
+        "registration_missing": ("EngineCoreReadyResponse", changed(registration, ["block_size"]), PYTHON_FRONTEND,
+                                 "missing_required_key"),
+        "output_type": ("EngineCoreOutputs", changed(outputs, [1, 0, 1], new="tokens"), PYTHON_FRONTEND,
+                        "changed_type"),
+    }
+    stdin = json.dumps({name: (cls, msgspec.msgpack.encode(value).hex()) for name, (cls, value, _, _) in cases.items()})
+    result = subprocess.run([*ORACLE, "tolerate"], input=stdin, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = json.loads(result.stdout)
+    for name, (_, _, reader, rule) in cases.items():
+        expected = "rejected" if verdict(reader, rule) == "rejects" else "accepted"
+        assert got[name].split(":")[0] == expected, (name, reader, rule, got[name])
+
+
+def replay_vllm_rs(tmp_path, release, edit):
+    """The recording, changed by ``edit(db)``, replayed against vllm-rs ``release``: (result, finding codes,
+    report)."""
+    http, rpc = peers.free_port(), peers.free_port()
+    result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}",
+                                      "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
+                                      peers.command(peers.rust_frontend_argv(http, rpc, release)), edit=edit)
+    return result, {f["code"] for f in report["findings"]}, report
+
+
+def edit_frames(kind, change):
+    """An edit of every recorded frame of ``kind``: its first part decoded, ``change``d, encoded again."""
+    def edit(path):
+        db = sqlite_utils.Database(path)
+        for row in list(db.query("SELECT session_id, seq, raw FROM frames WHERE kind = ?", [kind])):
+            parts = msgspec.msgpack.decode(row["raw"])
+            parts[0] = msgspec.msgpack.encode(change(msgspec.msgpack.decode(parts[0])))
+            db["frames"].update((row["session_id"], row["seq"]), {"raw": msgspec.msgpack.encode(parts)})
+    return edit
+
+
+FAILED = {"replay_failed", "http_failed", "http_response_differs"}
+
+
+def each_output(change):
+    def apply(body):
+        body[1] = [change(list(output)) for output in body[1]]
+        return body
+    return apply
+
+
+def one_beyond(release, struct):
+    """An array of ``struct`` padded with nils to ``release``'s length, then one element more: a trailing
+    element that reader has no field for, whatever the recording's release."""
+    length = len(load_schema(release).structs[struct].fields)
+    return lambda array: [*array, *[None] * (length - len(array)), 7]
+
+
+@pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
+def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path, release):
+    assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutputs") == "rejects"
+    result, codes, report = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", one_beyond(release, "EngineCoreOutputs")))
+    assert "http_failed" in codes, result.stdout + result.stderr
+    message = next(f["message"] for f in report["findings"] if f["code"] == "http_failed")
+    assert "EngineCoreOutputs: array had incorrect length" in message
+
+
+@pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
+def test_vllm_rs_ignores_extra_trailing_elements_of_an_engine_core_output(tmp_path, release):
+    # Not what shared/protocol said (LengthMismatch): observed here, and the rule follows the real reader.
+    assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutput") == "ignores"
+    result, codes, _ = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", each_output(one_beyond(release, "EngineCoreOutput"))))
+    assert not codes & FAILED, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
+def test_vllm_rs_fills_missing_trailing_output_elements(tmp_path, release):
+    assert verdict(RUST_FRONTEND, "missing_trailing_with_default") == "fills"
+    result, codes, _ = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", each_output(lambda o: o[:7])))
+    assert not codes & FAILED, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
+def test_vllm_rs_ignores_an_unknown_registration_key(tmp_path, release):
+    assert verdict(RUST_FRONTEND, "unknown_map_key") == "ignores"
+    unknown = edit_frames("REGISTRATION", lambda r: {**r, "sim_unknown_key": 1})
+    result, codes, _ = replay_vllm_rs(tmp_path, release, unknown)
+    assert not codes & FAILED, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
+def test_vllm_rs_rejects_a_changed_type(tmp_path, release):
+    assert verdict(RUST_FRONTEND, "changed_type") == "rejects"
+    as_text = edit_frames("REGISTRATION", lambda r: {**r, "block_size": "16"})
+    result, codes, report = replay_vllm_rs(tmp_path, release, as_text)
+    assert result.returncode == 6 and "replay_failed" in codes, result.stdout + result.stderr
+    message = next(f["message"] for f in report["findings"] if f["code"] == "replay_failed")
+    assert "REGISTRATION" in message and "block_size" in message
