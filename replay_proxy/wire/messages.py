@@ -95,8 +95,6 @@ class WireDecoder:
             message = self._decode(channel, direction, frames)
         except Exception as exc:  # noqa: BLE001 - nothing from the wire may raise out of here
             return Message(kind=Kind.UNKNOWN, error=f"{type(exc).__name__}: {exc}")
-        if message.kind is Kind.REGISTRATION and isinstance(message.fields, dict):
-            self.learn_version(message.fields.get("vllm_version"))
         return message
 
     def learn_version(self, version: Any) -> None:
@@ -118,7 +116,10 @@ class WireDecoder:
                 return _unknown(f"registration is one frame, got {len(frames)}")
             if first == b"":  # the pre-2026-04 registration form
                 return Message(kind=Kind.REGISTRATION, fields={})
-            return self._named(Kind.REGISTRATION, "EngineCoreReadyResponse", frames)
+            value = decode_msgpack(first)
+            if isinstance(value, dict):  # the release it announces names it, and all that follows
+                self.learn_version(value.get("vllm_version"))
+            return self._named(Kind.REGISTRATION, "EngineCoreReadyResponse", frames, value)
         if channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT):
             # The sentinel is not msgpack: 'E' would decode as fixint 69.
             if first == ENGINE_CORE_DEAD and len(frames) == 1:

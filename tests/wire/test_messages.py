@@ -144,6 +144,14 @@ def test_pickle_ext_types_stay_opaque():
     assert fields["args"] == [Ext(1, evil), Ext(2, b"cloud")]
 
 
+def test_a_registration_is_named_with_the_release_it_announces():
+    # 0.28.0's registration lacks max_loras, which the newest schema requires: no flag under its own.
+    sample = {"int": 1, "str": "x", "bool": False, "float": 1.0, "nil": None, "map": {}, "array": [], "any": None}
+    registration = {f.name: sample[f.kinds[0]] for f in load_schema("0.28.0").structs["EngineCoreReadyResponse"].fields}
+    message = WireDecoder().decode(Channel.INPUT, TO_FRONTEND, [encode({**registration, "vllm_version": "0.28.0"})])
+    assert (message.kind, message.flags) == (Kind.REGISTRATION, ())
+
+
 def test_registration_switches_to_the_engines_release():
     decoder = WireDecoder()
     assert decoder.schema.release == "0.33.0" and not decoder.schema_exact  # the newest, until told
