@@ -17,10 +17,10 @@ import urllib.request
 from pathlib import Path
 
 from replay_proxy.processes import Child, ChildError, free_port
+from replay_proxy.releases import cache_dir
 
-CACHE = Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
+CACHE = cache_dir()
 VENV = CACHE / "vllm-0.32.0"
-VLLM = VENV / "bin" / "vllm"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
@@ -50,9 +50,9 @@ def vllm_env(**extra: str) -> dict[str, str]:
 
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
-                    **env: str) -> Child:
-    return Child(python_frontend_argv(http_port, rpc_port, dp, model), logs / "frontend.log",
-                 env=vllm_env(**env), name="vllm frontend")
+                    release: str = "0.32.0", **env: str) -> Child:
+    return Child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / f"frontend-{release}.log",
+                 env=vllm_env(**env), name=f"vllm {release} frontend")
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
@@ -69,9 +69,9 @@ def headless_engine_argv(rpc_port: int, dp: int = 1, start_rank: int = 0, local:
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
-                    name: str = "engine", model: Path = MODEL, **env: str) -> Child:
-    return Child(headless_engine_argv(rpc_port, dp, start_rank, local, model=model), logs / f"{name}.log",
-                 env=vllm_env(**env), name=name)
+                    name: str = "engine", model: Path = MODEL, release: str = "0.32.0", **env: str) -> Child:
+    return Child(headless_engine_argv(rpc_port, dp, start_rank, local, release, model), logs / f"{name}.log",
+                 env=vllm_env(**env), name=f"{name} {release}")
 
 
 def command(argv: list[str], **extra: str) -> str:
@@ -89,8 +89,10 @@ def engine_command(rpc_port: int, release: str = "0.32.0", **extra: str) -> str:
     return command(headless_engine_argv(rpc_port, release=release), **extra)
 
 
-def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL) -> list[str]:
-    return [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(http_port),
+def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
+                         release: str = "0.32.0") -> list[str]:
+    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(http_port),
             "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
             *COMMON, *PYTHON_ONLY]
@@ -151,8 +153,10 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
     return events
 
 
-def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None) -> dict:
-    """Frontend + headless engine (+ the recording proxy between them when ``db`` is given).
+def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
+             engine_release: str = "0.32.0") -> dict:
+    """Frontend + headless engine of ``engine_release`` (+ the recording proxy between them when ``db``
+    is given).
 
     Runs the HTTP workload and returns what the user saw; every process is
     stopped by PID before returning.
@@ -166,7 +170,7 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         if db is not None:
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
-        children.append(headless_engine(logs, listen))
+        children.append(headless_engine(logs, listen, release=engine_release))
         wait_http_ready(http, children)
         return workload.run(http)
     finally:
