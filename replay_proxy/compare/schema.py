@@ -147,12 +147,12 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
                 struct=struct, field=name_a(p), position=p, baseline=sorted(kinds_a), candidate=sorted(kinds_b),
                 breaks=who))
     if at == end and shift > 0:
-        breaks = rejecting(who, "extra_trailing_elements", struct)
+        breaks = rejecting(who, "extra_trailing_elements", struct, schema_a.release)
         findings.append(Finding(
             "schema", Severity.BREAKING if breaks else Severity.INFO, "array_longer",
             f"{struct} arrays grew from {length_a} to {length_b} elements (new: "
             f"{', '.join(name_b(p) for p in range(length_a, length_b))}); "
-            f"{how_they_read(who, 'extra_trailing_elements', struct)}",
+            f"{how_they_read(who, 'extra_trailing_elements', struct, schema_a.release)}",
             struct=struct, position=length_a, baseline=length_a, candidate=length_b, breaks=breaks))
     elif at == end and shift < 0:
         required = [f.name for f in schema_a.structs[struct].fields[length_b:length_a] if f.required]

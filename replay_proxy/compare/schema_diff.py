@@ -140,10 +140,10 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
     old_rest, new_rest = old_names[common:], new_names[common:]
     if not old_rest:  # pure append
         for field in b.fields[common:]:
-            breaks = tuple(who) if field.required else rejecting(who, "extra_trailing_elements", name)
+            breaks = tuple(who) if field.required else rejecting(who, "extra_trailing_elements", name, old)
             severity = Severity.BREAKING if breaks else Severity.INFO
             why = ("required: older writers cannot send it" if field.required else
-                   f"{new} writers send it; of {old}'s readers, {how_they_read(who, 'extra_trailing_elements', name)}")
+                   f"{new} writers send it; of {old}'s readers, {how_they_read(who, 'extra_trailing_elements', name, old)}")
             findings.append(Finding("schema", severity, "field_appended",
                                     f"{name}.{field.name} appended at position {field.position} ({why})",
                                     struct=name, field=field.name, position=field.position,

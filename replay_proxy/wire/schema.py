@@ -103,7 +103,7 @@ class Flag(msgspec.Struct, frozen=True, omit_defaults=True):
     got: str | None = None
 
 
-def _version_key(release: str) -> tuple[int, ...]:
+def release_key(release: str) -> tuple[int, ...]:
     return tuple(int(p) for p in release.split("+")[0].split(".") if p.isdigit())
 
 
@@ -112,7 +112,7 @@ def shipped_releases() -> tuple[str, ...]:
     """Releases with a schema in the package, oldest first."""
     folder = importlib.resources.files("replay_proxy.wire") / "schemas"
     names = [p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")]
-    return tuple(sorted(names, key=_version_key))
+    return tuple(sorted(names, key=release_key))
 
 
 @functools.cache
@@ -130,11 +130,11 @@ def schema_for(version: str | None) -> tuple[Schema, bool]:
     releases = shipped_releases()
     if not version:
         return load_schema(releases[-1]), False
-    wanted = _version_key(version)
+    wanted = release_key(version)
     for release in releases:
-        if _version_key(release) == wanted:
+        if release_key(release) == wanted:
             return load_schema(release), True
-    older = [r for r in releases if _version_key(r) <= wanted]
+    older = [r for r in releases if release_key(r) <= wanted]
     return load_schema(older[-1] if older else releases[0]), False
 
 
@@ -216,5 +216,5 @@ class Namer:
         self.flags.append(Flag(struct=struct, issue=issue, path=path, **details))
 
 
-__all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "load_schema",
+__all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "load_schema", "release_key",
            "schema_for", "schema_lines", "shipped_releases"]

@@ -26,11 +26,13 @@ def test_0_31_to_0_32():
 
 
 def test_0_30_to_0_31():
-    assert breaking("0.30.0", "0.31.0") == set()
+    # Appended to each output: vllm-rs 0.30.0 rejects it (it serves such outputs only from 0.31.0 on,
+    # pinned in tests/real/test_readers_vllm.py), Python readers skip it.
+    assert breaking("0.30.0", "0.31.0") == {
+        ("field_appended", "EngineCoreOutput", "prompt_token_id_logprobs", 17, (RUST_FRONTEND,)),
+    }
     compatible = {(f.code, f.struct, f.field) for f in diff_schemas(load_schema("0.30.0"), load_schema("0.31.0"))
                   if f.severity == Severity.INFO}
-    # Appended to each output: every reader skips it, vllm-rs included (pinned in tests/real/test_readers_vllm.py).
-    assert ("field_appended", "EngineCoreOutput", "prompt_token_id_logprobs") in compatible
     # Appended to a request the Python engine reads: older engines skip it.
     assert ("field_appended", "EngineCoreRequest", "kv_hints") in compatible
     assert ("key_added", "EngineCoreReadyResponse", "effective_attention_block_size") in compatible

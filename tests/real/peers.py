@@ -24,7 +24,7 @@ VENV = CACHE / "vllm-0.32.0"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
-VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.32.0", "0.33.0")}
+VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
 READY_TIMEOUT_S = 240
 COMMON = ["--max-model-len", "256", "--dtype", "float32"]
 PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
@@ -51,7 +51,7 @@ def vllm_env(**extra: str) -> dict[str, str]:
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
                     release: str = "0.32.0", **env: str) -> Child:
-    return Child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / f"frontend-{release}.log",
+    return Child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / "frontend.log",
                  env=vllm_env(**env), name=f"vllm {release} frontend")
 
 
@@ -181,17 +181,25 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
                              f"{children[1].log_tail()}")
 
 
-RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
+RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
+RECORDING = RECORDINGS / "vllm-0.32.0-python.db"
 
 
-def replay_cli(tmp_path: Path, *target: str, edit=None) -> tuple:
-    """Run `replay-proxy replay` on a copy of the Python-frontend recording (changed by ``edit(db)``
+def recording_of(release: str) -> Path:
+    """The recording of ``release``'s own Python frontend and engine; 0.32.0's for a release with no
+    engine that runs here (0.33.0 has no CPU build)."""
+    own = RECORDINGS / f"vllm-{release}-python.db"
+    return own if own.exists() else RECORDING
+
+
+def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORDING) -> tuple:
+    """Run `replay-proxy replay` on a copy of a Python-frontend recording (changed by ``edit(db)``
     if given); return (result, report JSON)."""
     import shutil
     import subprocess
 
     db = tmp_path / "replay.db"
-    shutil.copy(RECORDING, db)
+    shutil.copy(recording, db)
     if edit is not None:
         edit(db)
     result = subprocess.run(

@@ -1,9 +1,10 @@
 """The readers' rules (replay_proxy/compare/readers.json), pinned against the real readers.
 
 Python: real 0.32.0 frames from our recording, changed one way each, decoded by vLLM's own classes
-(tests/real/oracle.py). Rust: the recording replayed against real vllm-rs binaries (0.32.0, 0.33.0) with the proxy as
-its engine, changed the same ways. Each test compares what the real reader did with what the rules
-say it does, so a rule that is wrong fails here.
+(tests/real/oracle.py). Rust: each release's recording replayed against that release's real vllm-rs
+binary (0.27.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0; 0.33.0 with 0.32.0's recording) with the proxy as its engine,
+changed the same ways. Each test compares what the real reader did with what the rules say it does,
+so a rule that is wrong fails here.
 """
 
 import json
@@ -84,12 +85,13 @@ def test_python_readers_with_vllms_own_decoder():
 
 
 def replay_vllm_rs(tmp_path, release, edit):
-    """The recording, changed by ``edit(db)``, replayed against vllm-rs ``release``: (result, finding codes,
-    report)."""
+    """The recording of ``release`` (its engine's traffic), changed by ``edit(db)``, replayed against vllm-rs
+    ``release``: (result, finding codes, report)."""
     http, rpc = peers.free_port(), peers.free_port()
     result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}",
                                       "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
-                                      peers.command(peers.rust_frontend_argv(http, rpc, release)), edit=edit)
+                                      peers.command(peers.rust_frontend_argv(http, rpc, release)), edit=edit,
+                                      recording=peers.recording_of(release))
     return result, {f["code"] for f in report["findings"]}, report
 
 
@@ -131,11 +133,15 @@ def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path
 
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
-def test_vllm_rs_ignores_extra_trailing_elements_of_an_engine_core_output(tmp_path, release):
-    # Not what shared/protocol said (LengthMismatch): observed here, and the rule follows the real reader.
-    assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutput") == "ignores"
-    result, codes, _ = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", each_output(one_beyond(release, "EngineCoreOutput"))))
-    assert not codes & FAILED, result.stdout + result.stderr
+def test_vllm_rs_extra_trailing_elements_of_an_engine_core_output(tmp_path, release):
+    # Rejected up to 0.30.0, served from 0.31.0 on: observed here (shared/protocol said rejected), and
+    # the rule follows the real reader.
+    rejects = verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutput", release) == "rejects"
+    extra = edit_frames("OUTPUTS", each_output(one_beyond(release, "EngineCoreOutput")))
+    result, codes, report = replay_vllm_rs(tmp_path, release, extra)
+    assert bool(codes & FAILED) == rejects, result.stdout + result.stderr
+    if rejects:
+        assert any("array had incorrect length" in f["message"] for f in report["findings"])
 
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
