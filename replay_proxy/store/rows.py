@@ -57,7 +57,8 @@ class Rows:
         self.tables: dict[str, list[tuple]] = defaultdict(list)
         self.request_numbers = {} if request_numbers is None else request_numbers
         self.new_request_ids: list[str] = []
-        self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...]]] = []  # frames the schema does not describe
+        # Frames their schema does not describe, with that schema (the one in use when each was named).
+        self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...], Schema]] = []
 
     def _add(self, table: str, **row: Any) -> None:
         values = [row.get(c) for c in TABLES[table][0]]
@@ -72,7 +73,7 @@ class Rows:
             if read is not None:
                 self._output_rows(session_id, frame.seq, read.outputs, decoder.schema)
                 self._frame(session_id, frame, Kind.OUTPUTS, to_json(_compact(read.fields)), None, read.flags,
-                            _engine_time(read.fields.get("timestamp")))
+                            _engine_time(read.fields.get("timestamp")), decoder.schema)
                 return Kind.OUTPUTS
         message = decoder.decode(frame.channel, frame.direction, frame.parts)
         self.add_frame(session_id, frame, message, decoder.schema)
@@ -93,12 +94,12 @@ class Rows:
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
         engine_time = _engine_time(fields.get("timestamp")) if message.kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT) \
             and isinstance(fields, dict) else None
-        self._frame(session_id, frame, message.kind, to_json(fields), error, message.flags, engine_time)
+        self._frame(session_id, frame, message.kind, to_json(fields), error, message.flags, engine_time, schema)
 
     def _frame(self, session_id: int, frame: CapturedFrame, kind: Kind, decoded: str | None, error: str | None,
-               flags: tuple, engine_time: float | None) -> None:
+               flags: tuple, engine_time: float | None, schema: Schema) -> None:
         if flags:
-            self.flagged.append((frame, kind, flags))
+            self.flagged.append((frame, kind, flags, schema))
         self._add("frames", session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns, engine_index=frame.engine_index,
                   client_index=frame.client_index, channel=str(frame.channel), direction=str(frame.direction),
                   kind=str(kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),

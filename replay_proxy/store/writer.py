@@ -47,6 +47,7 @@ from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
 from replay_proxy.wire.capture import STOP, CapturedFrame, EngineLoss, decode_entries, tap_counts
 from replay_proxy.wire.messages import Kind, WireDecoder
+from replay_proxy.wire.schema import release_key
 
 DECODE_FRAMES = 2_000  # frames a transaction, about: the tap is looked at again after each
 HOLD_BYTES = 64 * 2**20  # tap messages waiting in memory beyond this are kept on disk instead
@@ -73,7 +74,7 @@ def pack_progress(progress: Progress, error: str | None, drift: str | None) -> b
 
 
 def unpack_progress(data: bytes) -> tuple[Progress, str | None, str | None]:
-    error, drift = data[PROGRESS.size:].decode().split("\0")
+    error, drift = data[PROGRESS.size:].decode().split("\0", 1)
     return Progress(*PROGRESS.unpack_from(data)), error or None, drift or None
 
 
@@ -131,11 +132,12 @@ class Writer:
                         len(self.alarmed))
 
     def _alarms(self, rows: Rows) -> None:
-        """A drift alarm row for each new way a frame disagreed with the schema (the first frame of each)."""
-        schema, announced = self.decoder.schema, self.decoder.vllm_version
-        against = f"the {schema.release} schema" + ("" if self.decoder.schema_exact else
-                                                    f" (nearest to the announced {announced or 'nothing'})")
-        for frame, kind, flags in rows.flagged:
+        """A drift alarm row for each new way a frame disagreed with its schema (the first frame of each)."""
+        announced = self.decoder.vllm_version
+        for frame, kind, flags, schema in rows.flagged:
+            exact = announced is not None and release_key(announced) == release_key(schema.release)
+            against = f"the {schema.release} schema" + ("" if exact else
+                                                        f" (nearest to the announced {announced or 'nothing'})")
             for flag in flags:
                 key = (flag.struct, flag.issue, flag.field, flag.position)
                 if key in self.alarmed:
