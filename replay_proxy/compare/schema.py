@@ -3,7 +3,7 @@
 What a struct looked like is observed from the raw frames, not from the
 schema the recorder named them with: an inserted or removed positional field
 shows as a shift of the kinds seen at each position, a longer array as new
-trailing positions (which the Rust reader rejects).
+trailing positions (which readers reject or skip: ``readers.json`` says).
 """
 
 from __future__ import annotations
