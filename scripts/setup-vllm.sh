@@ -66,7 +66,7 @@ done
 for version in 0.22.0 0.31.0 0.33.0; do
   if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
     step "message classes of vLLM $version"
-    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy schema extract --release "$version" --out /dev/null
+    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy schema extract --release "$version" --out - >/dev/null
   fi
 done
 

@@ -79,7 +79,14 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
     change this machine really has (recorded, the engine shared its two cores with the live Python
     frontend; replayed, the proxy plays the frontend)."""
     result, report, db = replay(tmp_path, "0.32.0", baseline_release="0.32.0", noise_runs=2)
-    assert result.returncode == 0, result.stdout + result.stderr  # nothing regressed, timing included
+    # Nothing but timing may differ. Timing is not held to "no regression" here: with one run of
+    # variation, the noise is estimated from a single difference, and real engine processes on these two
+    # cores differ by more than that often shows (seen in CI: inter-token p90 1.86 -> 3.19 ms between two
+    # runs of the same engine). How often a same-release replay reports a regression is measured over many
+    # repeats in scripts/bench/false_alarms.py, not asserted on one.
+    assert result.returncode in (0, 5), result.stdout + result.stderr
+    assert [f["code"] for f in report["findings"] if f["severity"] not in ("info", "warning")
+            and f["category"] != "performance"] == []
     timing = {f["field"]: f for f in report["findings"] if f["category"] == "performance"}
     print("\n".join(f["message"] for f in timing.values()))
     for field in ("ttft_ms.p50", "e2e_ms.p50"):
