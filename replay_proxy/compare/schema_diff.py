@@ -2,8 +2,8 @@
 
 Which reader a change breaks is the readers' rules' (``readers.json``): for
 example msgspec skips extra trailing array elements while vLLM's Rust
-frontend (rmp-serde + serde_tuple) rejects them, and Python always sends
-arrays at full length. Each finding says which decoder breaks in a mixed
+frontend (rmp-serde + serde_tuple) rejects them in most structs and
+releases, and Python always sends arrays at full length. Each finding says which decoder breaks in a mixed
 deployment: the struct's reader of one release with its writer of the other.
 """
 
@@ -69,10 +69,11 @@ def _ext_type_changes(old: Schema, new: Schema) -> list[Finding]:
     for name in sorted(set(old.ext_types) | set(new.ext_types)):
         a, b = old.ext_types.get(name), new.ext_types.get(name)
         if a != b:
-            findings.append(Finding("schema", Severity.BREAKING if a is not None and b is not None else Severity.WARNING,
+            renumbered = a is not None and b is not None  # else only added or removed: a warning
+            findings.append(Finding("schema", Severity.BREAKING if renumbered else Severity.WARNING,
                                     "ext_type_changed", f"msgpack extension {name}: code {a} -> {b} in {new.release}",
                                     struct="ext_types", field=name, baseline=a, candidate=b,
-                                    breaks=(PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND) if a and b else ()))
+                                    breaks=(PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND) if renumbered else ()))
     return findings
 
 

