@@ -76,8 +76,8 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
     """A replay against the same 0.32.0 engine as its two noise runs (the first the timing baseline, the
     second its run-to-run variation: on this machine engine processes differ by up to half in TTFT):
     each timing change stated with its interval and the smallest change the sample could show. Then the
-    recording against a replay: the change this machine really has (recorded, the engine shared its two cores with the live Python
-    frontend; replayed, the proxy plays the frontend)."""
+    recording against a replay: the change this machine really has (recorded, the engine shared its two
+    cores with the live Python frontend; replayed, the proxy plays the frontend)."""
     result, report, db = replay(tmp_path, "0.32.0", baseline_release="0.32.0", noise_runs=2)
     # Nothing but timing may differ. Timing is not held to "no regression" here: with one run of
     # variation, the noise is estimated from a single difference, and real engine processes on these two
