@@ -18,6 +18,7 @@ again.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -96,18 +97,22 @@ def vllm_rs(release: str) -> Path:
     binary = cache_dir() / "bin" / f"vllm-rs-{release}"
     if binary.exists():
         return binary
-    wheels = cache_dir() / "wheels" / f"tmp-vllm-rs-{release}"
-    try:
-        with zipfile.ZipFile(download_wheel(release, wheels, ("vllm",))) as archive:
-            if "vllm/vllm-rs" not in archive.namelist():
-                raise ReleaseError(f"the vllm {release} wheel has no vllm/vllm-rs")
-            partial = binary.with_name(binary.name + ".partial")
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_bytes(archive.read("vllm/vllm-rs"))
-        partial.chmod(0o755)
-        partial.rename(binary)
-    finally:
-        shutil.rmtree(wheels, ignore_errors=True)
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    with open(binary.with_name(f".{binary.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one download per release: two replays may want it at once
+        if binary.exists():
+            return binary
+        wheels = cache_dir() / "wheels" / f"tmp-vllm-rs-{release}"
+        try:
+            with zipfile.ZipFile(download_wheel(release, wheels, ("vllm",))) as archive:
+                if "vllm/vllm-rs" not in archive.namelist():
+                    raise ReleaseError(f"the vllm {release} wheel has no vllm/vllm-rs")
+                partial = binary.with_name(binary.name + ".partial")
+                partial.write_bytes(archive.read("vllm/vllm-rs"))
+            partial.chmod(0o755)
+            partial.rename(binary)
+        finally:
+            shutil.rmtree(wheels, ignore_errors=True)
     return binary
 
 

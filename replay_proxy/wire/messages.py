@@ -85,9 +85,12 @@ START_DP_WAVE_FIELDS = ("wave", "exclude_engine_index")
 class WireDecoder:
     """Decodes the frames of one session, choosing the schema as it learns it."""
 
-    def __init__(self, schema: Schema | None = None):
+    def __init__(self, schema: Schema | None = None, *, fixed: bool = False):
+        """With ``fixed``, ``schema`` names everything, whatever release a registration announces: a
+        reader of that release reading another's messages."""
         self.schema, self.schema_exact = (schema, True) if schema else schema_for(None)
         self.vllm_version: str | None = None
+        self.fixed = fixed
 
     def decode(self, channel: Channel, direction: Direction, frames: Sequence[bytes]) -> Message:
         frames = list(frames)
@@ -99,7 +102,7 @@ class WireDecoder:
 
     def learn_version(self, version: Any) -> None:
         """Name what follows with ``version``'s schema (a registration says it; so may a recording)."""
-        if isinstance(version, str) and version != self.vllm_version:
+        if isinstance(version, str) and version != self.vllm_version and not self.fixed:
             self.vllm_version = version
             self.schema, self.schema_exact = schema_for(version)
 

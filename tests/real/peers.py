@@ -1,4 +1,4 @@
-"""The real vLLM peers installed by scripts/setup-vllm.sh, started the way REAL_VLLM.md measured.
+"""The real vLLM peers the tests start (command lines: replay_proxy/peers.py).
 
 Every process is a ``Child`` (own process group, log file, stopped by PID);
 every wait is bounded.
@@ -7,15 +7,16 @@ every wait is bounded.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from replay_proxy import peers as real
+from replay_proxy.matrix import RECORDINGS
+from replay_proxy.peers import Frontend, command, vllm_env
 from replay_proxy.processes import Child, ChildError, free_port
 from replay_proxy.releases import cache_dir
 
@@ -26,27 +27,11 @@ MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
 READY_TIMEOUT_S = 240
-COMMON = ["--max-model-len", "256", "--dtype", "float32"]
-PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 
 
 def installed() -> bool:
-    return (MODEL / ".complete").exists() and (MOE_MODEL / ".complete").exists() and all(p.exists() for p in VLLM_RS.values()) and all(
-        (CACHE / f"vllm-{r}" / ".complete").exists() for r in ENGINE_RELEASES)
-
-
-def vllm_env(**extra: str) -> dict[str, str]:
-    """The environment REAL_VLLM.md gives, with a fresh scratch folder for vLLM's files and IPC sockets.
-
-    The folder is short on purpose: IPC socket paths must fit in 107 bytes (sun_path).
-    """
-    scratch = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
-    return {
-        **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "cache"),
-        "VLLM_RPC_BASE_PATH": str(scratch), **extra,
-    }
+    return (MODEL / ".complete").exists() and (MOE_MODEL / ".complete").exists() and all(
+        p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
@@ -60,48 +45,23 @@ def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.3
                  env=vllm_env(), name=f"vllm-rs {version}")
 
 
-def headless_engine_argv(rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
-                         release: str = "0.32.0", model: Path = MODEL) -> list[str]:
-    rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
-    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(model), "--headless",
-            "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY]
-
-
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
                     name: str = "engine", model: Path = MODEL, release: str = "0.32.0", **env: str) -> Child:
-    return Child(headless_engine_argv(rpc_port, dp, start_rank, local, release, model), logs / f"{name}.log",
+    return Child(real.engine_argv(rpc_port, release, dp, start_rank, local, model), logs / f"{name}.log",
                  env=vllm_env(**env), name=f"{name} {release}")
 
 
-def command(argv: list[str], **extra: str) -> str:
-    """A shell-safe --engine-cmd / --frontend-cmd: ``argv`` with the vLLM environment (and ``extra``)."""
-    import shlex
-
-    env = vllm_env()
-    settings = [f"{k}={env[k]}" for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE",
-                                           "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK",
-                                           "VLLM_HOST_IP", "TMPDIR", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH")]
-    return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
-
-
 def engine_command(rpc_port: int, release: str = "0.32.0", **extra: str) -> str:
-    return command(headless_engine_argv(rpc_port, release=release), **extra)
+    return command(real.engine_argv(rpc_port, release), **extra)
 
 
 def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
                          release: str = "0.32.0") -> list[str]:
-    return [str(CACHE / f"vllm-{release}" / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(http_port),
-            "--data-parallel-size", str(dp), "--data-parallel-size-local", "0",
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-            *COMMON, *PYTHON_ONLY]
+    return real.frontend_argv(Frontend("vllm", release), http_port, rpc_port, dp, model)
 
 
 def rust_frontend_argv(http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> list[str]:
-    return [str(VLLM_RS[version]), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(http_port),
-            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-            "--data-parallel-size", str(dp), "--data-parallel-size-local", "0", "--max-model-len", "256"]
+    return real.frontend_argv(Frontend("vllm-rs", version), http_port, rpc_port, dp)
 
 
 def proxy(logs: Path, listen_port: int, upstream_port: int, db: Path, session: str, *extra: str) -> Child:
@@ -181,7 +141,6 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
                              f"{children[1].log_tail()}")
 
 
-RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 RECORDING = RECORDINGS / "vllm-0.32.0-python.db"
 
 

