@@ -5,8 +5,13 @@ Each is one session of the HTTP workload in tests/real/workload.py through
 (installed by scripts/setup-vllm.sh). Run from the repo root:
     .venv/bin/python scripts/make_recordings.py                # 0.32.0: Python and Rust frontends
     .venv/bin/python scripts/make_recordings.py --release 0.29.0 --release 0.30.0
+    .venv/bin/python scripts/make_recordings.py --vllm-rs 0.25.0
 The second form records a release's own Python frontend and engine
-(vllm-X-python.db; install the release first: scripts/setup-vllm.sh X).
+(vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
+third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
+the same release, or of the nearest installed one where that cannot run here
+(0.22.0 to 0.26.0, 0.33.0): the compatibility matrix replays what each
+frontend sends against every engine.
 """
 
 import argparse
@@ -19,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from replay_proxy.peers import engine_installed  # noqa: E402
+from replay_proxy.wire.schema import shipped_releases  # noqa: E402
 from tests.real import peers  # noqa: E402
 
 RECORDINGS = {
@@ -42,16 +49,28 @@ def record(name: str, session: str, frontend, release: str = "0.32.0") -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
-    seen = peers.run_pair(logs, frontend, db, session, engine_release=release)
+    try:
+        seen = peers.run_pair(logs, frontend, db, session, engine_release=release)
+    except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
+        seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
     print(f"{name}: {seen}")
     return db
+
+
+def nearest_engine(release: str) -> str:
+    """The installed engine release closest to ``release`` (the newer of two as close)."""
+    order = shipped_releases()
+    installed = [r for r in order if engine_installed(r)]
+    return min(installed, key=lambda r: (abs(order.index(r) - order.index(release)), -order.index(r)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--release", action="append", default=[],
                         help="record this release's Python frontend and engine instead")
+    parser.add_argument("--vllm-rs", action="append", default=[],
+                        help="record this release's Rust frontend with the nearest installed engine instead")
     args = parser.parse_args()
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
@@ -60,7 +79,11 @@ def main() -> None:
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")
         record(f"vllm-{release}-python.db", "python-frontend",
                functools.partial(peers.python_frontend, release=release), release)
-    if args.release:
+    for release in args.vllm_rs:
+        engine = nearest_engine(release)
+        record(f"vllm-{release}-vllm-rs.db", "vllm-rs-frontend",
+               functools.partial(peers.rust_frontend, version=release), engine)
+    if args.release or args.vllm_rs:
         return
     for name, (session, frontend) in RECORDINGS.items():
         db = record(name, session, frontend)
