@@ -462,6 +462,138 @@ def replay(
     finish_report(report, report_dir)
 
 
+DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
+DEFAULT_ENGINES = "0.27.0..0.32.0"
+
+
+@app.command()
+def matrix(
+    frontends: Annotated[str, typer.Option(help="Frontend builds: vllm-rs:RANGE (Rust) and vllm:RANGE (Python), "
+                                                "a range A..B over the shipped releases.")] = DEFAULT_FRONTENDS,
+    engines: Annotated[str, typer.Option(help="Engine releases, A..B or a comma list.")] = DEFAULT_ENGINES,
+    predict_only: Annotated[bool, typer.Option("--predict-only", help="Predict every cell, run nothing.")] = False,
+    observe: Annotated[list[str] | None, typer.Option(
+        help="Observe only this cell (FRONTEND@ENGINE, e.g. vllm-rs:0.30.0@0.31.0); repeatable. "
+             "Default: every cell.")] = None,
+    db: Annotated[Path | None, typer.Option(help="Keep the cells in this matrix database (can-i-deploy reads it).")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(
+        help="Write matrix.json, junit.xml (a testcase per cell), matrix.html (heat map) and matrix.md here.")] = None,
+    recordings: Annotated[Path | None, typer.Option(help="The recordings of what each release sends.")] = None,
+) -> None:
+    """Which frontend release works with which engine release: every cell predicted from the schemas
+    and the readers' rules, and observed by replaying real peers (README: The compatibility matrix).
+
+    Example: replay-proxy matrix --engines 0.30.0..0.32.0 --predict-only --report-dir matrix/
+    """
+    import time
+
+    from replay_proxy.matrix import MatrixError, RECORDINGS, frontends_in, parse_build, releases_in
+    from replay_proxy.matrix import database
+    from replay_proxy.matrix.run import build
+    from replay_proxy.report.matrix import print_table, write_reports
+
+    started = time.monotonic()
+    try:
+        builds, releases = frontends_in(frontends), releases_in(engines)
+        chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe or [])}
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    wanted = False if predict_only else (lambda f, e: (f, e) in chosen) if chosen else True
+    cells = build(builds, releases, observe=wanted, recordings=recordings or RECORDINGS,
+                  progress=lambda line: err.print(line, highlight=False))
+    print_table(cells, out)
+    seconds = time.monotonic() - started
+    disagree = [c for c in cells if c.agrees is False]
+    for cell in disagree:
+        err.print(f"[yellow]observed {cell.observed.verdict.value}, predicted {cell.predicted.verdict.value}:[/] "
+                  f"{cell.frontend} x engine {cell.engine}", highlight=False)
+    err.print(f"{len(cells)} cells, {sum(c.observed is not None for c in cells)} observed, {len(disagree)} "
+              f"disagreeing with their prediction, in {seconds:.0f} s")
+    if db is not None:
+        database.save(db, cells, "replay-proxy matrix " + " ".join(sys.argv[2:]), seconds)
+    if report_dir is not None:
+        for path in write_reports(cells, report_dir):
+            err.print(f"wrote {path}")
+
+
+@app.command("can-i-deploy")
+def can_i_deploy(
+    frontend: Annotated[str, typer.Option(help="The frontend to ship: vllm-rs==X (Rust) or vllm==X (Python).")],
+    engine: Annotated[str, typer.Option(help="The engine to run it with: vllm==Y.")],
+    db: Annotated[Path | None, typer.Option(help="The matrix database (replay-proxy matrix --db).")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Observe the cell now with real peers.")] = False,
+    current_frontend: Annotated[str | None, typer.Option(
+        help="The frontend running now, for the upgrade order (default: the older release of the two).")] = None,
+    current_engine: Annotated[str | None, typer.Option(help="The engine running now: vllm==Y.")] = None,
+    recordings: Annotated[Path | None, typer.Option(help="The recordings of what each release sends.")] = None,
+) -> None:
+    """Will this frontend work with that engine, and in which order to upgrade?
+
+    Exit code 0 works, 3 breaks, 4 degraded, 6 unknown. Answers from the matrix database where the
+    cell was observed, from the prediction otherwise, and says which.
+
+    Example: replay-proxy can-i-deploy --frontend vllm-rs==0.31.0 --engine vllm==0.30.0 --db matrix.db
+    """
+    from replay_proxy.matrix import MatrixError, RECORDINGS, engine_release, parse_build
+    from replay_proxy.matrix.deploy import can_i_deploy as answer
+    from replay_proxy.report.matrix import RICH, evidence_line
+
+    try:
+        build, release = parse_build(frontend), engine_release(engine)
+        current = None
+        if current_frontend or current_engine:
+            current = (parse_build(current_frontend or frontend), engine_release(current_engine or engine))
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS)
+    verdict = result.cell.verdict
+    out.print(f"{build} with engine {release}: [{RICH[verdict]}]{verdict.value}[/] ({result.source})")
+    judgement = result.cell.observed if result.cell.observed and not result.source.startswith("predicted") \
+        else result.cell.predicted
+    for evidence in judgement.evidence:
+        if evidence.verdict is verdict:  # the reasons for the verdict
+            out.print(f"  {evidence_line(evidence)}", highlight=False, markup=False)
+    for line in result.upgrade:
+        out.print(line, highlight=False)
+    raise typer.Exit(int(verdict.exit_code))
+
+
+@app.command()
+def bisect(
+    db: Annotated[Path, typer.Option(help="The recording database.")],
+    session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
+    against: Annotated[Against, typer.Option(help="Which side changes across the releases.")],
+    releases: Annotated[str, typer.Option(help="The range to search, A..B (oldest first).")],
+    frontend_kind: Annotated[str, typer.Option(help="--against frontend: vllm-rs or vllm.")] = "vllm-rs",
+) -> None:
+    """Name the first release of a range whose replay of a session regresses against the recording.
+
+    Each release it needs is installed on demand and replayed in bisection order.
+    Exit code 0 when no release of the range regresses, else the deciding replay's (3, 4 or 6).
+
+    Example: replay-proxy bisect --db recordings/vllm-0.27.0-python.db --session python-frontend --against frontend --releases 0.27.0..0.31.0
+    """
+    from replay_proxy.matrix import MatrixError
+    from replay_proxy.matrix.deploy import bisect as search
+
+    if frontend_kind not in ("vllm-rs", "vllm"):
+        raise fail("--frontend-kind is vllm-rs or vllm", ExitCode.USAGE)
+    try:
+        first, tried = search(db, session, str(against), releases, frontend_kind=frontend_kind,
+                              progress=lambda line: err.print(line, highlight=False))
+    except MatrixError as exc:
+        raise fail(str(exc)) from None
+    tried_text = ", ".join(t.release for t in tried)
+    if first is None:
+        out.print(f"no release of {releases} regresses (tried {tried_text})")
+        return
+    decided = next(t for t in tried if t.release == first)
+    out.print(f"first regressing release: {first}: {decided.reason}", highlight=False)
+    out.print(f"tried, in order: {tried_text}", highlight=False)
+    raise typer.Exit(decided.exit_code if decided.exit_code in (3, 4, 6) else int(ExitCode.REPLAY_FAILED))
+
+
 @sim_app.command("frontend")
 def sim_frontend(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to bind.")],

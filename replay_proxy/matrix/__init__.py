@@ -1,0 +1,149 @@
+"""Which frontend release works with which engine release: the compatibility matrix.
+
+Theory of operation. A cell is one frontend build (``vllm-rs:X``, the Rust
+frontend, or ``vllm:X``, the Python API server) and one engine release. Its
+two directions are judged apart, each from what really crosses the wire in
+the project's fixed workload (``recordings/``: completion, chat, streaming,
+a seeded request, a client abort, the start-up utility calls):
+
+* to the engine: what frontend F sent (its recording) as engine E reads it;
+* to the frontend: what engine E sent (its recording) as frontend F reads it.
+
+``predict`` names those messages with the reader's release schema and asks
+the readers' rules (compare/readers.json) what the reader does with each
+difference, by struct, field and position. ``observe`` runs the real peers:
+F's recording replayed against a real engine E, and E's recording replayed
+against a real frontend F (README: why the composition is sound). A cell's
+verdict is the observation where there is one, else the prediction; the two
+are kept side by side, and a disagreement is a finding about the rules.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+import msgspec
+
+from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.peers import Frontend
+from replay_proxy.wire.schema import release_key, shipped_releases
+
+RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
+
+
+class MatrixError(ReplayProxyError):
+    """A matrix argument or input that cannot be used."""
+
+
+class Verdict(str, enum.Enum):
+    WORKS = "works"
+    DEGRADED = "degraded"  # it runs, with behaviour findings (a sampling key ignored, other tokens)
+    BREAKS = "breaks"  # a peer rejects a message, requests fail
+    UNKNOWN = "unknown"  # could not be judged: never read as works
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return {Verdict.WORKS: ExitCode.OK, Verdict.BREAKS: ExitCode.SCHEMA_BREAKING,
+                Verdict.DEGRADED: ExitCode.BEHAVIOUR, Verdict.UNKNOWN: ExitCode.REPLAY_FAILED}[self]
+
+
+def worst(verdicts) -> Verdict:
+    """breaks over unknown over degraded over works."""
+    order = (Verdict.BREAKS, Verdict.UNKNOWN, Verdict.DEGRADED, Verdict.WORKS)
+    return min(verdicts, key=order.index, default=Verdict.WORKS)
+
+
+class Evidence(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One reason for a verdict: a predicted change, a finding of a replay, a peer's log line."""
+
+    verdict: Verdict
+    direction: str  # "to-engine" or "to-frontend"
+    message: str
+    reader: str | None = None
+    struct: str | None = None
+    field: str | None = None
+    position: int | None = None
+    rule: str | None = None  # readers.json rule, or the replay finding's code
+    source: str | None = None  # where the reader's rule comes from, or the replay's report
+
+
+class Judgement(msgspec.Struct, omit_defaults=True):
+    """A verdict with all its evidence."""
+
+    verdict: Verdict
+    evidence: list[Evidence] = []
+    how: str = ""  # what produced it: the recordings read, the replays run
+    seconds: float | None = None
+
+
+class Cell(msgspec.Struct, omit_defaults=True):
+    frontend: str  # "vllm-rs:0.31.0"
+    engine: str  # "0.30.0"
+    predicted: Judgement
+    observed: Judgement | None = None
+    observed_at: str | None = None
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.observed.verdict if self.observed else self.predicted.verdict
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether observation and prediction agree (None: not observed, or the observation could not run)."""
+        if self.observed is None or self.observed.verdict is Verdict.UNKNOWN:
+            return None
+        return self.observed.verdict is self.predicted.verdict
+
+
+def releases_in(spec: str) -> list[str]:
+    """``0.27.0..0.32.0`` (inclusive, over the shipped schemas), ``0.30.0``, or a comma list of either."""
+    shipped = shipped_releases()
+    found: list[str] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("..")
+        high = high or low
+        for end in (low, high):
+            if end not in shipped:
+                raise MatrixError(f"no shipped schema for release {end!r}; shipped: {', '.join(shipped)}")
+        found += [r for r in shipped if release_key(low) <= release_key(r) <= release_key(high) and r not in found]
+    if not found:
+        raise MatrixError(f"{spec!r} names no release")
+    return found
+
+
+def frontends_in(spec: str) -> list[Frontend]:
+    """``vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0``: each part is a kind and a release range."""
+    frontends: list[Frontend] = []
+    kind = None
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if ":" in part:
+            kind, part = part.split(":", 1)
+        if kind not in ("vllm-rs", "vllm"):
+            raise MatrixError(f"{part!r}: say which frontend, vllm-rs:RELEASES or vllm:RELEASES")
+        frontends += [Frontend(kind, r) for r in releases_in(part) if Frontend(kind, r) not in frontends]
+    return frontends
+
+
+def parse_build(text: str) -> Frontend:
+    """``vllm-rs==0.31.0`` or ``vllm==0.30.0`` (can-i-deploy's spelling), or ``vllm-rs:0.31.0``."""
+    kind, sep, release = text.replace("==", ":").partition(":")
+    if not sep or kind not in ("vllm-rs", "vllm"):
+        raise MatrixError(f"{text!r}: use vllm-rs==RELEASE or vllm==RELEASE")
+    return Frontend(kind, releases_in(release)[0])
+
+
+def engine_release(text: str) -> str:
+    """``vllm==0.30.0`` or ``0.30.0``: an engine is always the Python EngineCore of a release."""
+    return releases_in(text.removeprefix("vllm==").removeprefix("vllm:"))[0]
+
+
+def recording_of(build: Frontend, folder: Path = RECORDINGS) -> tuple[Path, str] | None:
+    """The committed recording of what ``build`` sends, and its session; None where there is none.
+
+    ``vllm:X`` is also engine X's recording: its own Python frontend and engine."""
+    if build.kind == "vllm-rs":
+        path, session = folder / f"vllm-{build.release}-vllm-rs.db", "vllm-rs-frontend"
+    else:
+        path, session = folder / f"vllm-{build.release}-python.db", "python-frontend"
+    return (path, session) if path.exists() else None

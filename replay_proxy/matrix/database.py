@@ -1,0 +1,64 @@
+"""The matrix database: one row per frontend x engine cell, as ``can-i-deploy`` and SQL read it.
+
+``matrix_cells`` keeps the newest judgement of each cell: the verdict, the
+prediction and the observation side by side (verdicts as text, evidence as
+JSON), and when it was observed. ``matrix_runs`` says which command filled
+it, when, and how long it took. Saving a run replaces the cells it judged
+and keeps the others, so several runs build one matrix.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import msgspec
+import sqlite_utils
+
+from replay_proxy.matrix import Cell
+
+CELLS = "matrix_cells"
+RUNS = "matrix_runs"
+
+
+def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
+    db = sqlite_utils.Database(path)
+    db[RUNS].insert({"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "command": command, "seconds": round(seconds, 1), "cells": len(cells),
+                     "observed": sum(c.observed is not None for c in cells)}, pk="id")
+    rows = []
+    for cell in cells:
+        old = _row_cell(db, cell.frontend, cell.engine)
+        if cell.observed is None and old is not None and old.observed is not None:
+            cell.observed, cell.observed_at = old.observed, old.observed_at  # a prediction run keeps what was seen
+        rows.append({"frontend": cell.frontend, "engine": cell.engine, "verdict": cell.verdict.value,
+                     "predicted": cell.predicted.verdict.value, "observed": cell.observed and cell.observed.verdict.value,
+                     "agrees": cell.agrees, "observed_at": cell.observed_at,
+                     "seconds": cell.observed and cell.observed.seconds,
+                     "cell": msgspec.json.encode(cell).decode()})
+    db[CELLS].upsert_all(rows, pk=("frontend", "engine"), column_order=("frontend", "engine", "verdict"))
+    db.close()
+
+
+def load(path: Path) -> list[Cell]:
+    if not path.exists():
+        return []
+    db = sqlite_utils.Database(path)
+    cells = [msgspec.json.decode(r["cell"], type=Cell) for r in db[CELLS].rows] if CELLS in db.table_names() else []
+    db.close()
+    return cells
+
+
+def last_run(path: Path) -> dict | None:
+    db = sqlite_utils.Database(path)
+    run = next(db.query(f"SELECT * FROM {RUNS} ORDER BY id DESC LIMIT 1"), None) if RUNS in db.table_names() else None
+    db.close()
+    return run
+
+
+def _row_cell(db: sqlite_utils.Database, frontend: str, engine: str) -> Cell | None:
+    if CELLS not in db.table_names():
+        return None
+    row = next(db.query(f"SELECT cell FROM {CELLS} WHERE frontend = ? AND engine = ?", [frontend, engine]), None)
+    return msgspec.json.decode(row["cell"], type=Cell) if row else None
+

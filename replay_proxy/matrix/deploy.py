@@ -1,0 +1,152 @@
+"""``can-i-deploy`` (Pact's question for this link) and ``bisect``.
+
+can-i-deploy answers for one frontend x engine cell: from the matrix
+database where the cell was observed, from the prediction otherwise, or from
+a fresh observation (``verify``); and it says which. The upgrade order comes
+from the two cells a one-side-at-a-time upgrade passes through.
+
+bisect replays one recorded session against the releases of a range, in
+bisection order, and names the first whose replay regresses against the
+recording: a breaking schema finding, a behaviour regression or a replay
+that could not finish (timing is left out: it is not a release's fault on a
+shared machine). It assumes, as bisection must, that a range has one
+boundary; the releases it tried are listed so that a user can see it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from replay_proxy.matrix import Cell, Frontend, MatrixError, RECORDINGS, Verdict, recording_of, releases_in
+from replay_proxy.matrix import database
+from replay_proxy.matrix.observe import replay
+from replay_proxy.matrix.predict import predict
+from replay_proxy.matrix.run import build
+from replay_proxy.releases import ReleaseError
+from replay_proxy.wire.schema import release_key, shipped_releases
+
+
+class Answer(msgspec.Struct):
+    cell: Cell
+    source: str  # "observed" (when), "predicted", or "verified now"
+    upgrade: list[str]  # the order that keeps every step working, one line per step
+
+
+def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
+            recordings: Path = RECORDINGS) -> tuple[Cell, str]:
+    """The cell and where its verdict comes from."""
+    if verify:
+        [cell] = build([frontend], [engine], recordings=recordings)
+        if db is not None:
+            database.save(db, [cell], f"can-i-deploy --frontend {frontend} --engine vllm=={engine} --verify",
+                          cell.observed.seconds or 0)
+        return cell, "verified now: observed by real peers"
+    known = {(c.frontend, c.engine): c for c in database.load(db)} if db is not None else {}
+    cell = known.get((str(frontend), engine))
+    if cell is not None and cell.observed is not None and cell.observed.verdict is not Verdict.UNKNOWN:
+        return cell, f"observed {cell.observed_at} (matrix database {db})"
+    return Cell(str(frontend), engine, predict(frontend, engine, recordings)), "predicted: not observed yet"
+
+
+def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
+                 current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS) -> Answer:
+    """Whether ``frontend`` works with ``engine``, and the upgrade order from ``current`` (default: both
+    sides at the older of the two releases) that keeps every step working."""
+    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings)
+    if cell.verdict is Verdict.BREAKS:
+        return Answer(cell, source, [f"no upgrade order helps: {frontend} x engine {engine} itself breaks",
+                                     *_alternatives(frontend, engine, db, recordings)])
+    if current is None:
+        older = min(frontend.release, engine, key=release_key)
+        current = (Frontend(frontend.kind, older), older)
+    return Answer(cell, source, upgrade_order(current, (frontend, engine), db, recordings))
+
+
+def _alternatives(frontend: Frontend, engine: str, db: Path | None, recordings: Path) -> list[str]:
+    """The recorded engines ``frontend`` works with, and the frontends of its kind that work with ``engine``."""
+    recorded = [r for r in shipped_releases() if recording_of(Frontend("vllm", r), recordings)]
+    engines = [e for e in recorded if cell_of(frontend, e, db, recordings=recordings)[0].verdict is Verdict.WORKS]
+    builds = [f for f in (Frontend(frontend.kind, r) for r in shipped_releases()) if recording_of(f, recordings)
+              and cell_of(f, engine, db, recordings=recordings)[0].verdict is Verdict.WORKS]
+    return [f"{frontend} works with engines: {', '.join(engines) or 'none recorded'}",
+            f"engine {engine} works with {frontend.kind} {', '.join(f.release for f in builds) or 'none recorded'}"]
+
+
+def upgrade_order(current: tuple[Frontend, str], target: tuple[Frontend, str], db: Path | None,
+                  recordings: Path) -> list[str]:
+    (f0, e0), (f1, e1) = current, target
+    if f0 == f1 and e0 == e1:
+        return [f"nothing to upgrade: {f1} with engine {e1} runs now"]
+    if f0 == f1 or e0 == e1:
+        side = "the engine" if f0 == f1 else "the frontend"
+        return [f"upgrade {side}: {f0} x engine {e0} -> {f1} x engine {e1} is the only step"]
+    steps = {"the frontend first": (f1, e0), "the engine first": (f0, e1)}
+    verdicts = {name: cell_of(f, e, db, recordings=recordings)[0].verdict for name, (f, e) in steps.items()}
+    ranked = sorted(steps, key=lambda n: [Verdict.WORKS, Verdict.DEGRADED, Verdict.UNKNOWN, Verdict.BREAKS].index(
+        verdicts[n]))
+    best = ranked[0]
+    between = steps[best]
+    lines = [f"{name}: passes through {f} x engine {e}, which {verdicts[name].value}"
+             for name, (f, e) in ((n, steps[n]) for n in ranked)]
+    if verdicts[best] is Verdict.BREAKS:
+        return ["no order keeps every step working: upgrade both sides together", *lines]
+    return [f"upgrade {best.removesuffix(' first')} first (from {f0} x engine {e0}, through {between[0]} x engine "
+            f"{between[1]})", *lines]
+
+
+class Tried(msgspec.Struct):
+    release: str
+    regressed: bool
+    reason: str  # the finding that decided it, or "no regression"
+    exit_code: int
+
+
+def bisect(db: Path, session: str, against: str, releases: str, *, frontend_kind: str = "vllm-rs",
+           workdir: Path | None = None, progress=lambda line: None) -> tuple[str | None, list[Tried]]:
+    """The first release of ``releases`` whose replay of ``session`` regresses (None: none does), and the
+    releases tried, in the order tried."""
+    if against not in ("engine", "frontend"):
+        raise MatrixError("--against is engine or frontend")
+    order = releases_in(releases)
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-bisect-"))
+    tried: dict[str, Tried] = {}
+
+    def regresses(index: int) -> bool:
+        release = order[index]
+        if release not in tried:
+            direction = "to-engine" if against == "engine" else "to-frontend"
+            try:
+                code, report, why = replay(direction, (db, session), workdir / release, engine=release,
+                                           frontend=Frontend(frontend_kind, release))  # type: ignore[arg-type]
+            except ReleaseError as exc:
+                raise MatrixError(f"cannot bisect over {release}: {exc}") from None
+            tried[release] = _tried(release, code, report, why)
+            progress(f"  {release}: {'regresses' if tried[release].regressed else 'good'} ({tried[release].reason})")
+        return tried[release].regressed
+
+    if not regresses(len(order) - 1):
+        return None, list(tried.values())
+    good, bad = -1, len(order) - 1  # the recording itself is the good end
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if regresses(middle):
+            bad = middle
+        else:
+            good = middle
+    return order[bad], list(tried.values())
+
+
+def _tried(release: str, code: int, report: dict | None, why: str) -> Tried:
+    if report is None:
+        return Tried(release, True, why, code)
+    decisive = [f for f in report["findings"] if f["category"] != "performance"
+                and f["severity"] in ("breaking", "regression")]
+    if not decisive:
+        return Tried(release, False, "no regression", code)
+    first = decisive[0]
+    lines = first["message"].splitlines()
+    said = [line for line in lines if line.startswith("its log says:")]  # the peer's own words, when it gave some
+    return Tried(release, True, f"{first['severity']} {first['code']}: {' '.join(lines[:1] + said)[:400]}", code)

@@ -1,0 +1,194 @@
+"""A cell's observation: two real replays, one per direction (README: "Why a composed cell is sound").
+
+* to the engine: frontend F's recording replayed against a real engine E
+  (``replay-proxy replay --against engine``). E rejecting a request, dying
+  or never registering is a break; the tokens its users get, compared with
+  what E gives its own release's frontend for the same request (E's
+  recording), say whether it is degraded.
+* to the frontend: engine E's recording replayed against a real frontend F
+  (``--against frontend``): F rejecting E's registration or outputs, or an
+  HTTP request failing, is a break; a user getting other tokens than E sent
+  is degraded.
+
+Each replay is the project's own ``replay`` command in a process of its own,
+on a copy of the recording, bounded by its ready and finish timeouts and by
+``LEG_S``; its peer is started and stopped by PID there. The replay of F's
+requests depends only on what F sent, so frontends whose recordings send the
+same messages (request ids, timestamps and addresses aside) share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from replay_proxy import peers
+from replay_proxy.compare.behaviour import batched, deterministic
+from replay_proxy.compare.rules import load_rules
+from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
+from replay_proxy.matrix.predict import frames
+from replay_proxy.processes import free_port
+from replay_proxy.releases import ReleaseError
+from replay_proxy.store.session import load_session, match_requests
+from replay_proxy.wire.messages import WireDecoder
+from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.values import to_json
+
+READY_S, FINISH_S = 240, 60  # each replay's waits for its peer (a real engine is ready in 25-40 s here)
+LEG_S = READY_S + FINISH_S + 120  # one replay, at most, set-up and comparison included
+BREAKING_CODES = {"to-engine": {"replay_failed", "engine_dead", "finish_timeout"},
+                  "to-frontend": {"replay_failed", "http_failed"}}
+DEGRADING_CODES = {"to-frontend": {"http_response_differs"}}
+# What differs between the frontend under test and the one that made a recording, not between F and E.
+UNRELATED = "the replay's other findings compare the peer under test with the recorded one, not F with E"
+
+
+class Leg:
+    """One replay of one direction, run once and shared by the cells it stands for."""
+
+    def __init__(self, direction: str, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
+                 frontend: Frontend | None = None):
+        self.direction, self.recording, self.workdir = direction, recording, workdir
+        self.engine, self.frontend = engine, frontend
+        self.result: Judgement | None = None
+
+    def run(self) -> Judgement:
+        if self.result is None:
+            started = time.monotonic()
+            try:
+                self.result = self._run()
+            except ReleaseError as exc:
+                self.result = Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, str(exc))])
+            self.result.seconds = round(time.monotonic() - started, 1)
+        return self.result
+
+    def _run(self) -> Judgement:
+        code, report, report_path = replay(self.direction, self.recording, self.workdir, engine=self.engine,
+                                           frontend=self.frontend)
+        if report is None:
+            return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
+        db = self.workdir / "replay.db"
+        evidence = [Evidence(Verdict.BREAKS, self.direction, f["message"], struct=f.get("struct"),
+                             field=f.get("field"), rule=f["code"], source=str(report_path))
+                    for f in report["findings"] if f["code"] in BREAKING_CODES[self.direction]]
+        evidence += [Evidence(Verdict.DEGRADED, self.direction, f["message"], rule=f["code"], source=str(report_path))
+                     for f in report["findings"] if f["code"] in DEGRADING_CODES.get(self.direction, ())]
+        if self.direction == "to-engine" and not evidence:
+            evidence += self._against_own_frontend(db, report["candidate"])
+        if not evidence:
+            evidence.append(Evidence(Verdict.WORKS, self.direction, f"replayed clean: {report['candidate']}",
+                                     source=str(report_path)))
+        how = f"{self.recording[0].name} replayed against {self.peer} (exit {code}); {UNRELATED}"
+        return Judgement(worst(e.verdict for e in evidence), evidence, how)
+
+    @property
+    def peer(self) -> str:
+        return f"engine {self.engine}" if self.direction == "to-engine" else str(self.frontend)
+
+    def _against_own_frontend(self, db: Path, replay_name: str) -> list[Evidence]:
+        """Greedy or seeded requests, each run alone, whose tokens or finish reason differ from what engine E
+        gives its own frontend."""
+        own = recording_of(Frontend("vllm", self.engine), self.recording[0].parent)
+        if own is None:
+            return []
+        replay_id = replay_name.rsplit("(#", 1)[1].rstrip(")")  # "name (#2)", as reports name sessions
+        baseline, candidate = load_session(own[0], own[1]), load_session(db, replay_id)
+        evidence = []
+        # Batched requests do not reproduce on vLLM's CPU build (compare/behaviour.py): not compared.
+        noisy = batched(baseline) | batched(candidate)
+        for before, after in match_requests(baseline, candidate, load_rules()["match_sampling_keys"]).pairs:
+            if before.abort_progress is not None or after.abort_progress is not None:
+                continue  # where an abort lands is the replay's own finding
+            if {before.request_id, after.request_id} & noisy or not deterministic(baseline, before):
+                continue
+            if (before.tokens, before.finish_reason) != (after.tokens, after.finish_reason):
+                evidence.append(Evidence(
+                    Verdict.DEGRADED, self.direction,
+                    f"request {after.request_id}: {len(after.tokens)} tokens ({after.finish_reason}), engine "
+                    f"{self.engine} gives its own frontend {len(before.tokens)} ({before.finish_reason}) for the "
+                    f"same prompt and sampling values; first tokens {after.tokens[:6]} vs {before.tokens[:6]}",
+                    rule="tokens_differ_from_own_frontend"))
+        failed = [u["method"] for u in candidate.utility if u.get("failure_message")]
+        evidence += [Evidence(Verdict.DEGRADED, self.direction, f"utility {m} failed on engine {self.engine}",
+                              field=m, rule="utility_failed") for m in failed]
+        return evidence
+
+
+def replay(direction: str, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
+           frontend: Frontend | None = None) -> tuple[int, dict | None, str]:
+    """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
+    (direction to-engine) or frontend ``frontend``, installed first if need be: (exit code, its report,
+    the report's path) or (exit code, None, why there is no report)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    db = workdir / "replay.db"
+    shutil.copy(recording[0], db)
+    if direction == "to-engine":
+        peers.install_engine(engine)
+        port = free_port()
+        target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+                  "--engine-cmd", peers.command(peers.engine_argv(port, engine))]
+    else:
+        peers.install_frontend(frontend)
+        http, rpc = free_port(), free_port()
+        target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
+                  "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc))]
+    argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", recording[1], *target,
+            "--ready-timeout", str(READY_S), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=LEG_S)
+    except subprocess.TimeoutExpired:
+        return -1, None, f"the replay took over {LEG_S} s"
+    report = workdir / "report.json"
+    if not report.exists():
+        return done.returncode, None, f"the replay ended with {done.returncode}: " + (
+            done.stderr.strip().splitlines() or ["no output"])[-1]
+    return done.returncode, json.loads(report.read_text()), str(report)
+
+
+def sends(recording: tuple[Path, str], release: str) -> str:
+    """A digest of what a frontend sent in ``recording``, request ids, timestamps and addresses aside."""
+    decoder = WireDecoder(load_schema(release), fixed=True)
+    digest = hashlib.sha256()
+    for channel, direction, parts in frames(*recording, "to-engine"):
+        message = decoder.decode(channel, direction, parts)
+        fields = message.fields if isinstance(message.fields, dict) else {"value": message.fields}
+        kept = {k: v for k, v in fields.items() if k not in ("request_id", "arrival_time", "call_id", "addresses",
+                                                            "request_ids", "external_req_id")}
+        digest.update(f"{message.kind}:{to_json(kept)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def legs_of(cells: list[tuple[Frontend, str]], recordings: Path,
+            workdir: Path) -> dict[tuple[Frontend, str], tuple[Leg, Leg] | None]:
+    """The two legs of each cell (None: a recording is missing), engine legs shared between frontends
+    that send the same."""
+    engine_legs: dict[tuple[str, str], Leg] = {}
+    legs: dict[tuple[Frontend, str], tuple[Leg, Leg] | None] = {}
+    for frontend, engine in cells:
+        sent, got = recording_of(frontend, recordings), recording_of(Frontend("vllm", engine), recordings)
+        if sent is None or got is None:
+            legs[(frontend, engine)] = None
+            continue
+        key = (sends(sent, frontend.release), engine)
+        if key not in engine_legs:
+            engine_legs[key] = Leg("to-engine", sent, workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"),
+                                   engine=engine)
+        legs[(frontend, engine)] = (engine_legs[key], Leg(
+            "to-frontend", got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend))
+    return legs
+
+
+def judge(legs: tuple[Leg, Leg] | None) -> Judgement:
+    """The cell's observed verdict: the worse of its two directions."""
+    if legs is None:
+        return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, "both", "no recording of what one side sends: "
+                                                    "make it with scripts/make_recordings.py")])
+    results = [leg.run() for leg in legs]
+    evidence = [e for j in results for e in j.evidence]
+    return Judgement(worst(e.verdict for e in evidence), evidence, "; ".join(j.how for j in results),
+                     round(sum(j.seconds or 0 for j in results), 1))

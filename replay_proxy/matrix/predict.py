@@ -1,0 +1,148 @@
+"""A cell's prediction: the workload's recorded messages, named with the reader's release, judged by the rules.
+
+For each direction the writer's recorded frames (frontend F's requests, or
+engine E's registration and outputs) are decoded with the *reader's* release
+schema, held fixed whatever release a registration announces. Each place
+where the message is not the reader's layout becomes a ``Flag`` (an extra
+trailing element, a missing required key, a value of another type, an
+unknown key), and the reader's rule for it (compare/readers.json, for that
+reader's release) says whether it rejects, ignores or fills it. The schema
+diff adds what no flag can show: a field inserted or removed in the middle
+of a struct the workload sends, which shifts every later position. A
+sampling key that the engine does not know, sent asking for something (a
+value that is not its default, nor false, zero or empty), is what the issue calls degraded: the request runs, and what
+the key asks for is silently not done.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from replay_proxy.compare.readers import reader_rules, verdict as reader_verdict
+from replay_proxy.compare.schema_diff import diff_schemas
+from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.schema import Schema, load_schema, release_key
+from replay_proxy.wire.values import decode_msgpack
+
+RULE_OF_FLAG = {"extra_position": "extra_trailing_elements", "missing_required": "missing_required_key",
+                "type_mismatch": "changed_type", "not_a_struct": "changed_type", "unknown_key": "unknown_map_key"}
+SHIFTS = ("field_inserted", "field_removed", "fields_reordered", "encoding_changed")
+ROOTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.UTILITY_OUTPUT: "EngineCoreOutputs",
+         Kind.REGISTRATION: "EngineCoreReadyResponse", Kind.INIT: "EngineHandshakeMetadata"}
+
+
+def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
+    """The predicted verdict of ``frontend`` with engine ``engine``, and every change behind it."""
+    sent_by_frontend = recording_of(frontend, recordings)
+    sent_by_engine = recording_of(Frontend("vllm", engine), recordings)
+    evidence: list[Evidence] = []
+    for direction, recording, writer, reader, reader_release in (
+            ("to-engine", sent_by_frontend, frontend.release, "python-engine", engine),
+            ("to-frontend", sent_by_engine, engine, frontend.reader, frontend.release)):
+        if recording is None:
+            writer_name = frontend if direction == "to-engine" else f"engine {engine}"
+            evidence.append(Evidence(Verdict.UNKNOWN, direction, f"no recording of what {writer_name} sends: "
+                                     "make one with scripts/make_recordings.py"))
+            continue
+        evidence += read_direction(direction, frames(*recording, direction), load_schema(writer),
+                                   load_schema(reader_release), reader)
+    how = (f"{frontend}'s recorded requests named with engine {engine}'s schema, engine {engine}'s recorded "
+           f"registration and outputs with {frontend}'s; rules of {'/'.join(sorted(reader_rules()))}")
+    return Judgement(worst(e.verdict for e in evidence), evidence, how)
+
+
+def frames(db: Path, session: str, direction: str) -> list[tuple[Channel, Direction, list[bytes]]]:
+    """The frames one side sent in ``session`` of the recording at ``db``, in recorded order."""
+    wanted = Direction.TO_ENGINE if direction == "to-engine" else Direction.TO_FRONTEND
+    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = connection.execute(
+            "SELECT f.channel, f.raw FROM frames f JOIN sessions s ON s.id = f.session_id "
+            "WHERE s.name = ? AND f.direction = ? ORDER BY f.seq", (session, str(wanted))).fetchall()
+    finally:
+        connection.close()
+    return [(Channel(channel), wanted, decode_msgpack(raw)) for channel, raw in rows]
+
+
+def read_direction(direction: str, sent: list[tuple[Channel, Direction, list[bytes]]], writer: Schema,
+                   reader_schema: Schema, reader: str) -> list[Evidence]:
+    """What ``reader`` (of ``reader_schema``'s release) does with the messages ``writer``'s release sent."""
+    decoder = WireDecoder(reader_schema, fixed=True)
+    release = reader_schema.release
+    flags: Counter = Counter()
+    ignored: dict[str, Any] = {}  # sampling keys the engine does not know, sent with a non-default value
+    exercised: set[str] = set()
+    methods: set[str] = set()
+    for channel, way, parts in sent:
+        message = decoder.decode(channel, way, parts)
+        if message.kind is Kind.UNKNOWN and message.error and not message.flags:
+            flags[(message.error[:120], None, None, "undecodable")] += 1
+        for flag in message.flags:
+            flags[(flag.struct, flag.field, flag.position, flag.issue)] += 1
+            if flag.issue == "unknown_key" and flag.struct == "SamplingParams":
+                value = (message.fields.get("sampling_params") or {}).get(flag.field)
+                if value and value != writer.sampling_defaults.get(flag.field):  # False, 0, [], None: nothing asked
+                    ignored.setdefault(flag.field, value)
+        if message.kind in ROOTS and isinstance(message.fields, dict):
+            _visit(reader_schema, ROOTS[message.kind], message.fields, exercised)
+        if message.kind is Kind.UTILITY:
+            methods.add(message.fields["method"])
+    evidence = []
+    for (struct, field, position, issue), count in sorted(flags.items(), key=str):
+        if issue == "undecodable":
+            evidence.append(Evidence(Verdict.BREAKS, direction, f"a {release} {reader} cannot decode it: {struct}",
+                                     reader=reader, rule="changed_type"))
+            continue
+        rule = RULE_OF_FLAG[issue]
+        says = reader_verdict(reader, rule, struct, release)
+        what = f"{struct}.{field}" if field else f"{struct} position {position}"
+        if issue == "unknown_key" and struct == "SamplingParams" and field in ignored:
+            evidence.append(Evidence(Verdict.DEGRADED, direction,
+                                     f"{what} = {ignored[field]!r} is sent, and a {release} engine does not know it: "
+                                     "what it asks for is not done", reader=reader, struct=struct, field=field,
+                                     rule=rule))
+            continue
+        source = reader_rules()[reader]["rules"][rule]
+        evidence.append(Evidence(
+            Verdict.BREAKS if says == "rejects" else Verdict.WORKS, direction,
+            f"{what}: {_issue_text(issue)} in {count} message(s); a {release} {reader} {says} it",
+            reader=reader, struct=struct, field=field, position=position, rule=rule,
+            source=source.get("except", {}).get(struct, source)["source"] if says == "rejects" else None))
+    older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
+    for change in diff_schemas(older, newer):
+        if change.code in SHIFTS and change.struct in exercised:
+            evidence.append(Evidence(Verdict.BREAKS, direction, f"{change.message} (between {older.release} and "
+                                     f"{newer.release})", reader=reader, struct=change.struct, field=change.field,
+                                     position=change.position, rule=change.code))
+    known = reader_schema.utility_methods
+    for method in sorted(methods - set(known or methods)):
+        evidence.append(Evidence(Verdict.DEGRADED, direction, f"utility {method} is called, and a {release} engine "
+                                 "has no such method: it answers with a failure", reader=reader,
+                                 struct="utility_methods", field=method, rule="utility_method_missing"))
+    if not evidence:
+        evidence.append(Evidence(Verdict.WORKS, direction, f"every message is a {release} {reader}'s own layout",
+                                 reader=reader))
+    return evidence
+
+
+def _issue_text(issue: str) -> str:
+    return {"extra_position": "an element past the reader's last field", "missing_required": "a required field missing",
+            "type_mismatch": "a value of another type", "not_a_struct": "another encoding",
+            "unknown_key": "a key the reader does not know"}[issue]
+
+
+def _visit(schema: Schema, struct: str, named: Any, seen: set[str]) -> None:
+    """Add ``struct`` and every nested struct with a value in ``named`` to ``seen``."""
+    spec = schema.structs.get(struct)
+    if spec is None or not isinstance(named, dict):
+        return
+    seen.add(struct)
+    for field in spec.fields:
+        value = named.get(field.name)
+        if field.struct and value:
+            for item in value if isinstance(value, list) else value.values() if field.type.startswith("dict") else [value]:
+                _visit(schema, field.struct, item, seen)

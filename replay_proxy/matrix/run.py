@@ -1,0 +1,45 @@
+"""``replay-proxy matrix``: predict every cell, observe those asked for, keep them in the matrix database."""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from replay_proxy.matrix import Cell, Frontend, RECORDINGS
+from replay_proxy.matrix.observe import judge, legs_of
+from replay_proxy.matrix.predict import predict
+
+WORKERS = 2  # replays at once: each real peer pair needs a core to start in its 25-40 s
+
+
+def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Callable[[Frontend, str], bool] = True,
+          recordings: Path = RECORDINGS, workdir: Path | None = None, workers: int = WORKERS,
+          progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
+    """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate)."""
+    cells = [Cell(str(f), e, predict(f, e, recordings)) for f in frontends for e in engines]
+    wanted = [(f, e) for f in frontends for e in engines if (observe(f, e) if callable(observe) else observe)]
+    if not wanted:
+        return cells
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-matrix-"))
+    legs = legs_of(wanted, recordings, workdir)
+    unique = list({id(leg): leg for pair in legs.values() if pair for leg in pair}.values())
+    progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time), work in {workdir}")
+    started = time.monotonic()
+
+    def run(leg) -> None:
+        result = leg.run()
+        progress(f"  {time.monotonic() - started:6.0f} s  {leg.recording[0].name} -> {leg.peer}: "
+                 f"{result.verdict.value} ({result.seconds:.0f} s)")
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(run, unique))
+    by_cell = {(c.frontend, c.engine): c for c in cells}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    for (frontend, engine), pair in legs.items():
+        cell = by_cell[(str(frontend), engine)]
+        cell.observed, cell.observed_at = judge(pair), now
+    return cells

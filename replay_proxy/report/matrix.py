@@ -1,0 +1,145 @@
+"""The compatibility matrix rendered: terminal table, JSON, JUnit, a self-contained HTML heat map, markdown.
+
+Rows are frontends, columns engines. A cell shows its verdict: observed
+where it was observed, else predicted (marked ``*``); ``!`` marks a cell
+whose observation disagrees with its prediction.
+"""
+
+from __future__ import annotations
+
+import html
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from replay_proxy.matrix import Cell, Evidence, Verdict
+
+COLOURS = {Verdict.WORKS: "#2e7d32", Verdict.DEGRADED: "#f9a825", Verdict.BREAKS: "#c62828",
+           Verdict.UNKNOWN: "#757575"}
+RICH = {Verdict.WORKS: "green", Verdict.DEGRADED: "yellow", Verdict.BREAKS: "bold red", Verdict.UNKNOWN: "dim"}
+
+
+def grid(cells: list[Cell]) -> tuple[list[str], list[str], dict[tuple[str, str], Cell]]:
+    """Frontends and engines in the order first met, and the cells by (frontend, engine)."""
+    frontends = list(dict.fromkeys(c.frontend for c in cells))
+    engines = list(dict.fromkeys(c.engine for c in cells))
+    return frontends, engines, {(c.frontend, c.engine): c for c in cells}
+
+
+def label(cell: Cell) -> str:
+    """``works``, ``breaks*`` (predicted only), ``degraded!`` (observed, disagreeing with the prediction)."""
+    return cell.verdict.value + ("*" if cell.observed is None else "!" if cell.agrees is False else "")
+
+
+def print_table(cells: list[Cell], console: Console) -> None:
+    frontends, engines, by = grid(cells)
+    table = Table(title="frontend x engine (* predicted only, ! observed unlike predicted)")
+    table.add_column("frontend")
+    for engine in engines:
+        table.add_column(f"engine {engine}")
+    for frontend in frontends:
+        row = [by.get((frontend, e)) for e in engines]
+        table.add_row(frontend, *(f"[{RICH[c.verdict]}]{label(c)}[/]" if c else "" for c in row))
+    console.print(table)
+
+
+def main_reason(cell: Cell) -> str:
+    """The first piece of evidence behind the verdict, in one line."""
+    judgement = cell.observed or cell.predicted
+    reasons = [e for e in judgement.evidence if e.verdict is cell.verdict] or judgement.evidence
+    return f"{reasons[0].direction}: {reasons[0].message}" if reasons else ""
+
+
+def junit(cells: list[Cell]) -> bytes:
+    """A testcase per cell: breaks is a failure, degraded a failure of type degraded, unknown skipped."""
+    failures = sum(c.verdict in (Verdict.BREAKS, Verdict.DEGRADED) for c in cells)
+    suite = ET.Element("testsuite", name="compatibility matrix", tests=str(len(cells)), failures=str(failures),
+                       skipped=str(sum(c.verdict is Verdict.UNKNOWN for c in cells)))
+    for cell in cells:
+        case = ET.SubElement(suite, "testcase", classname=cell.frontend, name=f"engine {cell.engine}",
+                             time=str((cell.observed and cell.observed.seconds) or 0))
+        text = "\n".join(evidence_line(e) for e in (cell.observed or cell.predicted).evidence)
+        if cell.verdict is Verdict.UNKNOWN:
+            ET.SubElement(case, "skipped", message=main_reason(cell)[:300])
+        elif cell.verdict is not Verdict.WORKS:
+            ET.SubElement(case, "failure", type=cell.verdict.value, message=main_reason(cell)[:300]).text = text
+        ET.SubElement(case, "system-out").text = f"predicted {cell.predicted.verdict.value}; observed " + (
+            cell.observed.verdict.value if cell.observed else "no") + "\n" + text
+    suites = ET.Element("testsuites", name="replay-proxy matrix")
+    suites.append(suite)
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
+
+
+def evidence_line(e: Evidence) -> str:
+    where = ".".join(str(p) for p in (e.struct, e.field) if p) + (f"[{e.position}]" if e.position is not None else "")
+    return f"[{e.verdict.value}] {e.direction}{' ' + where if where else ''}: {e.message}"
+
+
+def markdown(cells: list[Cell]) -> str:
+    frontends, engines, by = grid(cells)
+    lines = ["| frontend | " + " | ".join(f"engine {e}" for e in engines) + " |",
+             "|---|" + "---|" * len(engines)]
+    for frontend in frontends:
+        lines.append(f"| {frontend} | " + " | ".join(label(by[(frontend, e)]) if (frontend, e) in by else ""
+                                                     for e in engines) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def evidence_markdown(cells: list[Cell]) -> str:
+    """What decided each cell that is not plain works, one line each."""
+    return "".join(f"- **{c.frontend} x engine {c.engine}: {label(c)}** (predicted {c.predicted.verdict.value}): "
+                   f"{main_reason(c)}\n" for c in cells if c.verdict is not Verdict.WORKS or c.agrees is False)
+
+
+def html_page(cells: list[Cell], title: str = "replay-proxy compatibility matrix") -> str:
+    frontends, engines, by = grid(cells)
+    index = {id(c): i for i, c in enumerate(cells)}
+    head = "".join(f"<th>engine {html.escape(e)}</th>" for e in engines)
+    rows = []
+    for frontend in frontends:
+        tds = []
+        for engine in engines:
+            cell = by.get((frontend, engine))
+            if cell is None:
+                tds.append("<td></td>")
+                continue
+            tds.append(f'<td style="background:{COLOURS[cell.verdict]}"><a href="#cell-{index[id(cell)]}" '
+                       f'title="{html.escape(main_reason(cell)[:200])}">{html.escape(label(cell))}</a></td>')
+        rows.append(f"<tr><th>{html.escape(frontend)}</th>{''.join(tds)}</tr>")
+    details = []
+    for cell in cells:
+        parts = [f'<section id="cell-{index[id(cell)]}"><h3>{html.escape(cell.frontend)} x engine '
+                 f'{html.escape(cell.engine)}: {html.escape(label(cell))}</h3>']
+        for name, judgement in (("observed", cell.observed), ("predicted", cell.predicted)):
+            if judgement is None:
+                parts.append(f"<p>{name}: not observed</p>")
+                continue
+            parts.append(f"<p><b>{name}: {judgement.verdict.value}</b> &mdash; {html.escape(judgement.how)}</p><ul>")
+            parts += [f'<li class="{e.verdict.value}">{html.escape(evidence_line(e))}</li>'
+                      for e in sorted(judgement.evidence, key=lambda e: list(Verdict).index(e.verdict), reverse=True)]
+            parts.append("</ul>")
+        details.append("".join(parts) + '<p><a href="#top">back to the matrix</a></p></section>')
+    style = ("body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+             "padding:4px 8px;text-align:center}td a{color:#fff;text-decoration:none;display:block}"
+             "section{display:none;border-top:1px solid #ccc;margin-top:1em}section:target{display:block}"
+             "li.breaks{color:#c62828}li.degraded{color:#8d6e00}li.unknown{color:#555}")
+    legend = " ".join(f'<span style="background:{c};color:#fff;padding:2px 6px">{v.value}</span>'
+                      for v, c in COLOURS.items())
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body id='top'><h1>{html.escape(title)}</h1><p>{legend} &nbsp; "
+            "* predicted only, ! observed unlike predicted; click a cell for its evidence</p>"
+            f"<table><tr><th>frontend</th>{head}</tr>{''.join(rows)}</table>{''.join(details)}</body></html>")
+
+
+def write_reports(cells: list[Cell], directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {name: directory / name for name in ("matrix.json", "junit.xml", "matrix.html", "matrix.md")}
+    paths["matrix.json"].write_bytes(msgspec.json.format(msgspec.json.encode(
+        [{**msgspec.to_builtins(c), "verdict": c.verdict.value, "agrees": c.agrees} for c in cells])))
+    paths["junit.xml"].write_bytes(junit(cells))
+    paths["matrix.html"].write_text(html_page(cells))
+    paths["matrix.md"].write_text(markdown(cells) + "\n" + evidence_markdown(cells))
+    return list(paths.values())

@@ -1,0 +1,102 @@
+"""can-i-deploy from the matrix database and from predictions; the matrix's reports; its command line."""
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+from replay_proxy.matrix import Cell, Evidence, Frontend, Judgement, RECORDINGS, Verdict, database
+from replay_proxy.matrix.deploy import can_i_deploy
+from replay_proxy.matrix.predict import predict
+from replay_proxy.matrix.run import build
+from replay_proxy.report.matrix import html_page, junit, markdown
+
+CLI = [sys.executable, "-m", "replay_proxy"]
+
+
+def observed(frontend: str, engine: str, verdict: Verdict, message: str) -> Cell:
+    """A cell as ``matrix --db`` keeps it after a real observation."""
+    cell = Cell(frontend, engine, predict(Frontend(*frontend.split(":")), engine, RECORDINGS))
+    cell.observed = Judgement(verdict, [Evidence(verdict, "to-frontend", message)], "two replays", 40.0)
+    cell.observed_at = "2026-12-01T16:00:00+00:00"
+    return cell
+
+
+def test_an_observed_cell_is_answered_from_the_database_and_says_so(tmp_path):
+    db = tmp_path / "matrix.db"
+    database.save(db, [observed("vllm-rs:0.30.0", "0.32.0", Verdict.BREAKS, "array had incorrect length")],
+                  "test", 40.0)
+    answer = can_i_deploy(Frontend("vllm-rs", "0.30.0"), "0.32.0", db)
+    assert answer.cell.verdict is Verdict.BREAKS
+    assert answer.source.startswith("observed 2026-12-01")
+    assert answer.cell.observed.evidence[0].message == "array had incorrect length"
+    # A cell the database lacks is predicted, and says so.
+    other = can_i_deploy(Frontend("vllm-rs", "0.31.0"), "0.31.0", db)
+    assert (other.cell.verdict, other.source) == (Verdict.WORKS, "predicted: not observed yet")
+
+
+def test_a_prediction_run_keeps_the_observations_already_in_the_database(tmp_path):
+    db = tmp_path / "matrix.db"
+    database.save(db, [observed("vllm:0.29.0", "0.28.0", Verdict.BREAKS, "missing supports_lora")], "observe", 60.0)
+    database.save(db, build([Frontend("vllm", "0.29.0")], ["0.28.0", "0.29.0"], observe=False), "predict", 1.0)
+    cells = {(c.frontend, c.engine): c for c in database.load(db)}
+    assert cells[("vllm:0.29.0", "0.28.0")].observed.evidence[0].message == "missing supports_lora"
+    assert cells[("vllm:0.29.0", "0.29.0")].observed is None
+    assert database.last_run(db)["command"] == "predict"
+
+
+def test_the_upgrade_order_goes_through_the_cell_that_works():
+    # From vllm-rs 0.30.0 with engine 0.30.0 to both at 0.32.0: vllm-rs 0.30.0 cannot read a 0.32.0 engine's
+    # outputs, vllm-rs 0.32.0 reads a 0.30.0 engine's: the frontend goes first.
+    answer = can_i_deploy(Frontend("vllm-rs", "0.32.0"), "0.32.0", None,
+                          current=(Frontend("vllm-rs", "0.30.0"), "0.30.0"))
+    assert answer.upgrade[0].startswith("upgrade the frontend first")
+    assert "vllm-rs:0.30.0 x engine 0.32.0, which breaks" in answer.upgrade[2]
+    # The Python frontend 0.29.0 rejects a 0.28.0 engine's registration: the engine goes first.
+    python = can_i_deploy(Frontend("vllm", "0.29.0"), "0.29.0", None, current=(Frontend("vllm", "0.28.0"), "0.28.0"))
+    assert python.upgrade[0].startswith("upgrade the engine first")
+
+
+def test_can_i_deploy_exits_with_the_verdict_and_prints_the_evidence(tmp_path):
+    breaks = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.29.0", "--engine", "vllm==0.28.0"],
+                            capture_output=True, text=True, timeout=60)
+    assert breaks.returncode == 3, breaks.stderr
+    assert "breaks (predicted: not observed yet)" in breaks.stdout
+    assert "EngineCoreReadyResponse.supports_lora" in breaks.stdout
+    assert "no upgrade order helps" in breaks.stdout
+    assert "vllm:0.29.0 works with engines: 0.29.0, 0.30.0, 0.31.0, 0.32.0" in breaks.stdout
+    degraded = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm-rs==0.32.0", "--engine", "vllm==0.29.0"],
+                              capture_output=True, text=True, timeout=60)
+    assert degraded.returncode == 4 and "watermarking" in degraded.stdout
+    works = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm-rs==0.32.0", "--engine", "0.31.0"],
+                           capture_output=True, text=True, timeout=60)
+    assert works.returncode == 0 and "works" in works.stdout
+
+
+def test_bad_matrix_arguments_get_one_line():
+    for argv in (["matrix", "--engines", "0.99.0"], ["matrix", "--frontends", "sglang:0.1.0"],
+                 ["can-i-deploy", "--frontend", "vllm-rs", "--engine", "0.32.0"],
+                 ["matrix", "--observe", "vllm-rs:0.31.0@0.98.0"]):
+        result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, argv
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path):
+    result = subprocess.run([*CLI, "matrix", "--predict-only", "--report-dir", str(tmp_path), "--db",
+                             str(tmp_path / "m.db")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "154 cells, 0 observed" in result.stderr
+    cells = json.loads((tmp_path / "matrix.json").read_text())
+    assert len(cells) == 154 and {c["verdict"] for c in cells} == {"works", "degraded", "breaks"}
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert len(cases) == 154
+    failing = {(c.get("classname"), c.get("name")) for c in cases if c.find("failure") is not None}
+    assert ("vllm:0.29.0", "engine 0.28.0") in failing and ("vllm:0.32.0", "engine 0.32.0") not in failing
+    loaded = database.load(tmp_path / "m.db")
+    page, table = html_page(loaded), markdown(loaded)
+    assert page.count('<section id="cell-') == 154 and page.count('href="#cell-') == 154
+    assert "<script" not in page and "http" not in page.split("<body")[1]  # self-contained
+    assert table.splitlines()[0].startswith("| frontend | engine 0.27.0 |") and len(table.splitlines()) == 2 + 22
+    assert junit(loaded) == (tmp_path / "junit.xml").read_bytes()

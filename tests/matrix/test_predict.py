@@ -1,0 +1,99 @@
+"""The matrix's predictions, read from the committed real recordings with each reader's release schema.
+
+Each expectation below was also observed by real peers (docs/compatibility.md):
+the prediction must name the struct, field and position that the real reader
+rejected.
+"""
+
+import pytest
+
+from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_release, frontends_in,
+                                 parse_build, recording_of, releases_in)
+from replay_proxy.matrix.predict import predict
+
+ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
+
+
+def reasons(judgement, verdict):
+    return {(e.direction, e.reader, e.struct, e.field, e.position, e.rule) for e in judgement.evidence
+            if e.verdict is verdict}
+
+
+def test_ranges_cover_the_shipped_releases_between_their_ends():
+    assert releases_in("0.27.0..0.29.0") == ["0.27.0", "0.27.1", "0.28.0", "0.29.0"]
+    assert releases_in("0.30.0,0.32.0") == ["0.30.0", "0.32.0"]
+    frontends = frontends_in(ALL_FRONTENDS)
+    assert len(frontends) == 15 + 7 and frontends[0] == Frontend("vllm-rs", "0.22.0")
+    assert parse_build("vllm-rs==0.31.0") == Frontend("vllm-rs", "0.31.0") and engine_release("vllm==0.30.0") == "0.30.0"
+    for bad in ("0.99.0", "0.27.0..0.99.0"):
+        with pytest.raises(MatrixError, match="no shipped schema"):
+            releases_in(bad)
+    with pytest.raises(MatrixError, match="say which frontend"):
+        frontends_in("0.27.0")
+    with pytest.raises(MatrixError, match="vllm-rs==RELEASE"):
+        parse_build("sglang==1.0")
+
+
+def test_every_cell_of_the_full_matrix_has_recordings_for_both_directions():
+    engines = releases_in("0.27.0..0.32.0")
+    missing = [str(f) for f in frontends_in(ALL_FRONTENDS) if recording_of(f) is None]
+    missing += [e for e in engines if recording_of(Frontend("vllm", e)) is None]
+    assert missing == []
+    unknown = [(str(f), e) for f in frontends_in(ALL_FRONTENDS) for e in engines
+               if predict(f, e, RECORDINGS).verdict is Verdict.UNKNOWN]
+    assert unknown == []
+
+
+def test_a_newer_python_frontend_rejects_an_older_engines_registration():
+    judgement = predict(Frontend("vllm", "0.29.0"), "0.28.0", RECORDINGS)
+    assert judgement.verdict is Verdict.BREAKS
+    assert reasons(judgement, Verdict.BREAKS) == {
+        ("to-frontend", "python-frontend", "EngineCoreReadyResponse", key, None, "missing_required_key")
+        for key in ("max_loras", "supports_lora")}
+
+
+def test_an_older_python_frontend_reads_a_newer_engine_its_extra_elements_ignored():
+    judgement = predict(Frontend("vllm", "0.27.0"), "0.32.0", RECORDINGS)
+    assert judgement.verdict is Verdict.WORKS
+    ignored = {(e.struct, e.position) for e in judgement.evidence if e.rule == "extra_trailing_elements"}
+    assert ("EngineCoreOutputs", 8) in ignored and ("EngineCoreOutput", 14) in ignored
+
+
+@pytest.mark.parametrize("release, position", [("0.30.0", 8), ("0.31.0", 8)])
+def test_vllm_rs_before_0_32_rejects_weight_version_in_engine_core_outputs(release, position):
+    judgement = predict(Frontend("vllm-rs", release), "0.32.0", RECORDINGS)
+    assert judgement.verdict is Verdict.BREAKS
+    assert ("to-frontend", "rust-frontend", "EngineCoreOutputs", None, position, "extra_trailing_elements") in \
+        reasons(judgement, Verdict.BREAKS)
+
+
+def test_vllm_rs_0_30_rejects_the_extra_outputs_element_that_0_31_ignores():
+    old, new = (predict(Frontend("vllm-rs", r), "0.31.0", RECORDINGS) for r in ("0.30.0", "0.31.0"))
+    assert ("to-frontend", "rust-frontend", "EngineCoreOutput", None, 17, "extra_trailing_elements") in \
+        reasons(old, Verdict.BREAKS)
+    assert new.verdict is Verdict.WORKS
+
+
+def test_vllm_rs_before_0_26_misreads_the_inserted_ec_transfer_params():
+    judgement = predict(Frontend("vllm-rs", "0.25.1"), "0.27.0", RECORDINGS)
+    assert ("to-frontend", "rust-frontend", "EngineCoreOutput", "ec_transfer_params", 9, "field_inserted") in \
+        reasons(judgement, Verdict.BREAKS)
+
+
+def test_a_sampling_key_the_engine_does_not_know_is_degraded_only_when_it_asks_for_something():
+    rust = predict(Frontend("vllm-rs", "0.32.0"), "0.29.0", RECORDINGS)  # vllm-rs sends watermarking=true
+    assert rust.verdict is Verdict.DEGRADED
+    assert reasons(rust, Verdict.DEGRADED) == {("to-engine", "python-engine", "SamplingParams", "watermarking", None,
+                                                "unknown_map_key")}
+    python = predict(Frontend("vllm", "0.32.0"), "0.29.0", RECORDINGS)  # the Python frontend sends false
+    assert python.verdict is Verdict.WORKS
+
+
+def test_a_cells_verdict_is_its_observation_and_agreement_is_judged_only_when_it_ran():
+    predicted = predict(Frontend("vllm", "0.32.0"), "0.32.0", RECORDINGS)
+    cell = Cell("vllm:0.32.0", "0.32.0", predicted)
+    assert (cell.verdict, cell.agrees) == (Verdict.WORKS, None)
+    cell.observed = type(predicted)(Verdict.BREAKS)
+    assert (cell.verdict, cell.agrees) == (Verdict.BREAKS, False)
+    cell.observed = type(predicted)(Verdict.UNKNOWN)
+    assert cell.agrees is None
