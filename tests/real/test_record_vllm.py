@@ -33,7 +33,7 @@ def rust_recorded(tmp_path_factory):
     return seen, sqlite_utils.Database(logs / "rec.db")
 
 
-DETERMINISTIC = ("completion", "chat", "stream", "seeded")
+DETERMINISTIC = ("completion", "chat", "stream", "seeded", "logprobs")
 
 
 def test_python_frontend_sees_the_same_through_the_proxy(direct, python_recorded):
@@ -79,13 +79,13 @@ def test_recording_has_every_message_decoded_without_unknowns(which, python_reco
     registration = json.loads(next(db.query("SELECT payload FROM handshakes WHERE kind='REGISTRATION'"))["payload"])
     assert registration["vllm_version"] == "0.32.0" and registration["max_model_len"] == 256
     requests = list(db.query("SELECT * FROM requests ORDER BY seq"))
-    # completion, chat, stream, seeded, then the streams the client closed early (workload.py)
-    assert len(requests) == 4 + seen["abort_attempts"]
+    # completion, chat, stream, seeded, logprobs, then the streams the client closed early (workload.py)
+    assert len(requests) == 5 + seen["abort_attempts"]
     assert [r["temperature"] for r in requests][:3] == [0.0, 0.0, 0.0]
-    assert requests[3]["seed"] == 1234 and requests[0]["max_tokens"] == 8
+    assert requests[3]["seed"] == 1234 and requests[0]["max_tokens"] == 8 and requests[4]["logprobs"] == 2
     timeline = {r["request_id"]: r for r in db.query("SELECT * FROM request_timeline")}
     finished = [r for r in timeline.values() if r["finish_reason"]]
-    assert len(finished) >= 4 and all(r["tokens"] > 0 and r["ttft_ms"] > 0 for r in finished)
+    assert len(finished) >= 5 and all(r["tokens"] > 0 and r["ttft_ms"] > 0 for r in finished)
     # Whether the frontend aborted a closed stream or the engine finished it first is a race of theirs;
     # either way each request ends, and the recording says how: every ABORT that crossed is there.
     aborted = {r["request_id"] for r in db.query("SELECT request_id FROM aborts")}

@@ -1,4 +1,5 @@
-"""The HTTP workload run against real frontends: what a user does, one request at a time.
+"""The HTTP workload run against real frontends: what a user does, one request at a time (completion,
+chat, streaming, a seeded request, logprobs, a client abort).
 
 Requests run sequentially: on this CPU build, greedy requests batched
 together do not reproduce run to run (REAL_VLLM.md), single ones do. A
@@ -37,6 +38,8 @@ def run(http_port: int, model: Path = MODEL) -> dict[str, object]:
         "seeded": lambda: post(http_port, "/v1/completions", {
             "model": str(model), "prompt": "five six seven", "max_tokens": 6, "temperature": 0.8,
             "seed": 1234})["choices"][0],
+        "logprobs": lambda: post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": "seven eight nine", "max_tokens": 4, "logprobs": 2, **GREEDY})["choices"][0],
     }
     seen: dict[str, object] = {}
     for name, step in steps.items():
