@@ -22,6 +22,7 @@ RUNS = "matrix_runs"
 
 
 def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite_utils.Database(path)
     db[RUNS].insert({"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "command": command, "seconds": round(seconds, 1), "cells": len(cells),

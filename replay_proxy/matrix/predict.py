@@ -9,13 +9,17 @@ unknown key), and the reader's rule for it (compare/readers.json, for that
 reader's release) says whether it rejects, ignores or fills it. The schema
 diff adds what no flag can show: a field inserted or removed in the middle
 of a struct the workload sends, which shifts every later position. A
-sampling key that the engine does not know, sent asking for something (a
-value that is not its default, nor false, zero or empty), is what the issue calls degraded: the request runs, and what
-the key asks for is silently not done.
+sampling key that the engine does not know, sent asking for something out
+of the ordinary, is degraded: the request runs, and what the key asks for is
+silently not done. Out of the ordinary means a value that is no release's
+default for that key (nor false, zero or empty): vllm-rs 0.32.0 sends
+``watermarking=true``, 0.30.0's and 0.31.0's default, and an engine that
+ignores it was observed to give the same tokens as one that honours it.
 """
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -25,7 +29,7 @@ from replay_proxy.compare.readers import reader_rules, verdict as reader_verdict
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.schema import Schema, load_schema, release_key
+from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
 from replay_proxy.wire.values import decode_msgpack
 
 RULE_OF_FLAG = {"extra_position": "extra_trailing_elements", "missing_required": "missing_required_key",
@@ -85,7 +89,7 @@ def read_direction(direction: str, sent: list[tuple[Channel, Direction, list[byt
             flags[(flag.struct, flag.field, flag.position, flag.issue)] += 1
             if flag.issue == "unknown_key" and flag.struct == "SamplingParams":
                 value = (message.fields.get("sampling_params") or {}).get(flag.field)
-                if value and value != writer.sampling_defaults.get(flag.field):  # False, 0, [], None: nothing asked
+                if value and value not in sampling_defaults(flag.field):  # False, 0, [], None: nothing asked
                     ignored.setdefault(flag.field, value)
         if message.kind in ROOTS and isinstance(message.fields, dict):
             _visit(reader_schema, ROOTS[message.kind], message.fields, exercised)
@@ -127,6 +131,21 @@ def read_direction(direction: str, sent: list[tuple[Channel, Direction, list[byt
         evidence.append(Evidence(Verdict.WORKS, direction, f"every message is a {release} {reader}'s own layout",
                                  reader=reader))
     return evidence
+
+
+@functools.cache
+def _defaults() -> dict[str, list[Any]]:
+    found: dict[str, list[Any]] = {}
+    for release in shipped_releases():
+        for field in load_schema(release).structs["SamplingParams"].fields:
+            if not field.required and field.default not in found.setdefault(field.name, []):
+                found[field.name].append(field.default)
+    return found
+
+
+def sampling_defaults(key: str) -> list[Any]:
+    """Every default SamplingParams ``key`` has had in a shipped release."""
+    return _defaults().get(key, [])
 
 
 def _issue_text(issue: str) -> str:

@@ -5,11 +5,13 @@ the prediction must name the struct, field and position that the real reader
 rejected.
 """
 
+import msgspec
 import pytest
 
 from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_release, frontends_in,
                                  parse_build, recording_of, releases_in)
-from replay_proxy.matrix.predict import predict
+from replay_proxy.matrix.predict import frames, predict, read_direction
+from replay_proxy.wire.schema import load_schema
 
 ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
 
@@ -80,13 +82,28 @@ def test_vllm_rs_before_0_26_misreads_the_inserted_ec_transfer_params():
         reasons(judgement, Verdict.BREAKS)
 
 
-def test_a_sampling_key_the_engine_does_not_know_is_degraded_only_when_it_asks_for_something():
-    rust = predict(Frontend("vllm-rs", "0.32.0"), "0.29.0", RECORDINGS)  # vllm-rs sends watermarking=true
-    assert rust.verdict is Verdict.DEGRADED
-    assert reasons(rust, Verdict.DEGRADED) == {("to-engine", "python-engine", "SamplingParams", "watermarking", None,
-                                                "unknown_map_key")}
-    python = predict(Frontend("vllm", "0.32.0"), "0.29.0", RECORDINGS)  # the Python frontend sends false
-    assert python.verdict is Verdict.WORKS
+def test_an_ignored_sampling_key_that_asks_for_nothing_unusual_works():
+    # vllm-rs 0.32.0 sends watermarking=true, the default of 0.30.0 and 0.31.0: a 0.29.0 engine ignores it and
+    # gives the same tokens as an engine that honours it (observed: docs/compatibility.md).
+    judgement = predict(Frontend("vllm-rs", "0.32.0"), "0.29.0", RECORDINGS)
+    assert judgement.verdict is Verdict.WORKS
+    assert ("to-engine", "python-engine", "SamplingParams", "watermarking", None, "unknown_map_key") in \
+        reasons(judgement, Verdict.WORKS)
+
+
+def test_an_ignored_sampling_key_that_asks_for_something_is_degraded():
+    """A real 0.32.0 request asking for prompt logprobs from position 3 on, read by a 0.30.0 engine."""
+    sent = []
+    for channel, direction, parts in frames(*recording_of(Frontend("vllm", "0.32.0")), "to-engine"):
+        request = msgspec.msgpack.decode(parts[1]) if len(parts) > 1 and parts[0] == b"\x00" else None
+        if request is not None:
+            request[3]["prompt_logprob_start"] = 3
+            parts = [parts[0], msgspec.msgpack.encode(request), *parts[2:]]
+        sent.append((channel, direction, parts))
+    evidence = read_direction("to-engine", sent, load_schema("0.32.0"), load_schema("0.30.0"), "python-engine")
+    [degraded] = [e for e in evidence if e.verdict is Verdict.DEGRADED]
+    assert (degraded.struct, degraded.field) == ("SamplingParams", "prompt_logprob_start")
+    assert "= 3 is sent, and a 0.30.0 engine does not know it" in degraded.message
 
 
 def test_a_cells_verdict_is_its_observation_and_agreement_is_judged_only_when_it_ran():
