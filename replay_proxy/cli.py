@@ -574,11 +574,17 @@ def bisect(
 
     Example: replay-proxy bisect --db recordings/vllm-0.27.0-python.db --session python-frontend --against frontend --releases 0.27.0..0.31.0
     """
-    from replay_proxy.matrix import MatrixError
+    from replay_proxy.matrix import MatrixError, releases_in
     from replay_proxy.matrix.deploy import bisect as search
 
     if frontend_kind not in ("vllm-rs", "vllm"):
         raise fail("--frontend-kind is vllm-rs or vllm", ExitCode.USAGE)
+    try:
+        releases_in(releases)
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    if not db.is_file():
+        raise fail(f"no recording database at {db}")
     try:
         first, tried = search(db, session, str(against), releases, frontend_kind=frontend_kind,
                               progress=lambda line: err.print(line, highlight=False))

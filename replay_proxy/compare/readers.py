@@ -41,6 +41,11 @@ def verdict(reader: str, rule: Rule, struct: str | None = None, release: str | N
     return _rule(reader, rule, struct, release)["verdict"]
 
 
+def source(reader: str, rule: Rule, struct: str | None = None, release: str | None = None) -> str:
+    """Where the rule ``reader`` of ``release`` follows for ``struct`` comes from."""
+    return _rule(reader, rule, struct, release)["source"]
+
+
 def rejecting(readers: tuple[str, ...], rule: Rule, struct: str | None = None,
               release: str | None = None) -> tuple[str, ...]:
     """Those of ``readers`` (of ``release``) that reject a message (of ``struct``) under ``rule``."""

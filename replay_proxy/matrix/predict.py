@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from replay_proxy.compare.readers import reader_rules, verdict as reader_verdict
+from replay_proxy.compare.readers import reader_rules, source as rule_source, verdict as reader_verdict
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
@@ -110,12 +110,11 @@ def read_direction(direction: str, sent: list[tuple[Channel, Direction, list[byt
                                      "what it asks for is not done", reader=reader, struct=struct, field=field,
                                      rule=rule))
             continue
-        source = reader_rules()[reader]["rules"][rule]
         evidence.append(Evidence(
             Verdict.BREAKS if says == "rejects" else Verdict.WORKS, direction,
             f"{what}: {_issue_text(issue)} in {count} message(s); a {release} {reader} {says} it",
             reader=reader, struct=struct, field=field, position=position, rule=rule,
-            source=source.get("except", {}).get(struct, source)["source"] if says == "rejects" else None))
+            source=rule_source(reader, rule, struct, release) if says == "rejects" else None))
     older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
     for change in diff_schemas(older, newer):
         if change.code in SHIFTS and change.struct in exercised:

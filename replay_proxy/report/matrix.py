@@ -74,8 +74,13 @@ def junit(cells: list[Cell]) -> bytes:
 
 
 def evidence_line(e: Evidence) -> str:
+    """``[breaks] to-frontend EngineCoreOutputs[8]: ... (source: ...)``, the place left out where the message
+    starts with it; the source is the reader rule's, or the replay's report."""
     where = ".".join(str(p) for p in (e.struct, e.field) if p) + (f"[{e.position}]" if e.position is not None else "")
-    return f"[{e.verdict.value}] {e.direction}{' ' + where if where else ''}: {e.message}"
+    if where and e.message.startswith(where.split("[")[0]):
+        where = ""
+    return (f"[{e.verdict.value}] {e.direction}{' ' + where if where else ''}: {e.message}"
+            + (f" (source: {e.source})" if e.source else ""))
 
 
 def markdown(cells: list[Cell]) -> str:

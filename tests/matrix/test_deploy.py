@@ -73,7 +73,8 @@ def test_can_i_deploy_exits_with_the_verdict_and_prints_the_evidence(tmp_path):
 def test_bad_matrix_arguments_get_one_line():
     for argv in (["matrix", "--engines", "0.99.0"], ["matrix", "--frontends", "sglang:0.1.0"],
                  ["can-i-deploy", "--frontend", "vllm-rs", "--engine", "0.32.0"],
-                 ["matrix", "--observe", "vllm-rs:0.31.0@0.98.0"]):
+                 ["matrix", "--observe", "vllm-rs:0.31.0@0.98.0"],
+                 ["bisect", "--db", "x.db", "--session", "s", "--against", "engine", "--releases", "0.30.0..0.99.0"]):
         result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, argv
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
