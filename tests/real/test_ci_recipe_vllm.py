@@ -1,0 +1,65 @@
+"""docs/ci.md's GitHub Actions workflow, its steps run as a script against real peers.
+
+The YAML is read from the document itself; each ``run:`` step with an ``id``
+runs in bash with the job's ``env:`` (``${{ github.workspace }}`` is a
+temporary folder), in order, stopping at the first that fails, as a runner
+does. The ``build`` step is the one this machine cannot do (it builds vLLM
+from source): the cached 0.28.0 release's venv stands in for the engine it
+would build, a real engine whose registration a 0.32.0 frontend rejects.
+"""
+
+import os
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from replay_proxy import peers
+from replay_proxy.releases import cache_dir
+
+pytestmark = pytest.mark.real_vllm
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def workflow() -> dict:
+    [block] = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)
+    return yaml.safe_load(block)
+
+
+def run_job(workspace: Path, **overrides: str) -> dict[str, subprocess.CompletedProcess]:
+    job = workflow()["jobs"]["replay"]
+    env = {k: str(v).replace("${{ github.workspace }}", str(workspace)) for k, v in job["env"].items()}
+    env.update(REPLAY_PROXY=str(ROOT), REPLAY_PROXY_CACHE=str(cache_dir()), **overrides)
+    env = {**os.environ, **env, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    results = {}
+    for step in job["steps"]:
+        if "run" not in step or step.get("id") == "build":
+            continue
+        results[step["id"]] = subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], cwd=workspace, env=env,
+                                             capture_output=True, text=True, timeout=1200)
+        if results[step["id"]].returncode != 0:
+            break
+    return results
+
+
+def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tmp_path):
+    peers.install_engine("0.28.0")  # what the build step would have built
+    results = run_job(tmp_path, ENGINE_VLLM=str(peers.venv("0.28.0") / "bin" / "vllm"), ENGINE_RELEASE="0.28.0",
+                      FRONTEND="vllm==0.27.0")
+    assert list(results) == ["install", "can-i-deploy", "replay"]
+    deploy = results["can-i-deploy"]
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+    assert "vllm:0.27.0 with engine 0.28.0: works (predicted: not observed yet)" in deploy.stdout
+    replay = results["replay"]
+    # The staging recording's 0.32.0 frontend requires registration keys a 0.28.0 engine does not send.
+    assert replay.returncode == 3, replay.stdout + replay.stderr
+    assert "supports_lora" in replay.stdout
+    # What the upload step publishes is there, and the replay's JUnit names the failing check.
+    upload = next(s for s in workflow()["jobs"]["replay"]["steps"] if "upload-artifact" in s.get("uses", ""))
+    paths = upload["with"]["path"].split()
+    assert all((tmp_path / p).is_file() for p in paths), [p for p in paths if not (tmp_path / p).is_file()]
+    failures = ET.parse(tmp_path / "reports/replay/junit.xml").getroot().iter("failure")
+    assert any("supports_lora" in (f.get("message") or "") + (f.text or "") for f in failures)
