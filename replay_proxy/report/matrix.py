@@ -93,10 +93,16 @@ def markdown(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def evidence_markdown(cells: list[Cell]) -> str:
-    """What decided each cell that is not plain works, one line each."""
-    return "".join(f"- **{c.frontend} x engine {c.engine}: {label(c)}** (predicted {c.predicted.verdict.value}): "
-                   f"{main_reason(c)}\n" for c in cells if c.verdict is not Verdict.WORKS or c.agrees is False)
+def evidence_markdown(cells: list[Cell], width: int = 300) -> str:
+    """What decided each cell that is not plain works, one line each, cut at ``width`` characters
+    (matrix.json and matrix.html hold all of it)."""
+    lines = []
+    for c in cells:
+        if c.verdict is not Verdict.WORKS or c.agrees is False:
+            reason = " ".join(main_reason(c).split())
+            lines.append(f"- **{c.frontend} x engine {c.engine}: {label(c)}** (predicted {c.predicted.verdict.value}): "
+                         f"{reason[:width]}{' ...' if len(reason) > width else ''}\n")
+    return "".join(lines)
 
 
 def html_page(cells: list[Cell], title: str = "replay-proxy compatibility matrix") -> str:
