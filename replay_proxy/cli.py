@@ -549,11 +549,13 @@ def can_i_deploy(
     result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS)
     verdict = result.cell.verdict
     out.print(f"{build} with engine {release}: [{RICH[verdict]}]{verdict.value}[/] ({result.source})")
-    judgement = result.cell.observed if result.cell.observed and not result.source.startswith("predicted") \
-        else result.cell.predicted
-    for evidence in judgement.evidence:
-        if evidence.verdict is verdict:  # the reasons for the verdict
-            out.print(f"  {evidence_line(evidence)}", highlight=False, markup=False)
+    reasons: dict[tuple, list] = {}  # the reasons for the verdict, one line per kind (a failure per request is one)
+    for evidence in (result.cell.observed or result.cell.predicted).evidence:
+        if evidence.verdict is verdict:
+            reasons.setdefault((evidence.direction, evidence.rule, evidence.struct, evidence.field), []).append(evidence)
+    for same in reasons.values():
+        more = f" (and {len(same) - 1} more like it)" if len(same) > 1 else ""
+        out.print(f"  {evidence_line(same[0])}{more}", highlight=False, markup=False)
     for line in result.upgrade:
         out.print(line, highlight=False)
     raise typer.Exit(int(verdict.exit_code))
@@ -572,7 +574,7 @@ def bisect(
     Each release it needs is installed on demand and replayed in bisection order.
     Exit code 0 when no release of the range regresses, else the deciding replay's (3, 4 or 6).
 
-    Example: replay-proxy bisect --db recordings/vllm-0.27.0-python.db --session python-frontend --against frontend --releases 0.27.0..0.31.0
+    Example: replay-proxy bisect --db recordings/vllm-0.28.0-python.db --session python-frontend --against frontend --frontend-kind vllm --releases 0.28.0..0.32.0
     """
     from replay_proxy.matrix import MatrixError, releases_in
     from replay_proxy.matrix.deploy import bisect as search
