@@ -11,9 +11,11 @@ Everything here builds command lines: the processes are the caller's
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -87,12 +89,27 @@ def install_frontend(frontend: Frontend) -> None:
         install_engine(frontend.release)
 
 
-def vllm_env(**extra: str) -> dict[str, str]:
-    """The environment REAL_VLLM.md gives, with a fresh scratch folder for vLLM's files and IPC sockets.
+SCRATCH: list[Path] = []  # every scratch folder made here: removed at exit if no one removed it before
 
-    The folder is short on purpose: IPC socket paths must fit in 107 bytes (sun_path).
-    """
-    scratch = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
+
+def scratch_dir() -> Path:
+    """A fresh folder for one vLLM process's files and IPC sockets (vLLM leaves gloo files, sockets and a
+    compile cache of up to 150 MB). Short on purpose: IPC socket paths must fit in 107 bytes (sun_path)."""
+    path = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
+    SCRATCH.append(path)
+    return path
+
+
+@atexit.register
+def _remove_scratch() -> None:
+    for path in SCRATCH:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def vllm_env(scratch: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment REAL_VLLM.md gives, vLLM's files and IPC sockets in ``scratch`` (default: a fresh
+    ``scratch_dir``)."""
+    scratch = scratch or scratch_dir()
     return {
         **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -101,9 +118,9 @@ def vllm_env(**extra: str) -> dict[str, str]:
     }
 
 
-def command(argv: list[str], **extra: str) -> str:
+def command(argv: list[str], scratch: Path | None = None, **extra: str) -> str:
     """A shell-safe ``--engine-cmd`` / ``--frontend-cmd``: ``argv`` in the vLLM environment (and ``extra``)."""
-    env = vllm_env()
+    env = vllm_env(scratch)
     settings = [f"{k}={env[k]}" for k in ENV_KEYS]
     return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
 

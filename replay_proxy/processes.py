@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -25,8 +26,10 @@ class ChildError(ReplayProxyError):
 
 class Child:
     def __init__(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                 name: str | None = None, cwd: Path | None = None):
+                 name: str | None = None, cwd: Path | None = None, owns: Path | None = None):
+        """``owns``: a folder only this child writes to (its scratch files), removed once it has stopped."""
         self.name = name or Path(argv[0]).name
+        self.owns = owns
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
@@ -61,7 +64,10 @@ class Child:
             except subprocess.TimeoutExpired:
                 pass
         self._signal_group(signal.SIGKILL)
-        return self.process.wait(10)
+        code = self.process.wait(10)
+        if self.owns is not None:
+            shutil.rmtree(self.owns, ignore_errors=True)
+        return code
 
     def _signal_group(self, sig: int) -> None:
         try:

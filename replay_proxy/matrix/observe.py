@@ -127,22 +127,25 @@ def replay(direction: str, recording: tuple[Path, str], workdir: Path, *, engine
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "replay.db"
     shutil.copy(recording[0], db)
+    scratch = peers.scratch_dir()  # the peer's own files: gone with the replay (an engine's are 150 MB)
     if direction == "to-engine":
         peers.install_engine(engine)
         port = free_port()
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-                  "--engine-cmd", peers.command(peers.engine_argv(port, engine))]
+                  "--engine-cmd", peers.command(peers.engine_argv(port, engine), scratch)]
     else:
         peers.install_frontend(frontend)
         http, rpc = free_port(), free_port()
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
-                  "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc))]
+                  "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch)]
     argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", recording[1], *target,
             "--ready-timeout", str(READY_S), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=LEG_S)
     except subprocess.TimeoutExpired:
         return -1, None, f"the replay took over {LEG_S} s"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     report = workdir / "report.json"
     if not report.exists():
         return done.returncode, None, f"the replay ended with {done.returncode}: " + (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from replay_proxy import peers as real
 from replay_proxy.matrix import RECORDINGS
-from replay_proxy.peers import Frontend, command, vllm_env
+from replay_proxy.peers import Frontend, command
 from replay_proxy.processes import Child, ChildError, free_port
 from replay_proxy.releases import cache_dir
 
@@ -34,21 +34,27 @@ def installed() -> bool:
         p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
+def real_child(argv: list[str], log: Path, name: str, **env: str) -> Child:
+    """A real vLLM process in the vLLM environment, its scratch folder removed when it is stopped."""
+    scratch = real.scratch_dir()
+    return Child(argv, log, env=real.vllm_env(scratch, **env), name=name, owns=scratch)
+
+
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
                     release: str = "0.32.0", **env: str) -> Child:
-    return Child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / "frontend.log",
-                 env=vllm_env(**env), name=f"vllm {release} frontend")
+    return real_child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / "frontend.log",
+                      f"vllm {release} frontend", **env)
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
-    return Child(rust_frontend_argv(http_port, rpc_port, version, dp), logs / f"vllm-rs-{version}.log",
-                 env=vllm_env(), name=f"vllm-rs {version}")
+    return real_child(rust_frontend_argv(http_port, rpc_port, version, dp), logs / f"vllm-rs-{version}.log",
+                      f"vllm-rs {version}")
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
                     name: str = "engine", model: Path = MODEL, release: str = "0.32.0", **env: str) -> Child:
-    return Child(real.engine_argv(rpc_port, release, dp, start_rank, local, model), logs / f"{name}.log",
-                 env=vllm_env(**env), name=f"{name} {release}")
+    return real_child(real.engine_argv(rpc_port, release, dp, start_rank, local, model), logs / f"{name}.log",
+                      f"{name} {release}", **env)
 
 
 def engine_command(rpc_port: int, release: str = "0.32.0", **extra: str) -> str:

@@ -53,8 +53,7 @@ def live_pair(tmp_path, frontend: str, engine: str) -> tuple[str, dict]:
     real.install_engine(engine)
 
     def start(logs, http, rpc):
-        return peers.Child(real.frontend_argv(build, http, rpc), logs / "frontend.log", env=real.vllm_env(),
-                           name=frontend)
+        return peers.real_child(real.frontend_argv(build, http, rpc), logs / "frontend.log", frontend)
 
     try:
         seen = peers.run_pair(tmp_path, start, tmp_path / "live.db", "live", engine_release=engine)
