@@ -149,7 +149,8 @@ def write_reports(cells: list[Cell], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / name for name in ("matrix.json", "junit.xml", "matrix.html", "matrix.md")}
     paths["matrix.json"].write_bytes(msgspec.json.format(msgspec.json.encode(
-        [{**msgspec.to_builtins(c), "verdict": c.verdict.value, "agrees": c.agrees} for c in cells])))
+        [{**msgspec.to_builtins(c), "observed": msgspec.to_builtins(c.observed), "verdict": c.verdict.value,
+          "agrees": c.agrees} for c in cells])))  # "observed" is null, not missing, where nothing was observed
     paths["junit.xml"].write_bytes(junit(cells))
     paths["matrix.html"].write_text(html_page(cells))
     paths["matrix.md"].write_text(markdown(cells) + "\n" + evidence_markdown(cells))

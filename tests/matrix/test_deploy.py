@@ -87,6 +87,7 @@ def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path)
     assert "154 cells, 0 observed" in result.stderr
     cells = json.loads((tmp_path / "matrix.json").read_text())
     assert len(cells) == 154 and {c["verdict"] for c in cells} == {"works", "breaks"}
+    assert all(c["observed"] is None and c["agrees"] is None for c in cells)  # null, not missing
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     cases = suite.findall("testcase")
     assert len(cases) == 154
