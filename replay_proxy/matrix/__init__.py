@@ -147,3 +147,8 @@ def recording_of(build: Frontend, folder: Path = RECORDINGS) -> tuple[Path, str]
     else:
         path, session = folder / f"vllm-{build.release}-python.db", "python-frontend"
     return (path, session) if path.exists() else None
+
+
+def engine_recording(engine: str, folder: Path = RECORDINGS) -> tuple[Path, str] | None:
+    """What engine ``engine`` sends, as recorded with its own release's Python frontend."""
+    return recording_of(Frontend("vllm", engine), folder)

@@ -50,13 +50,6 @@ def load(path: Path) -> list[Cell]:
     return cells
 
 
-def last_run(path: Path) -> dict | None:
-    db = sqlite_utils.Database(path)
-    run = next(db.query(f"SELECT * FROM {RUNS} ORDER BY id DESC LIMIT 1"), None) if RUNS in db.table_names() else None
-    db.close()
-    return run
-
-
 def _row_cell(db: sqlite_utils.Database, frontend: str, engine: str) -> Cell | None:
     if CELLS not in db.table_names():
         return None

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import msgspec
 
-from replay_proxy.matrix import Cell, Frontend, MatrixError, RECORDINGS, Verdict, recording_of, releases_in
+from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording, recording_of,
+                                 releases_in)
 from replay_proxy.matrix import database
 from replay_proxy.matrix.observe import replay
 from replay_proxy.matrix.predict import predict
@@ -67,7 +68,7 @@ def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, verify: bo
 
 def _alternatives(frontend: Frontend, engine: str, db: Path | None, recordings: Path) -> list[str]:
     """The recorded engines ``frontend`` works with, and the frontends of its kind that work with ``engine``."""
-    recorded = [r for r in shipped_releases() if recording_of(Frontend("vllm", r), recordings)]
+    recorded = [r for r in shipped_releases() if engine_recording(r, recordings)]
     engines = [e for e in recorded if cell_of(frontend, e, db, recordings=recordings)[0].verdict is Verdict.WORKS]
     builds = [f for f in (Frontend(frontend.kind, r) for r in shipped_releases()) if recording_of(f, recordings)
               and cell_of(f, engine, db, recordings=recordings)[0].verdict is Verdict.WORKS]
@@ -119,8 +120,8 @@ def bisect(db: Path, session: str, against: str, releases: str, *, frontend_kind
         if release not in tried:
             direction = "to-engine" if against == "engine" else "to-frontend"
             try:
-                code, report, why = replay(direction, (db, session), workdir / release, engine=release,
-                                           frontend=Frontend(frontend_kind, release))  # type: ignore[arg-type]
+                peer = {"engine": release} if against == "engine" else {"frontend": Frontend(frontend_kind, release)}
+                code, report, why = replay(direction, (db, session), workdir / release, **peer)  # type: ignore[arg-type]
             except ReleaseError as exc:
                 raise MatrixError(f"cannot bisect over {release}: {exc}") from None
             tried[release] = _tried(release, code, report, why)

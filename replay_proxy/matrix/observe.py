@@ -30,7 +30,7 @@ from pathlib import Path
 from replay_proxy import peers
 from replay_proxy.compare.behaviour import batched, deterministic
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
+from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.matrix.predict import frames
 from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
@@ -93,7 +93,7 @@ class Leg:
     def _against_own_frontend(self, db: Path, replay_name: str) -> list[Evidence]:
         """Greedy or seeded requests, each run alone, whose tokens or finish reason differ from what engine E
         gives its own frontend."""
-        own = recording_of(Frontend("vllm", self.engine), self.recording[0].parent)
+        own = engine_recording(self.engine, self.recording[0].parent)
         if own is None:
             return []
         replay_id = replay_name.rsplit("(#", 1)[1].rstrip(")")  # "name (#2)", as reports name sessions
@@ -173,7 +173,7 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path,
     engine_legs: dict[tuple[str, str], Leg] = {}
     legs: dict[tuple[Frontend, str], tuple[Leg, Leg] | None] = {}
     for frontend, engine in cells:
-        sent, got = recording_of(frontend, recordings), recording_of(Frontend("vllm", engine), recordings)
+        sent, got = recording_of(frontend, recordings), engine_recording(engine, recordings)
         if sent is None or got is None:
             legs[(frontend, engine)] = None
             continue

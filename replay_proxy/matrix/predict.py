@@ -27,7 +27,7 @@ from typing import Any
 
 from replay_proxy.compare.readers import reader_rules, source as rule_source, verdict as reader_verdict
 from replay_proxy.compare.schema_diff import diff_schemas
-from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, recording_of, worst
+from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
 from replay_proxy.wire.values import decode_msgpack
@@ -42,7 +42,7 @@ ROOTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.
 def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
     """The predicted verdict of ``frontend`` with engine ``engine``, and every change behind it."""
     sent_by_frontend = recording_of(frontend, recordings)
-    sent_by_engine = recording_of(Frontend("vllm", engine), recordings)
+    sent_by_engine = engine_recording(engine, recordings)
     evidence: list[Evidence] = []
     for direction, recording, writer, reader, reader_release in (
             ("to-engine", sent_by_frontend, frontend.release, "python-engine", engine),

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import sqlite_utils
+
 from replay_proxy.matrix import Cell, Evidence, Frontend, Judgement, RECORDINGS, Verdict, database
 from replay_proxy.matrix.deploy import can_i_deploy
 from replay_proxy.matrix.predict import predict
@@ -42,7 +44,8 @@ def test_a_prediction_run_keeps_the_observations_already_in_the_database(tmp_pat
     cells = {(c.frontend, c.engine): c for c in database.load(db)}
     assert cells[("vllm:0.29.0", "0.28.0")].observed.evidence[0].message == "missing supports_lora"
     assert cells[("vllm:0.29.0", "0.29.0")].observed is None
-    assert database.last_run(db)["command"] == "predict"
+    assert [r["command"] for r in sqlite_utils.Database(db).query("SELECT command FROM matrix_runs ORDER BY id")] == [
+        "observe", "predict"]
 
 
 def test_the_upgrade_order_goes_through_the_cell_that_works():
