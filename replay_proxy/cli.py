@@ -116,8 +116,9 @@ def record(
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     err.print(status_line(stats, 0))
+    so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"
     err.print(f"session {name!r} (id {recorder.session_id}) {recorder.status}: {stats.frames_recorded:,} of "
-              f"{stats.frames_seen:,} frames recorded, {stats.frames_dropped:,} dropped -> {db}")
+              f"{stats.frames_seen:,} frames recorded{so_far}, {stats.frames_dropped:,} dropped -> {db}")
     if stats.frames_undecoded:
         err.print(f"{stats.frames_undecoded:,} frames are kept but not decoded yet: "
                   f"replay-proxy decode --db {db} --session {name}")

@@ -27,7 +27,6 @@ the cost of latency.
 
 from __future__ import annotations
 
-import datetime
 import enum
 import math
 import os
@@ -45,12 +44,12 @@ import msgspec
 import zmq
 
 from replay_proxy import __version__
+from replay_proxy.clock import utc_now
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, batch_message, decode_progress, stop_message
 from replay_proxy.store.tables import open_database
-from replay_proxy.store.writer import Progress, Stop, unpack_progress
 from replay_proxy.wire.capture import (
-    FLUSH_MS, RELAY, STOP, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry,
-    tap_message)
+    FLUSH_MS, RELAY, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry)
 
 TAP_BATCH = 4096  # frames per message from the tap to the writer, at most (unless one batch has more) ...
 TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
@@ -62,12 +61,15 @@ PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may 
 # itself, in the background).
 TAP_STOP_S = 1.0
 WRITER_STOP_S = 3.5
+TAP_LINGER_MS = 1000  # what the tap sent a writer that is still busy goes on to it this long, in the background
+BLOCK_STALL_S = 10.0  # in block mode the stop waits for the writer, as long as it gets on within this
 START_TIMEOUT_S = 60.0
 # The writer runs as SCHED_IDLE: only on a core nothing else wants, so under load the engine's and the
 # forwarders' work comes first; it decodes live while there is CPU to spare, and keeps (then decodes)
 # what waits when there is not. (On this project's 2 shared cores, any work beside the forwarders costs
 # round-trip p99, whatever its priority: README, Performance.)
-_STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it from the relay's thread
+STOP = [b""]  # from the relay's thread to the tap, after its last entry
+_STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it
 
 
 class OnFull(enum.StrEnum):
@@ -81,18 +83,22 @@ class RecorderError(ReplayProxyError):
     """The writer process failed or did not finish in time."""
 
 
-class RecorderStats(msgspec.Struct, frozen=True):
-    frames_seen: int
-    frames_recorded: int
-    frames_dropped: int
+class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The counts of the status line, the summary and the ``sessions`` row: seen = recorded + dropped +
+    queued, on every path."""
+
+    frames_seen: int  # forwarded
+    frames_recorded: int  # in the database, decoded or kept
+    frames_dropped: int  # will never be in it: dropped at a full queue, or not written (a full disk)
+    queue_depth_frames: int = 0  # on their way to the database
     bytes_seen: int
     requests: int
-    queue_depth_frames: int
     engines_dead: int
     frames_undecoded: int = 0
     error: str | None = None  # the writer's last write error, or its death
     drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
     drift: str | None = None  # the newest drift alarm
+    final: bool = True  # False while the writer still writes: the frames queued are not counted yet
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -101,10 +107,6 @@ class SessionInfo(msgspec.Struct, frozen=True):
     listen: str | None = None
     upstream: str | None = None
     baseline_session_id: int | None = None
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 class Recorder:
@@ -120,7 +122,7 @@ class Recorder:
         self._block = OnFull(on_full) is OnFull.BLOCK
         db = open_database(self.db_path)
         self.session_id = db["sessions"].insert({
-            **msgspec.to_builtins(session), "started_at": _now(), "status": "recording",
+            **msgspec.to_builtins(session), "started_at": utc_now(), "status": "recording",
             "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0,
         }).last_pk
         db.close()
@@ -131,7 +133,8 @@ class Recorder:
         self._progress_socket = context.socket(zmq.PULL)
         self._progress_socket.setsockopt(zmq.CONFLATE, 1)
         self._progress_socket.bind(progress)
-        self._progress, self._write_error, self._drift = Progress(0, 0, 0, 0, 0, 0), None, None
+        self._progress = Progress()
+        self._ending = ("complete", None)  # how the session ended, for the tap's Stop to the writer
         self._writer_lost: str | None = None  # why the writer is gone, once the tap has seen it go
         self._progress_due = 0.0  # when the tap thread reads the writer's progress next
         # We connect, the writer binds: a connecting PUSH queues from the first frame on,
@@ -151,9 +154,10 @@ class Recorder:
         self._mine.setsockopt(zmq.SNDHWM, 0)
         self._mine.setsockopt(zmq.IDENTITY, RELAY)
         self._mine.connect(self.capture)
+        start = WriterStart(str(self.db_path), self.session_id, tap, progress, parent_pid=os.getpid(),
+                            hold_frames=max(1, queue_size // 2), max_bytes=max_db_bytes)
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "replay_proxy.store.writer", str(self.db_path), str(self.session_id), tap,
-             progress, str(os.getpid()), str(max(1, queue_size // 2)), str(max_db_bytes or "-")],
+            [sys.executable, "-m", "replay_proxy.store.writer", msgspec.json.encode(start).decode()],
             stdin=subprocess.DEVNULL,
             start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
         os.sched_setscheduler(self._process.pid, os.SCHED_IDLE, os.sched_param(0))
@@ -174,7 +178,7 @@ class Recorder:
         shutil.rmtree(self._folder, ignore_errors=True)
         error = f"the writer process did not start (exit code {self._process.wait(5)})"
         db = open_database(self.db_path)
-        db["sessions"].update(self.session_id, {"ended_at": _now(), "status": "failed", "error": error})
+        db["sessions"].update(self.session_id, {"ended_at": utc_now(), "status": "failed", "error": error})
         db.close()
         raise RecorderError(error)
 
@@ -191,7 +195,8 @@ class Recorder:
     # --- the tap thread -------------------------------------------------------------------
 
     def _pass_on(self) -> None:
-        """Count and pass every entry on to the writer, until STOP from the relay's thread."""
+        """Count and pass every entry on to the writer, until STOP from the relay's thread; then send
+        the writer its Stop (this thread owns the socket, and only it knows when the last frame is in)."""
         collector = self._collector
         most = min(TAP_BATCH, self._queue_size)
         stop_by = None  # after STOP: when the forwarders' last batches are in
@@ -221,6 +226,9 @@ class Recorder:
             if entries:
                 self._send(entries, frames)
             elif stop_by is not None and time.monotonic() >= stop_by:  # everything before STOP is passed on
+                if self._writer_lost is None:
+                    status, error = self._ending
+                    self._tap.send_multipart(stop_message(Stop(status, error, self._frames_seen, self._bytes_seen)))
                 return
 
     def _send(self, entries: list[list[bytes]], frames: int) -> None:
@@ -236,7 +244,7 @@ class Recorder:
                 entries, frames = [entry for entry in entries if is_engine_loss(entry)], 0
                 if not entries or self._writer_lost is not None:
                     return
-        self._tap.send_multipart(tap_message(entries, frames, self._frames_seen, self._bytes_seen))
+        self._tap.send_multipart(batch_message(entries, Batch(frames, self._frames_seen, self._bytes_seen)))
         self._frames_sent += frames
 
     def _has_room(self, frames: int) -> bool:
@@ -250,64 +258,82 @@ class Recorder:
     def _read_progress(self, timeout_ms: int) -> None:
         """Take the writer's latest report, waiting up to ``timeout_ms`` for one; notice if it is gone."""
         if self._progress_socket.poll(timeout_ms):
-            self._progress, self._write_error, self._drift = unpack_progress(self._progress_socket.recv())
+            self._progress = decode_progress(self._progress_socket.recv())
         self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
         if self._writer_lost is None and (code := self._process.poll()) is not None:
             self._writer_lost = f"the writer process exited with {code} while recording"
 
     def statistics(self) -> RecorderStats:
+        """The counts so far: what is neither written nor dropped is queued."""
         p = self._progress
-        queued = 0 if self._writer_lost else self._frames_seen - self._frames_dropped - p.frames_written - p.frames_failed
-        return RecorderStats(self._frames_seen, p.frames_written, self._frames_seen - p.frames_written - queued,
-                             self._bytes_seen, p.requests, queued, p.engines_dead, p.frames_undecoded,
-                             self._writer_lost or self._write_error, p.drift_alarms, self._drift)
+        lost = self._frames_dropped + p.frames_failed  # never to be in the database
+        queued = 0 if self._writer_lost else self._frames_seen - lost - p.frames_written
+        return RecorderStats(frames_seen=self._frames_seen, frames_recorded=p.frames_written,
+                             frames_dropped=self._frames_seen - p.frames_written - queued, queue_depth_frames=queued,
+                             bytes_seen=self._bytes_seen, requests=p.requests, engines_dead=p.engines_dead,
+                             frames_undecoded=p.frames_undecoded, error=self._writer_lost or p.write_error,
+                             drift_alarms=p.drift_alarms, drift=p.drift)
 
     def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
         """Pass on everything queued, tell the writer how the session ended, and wait (bounded) for it.
 
         Stop the relay first: what its forwarders copy after this is not recorded. The writer ends
-        the session row itself; if it is gone, the recorder does, from what the database holds.
+        the session row itself; if it is gone, the recorder does, from what the database holds. If the
+        writer is still at it when the wait ends, the counts returned are not final (``final``): what
+        it has not written yet is queued, not dropped.
         """
+        self._ending = (status, error)
         self._mine.send_multipart(STOP)  # after every entry already queued
         self._mine.close(linger=-1)
-        self._tap_thread.join(TAP_STOP_S + STOP_GRACE_MS / 1000)
-        if not self._tap_thread.is_alive():  # its sockets are this thread's now
+        self._wait_for_tap()
+        passed_on = not self._tap_thread.is_alive()  # and the tap has sent the writer its Stop
+        if passed_on:  # its sockets are this thread's now
+            try:
+                self._process.wait(WRITER_STOP_S)
+            except subprocess.TimeoutExpired:  # still writing: it ends the session itself, nothing is cut off
+                pass
             self._read_progress(0)
-        if self._writer_lost is None and not self._tap_thread.is_alive():
-            self._tap.send_multipart([STOP[0], msgspec.json.encode(Stop(status, error, self._frames_seen,
-                                                                        self._bytes_seen))])
-        try:
-            self._process.wait(WRITER_STOP_S)
-        except subprocess.TimeoutExpired:  # still writing: it ends the session itself, nothing is cut off
-            pass
-        code = self._process.poll()
-        if not self._tap_thread.is_alive():  # else it still owns them; the process exit takes them
-            for sock in (self._tap, self._collector, self._progress_socket):
+            for sock in (self._collector, self._progress_socket):
                 sock.close(linger=0)
+            # A writer still at it takes the rest from its socket (not from this process's queue, which
+            # linger=0 would throw away) while this process lives.
+            self._tap.close(linger=TAP_LINGER_MS)
+        code = self._process.poll()
         shutil.rmtree(self._folder, ignore_errors=True)
+        if code is None:
+            self.status = "finishing"  # the writer is still at it, in the background
+            live = self.statistics()
+            return msgspec.structs.replace(live, final=False, error=(
+                f"the writer (PID {self._process.pid}) is still writing {live.queue_depth_frames:,} frames; "
+                "it ends the session itself"))
         db = open_database(self.db_path)
-        if code is not None and code != 0:  # the writer died: the session is ended here, by what is kept
+        if code != 0:  # the writer died: the session is ended here, by what is kept
             kept = db.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
                               "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
                               {"s": self.session_id}).fetchone()[0]
             db["sessions"].update(self.session_id, {
-                "ended_at": _now(), "status": "incomplete", "frames_recorded": kept, "frames_seen": self._frames_seen,
-                "frames_dropped": self._frames_seen - kept, "bytes_seen": self._bytes_seen,
+                "ended_at": utc_now(), "status": "incomplete", "frames_recorded": kept,
+                "frames_seen": self._frames_seen, "frames_dropped": self._frames_seen - kept,
+                "bytes_seen": self._bytes_seen,
                 "error": error or self._writer_lost or f"the writer process exited with {code}"})
         row = db["sessions"].get(self.session_id)
         requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
         alarms = [m for (m,) in db.execute("SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid",
                                            [self.session_id])]
         db.close()
-        if code is None:
-            self.status = "finishing"  # the writer is still at it, in the background
-            return RecorderStats(self._frames_seen, self._progress.frames_written,
-                                 self._frames_seen - self._progress.frames_written, self._bytes_seen,
-                                 self._progress.requests, 0, self._progress.engines_dead,
-                                 self._progress.frames_undecoded, f"the writer (PID {self._process.pid}) is "
-                                 "still writing; it ends the session itself", self._progress.drift_alarms,
-                                 self._drift)
         self.status = row["status"]
-        return RecorderStats(row["frames_seen"] or 0, row["frames_recorded"] or 0, row["frames_dropped"] or 0,
-                             row["bytes_seen"] or 0, requests, 0, row["engines_dead"] or 0,
-                             row["frames_undecoded"] or 0, row["error"], len(alarms), alarms[-1] if alarms else None)
+        return RecorderStats(frames_seen=row["frames_seen"] or 0, frames_recorded=row["frames_recorded"] or 0,
+                             frames_dropped=row["frames_dropped"] or 0, bytes_seen=row["bytes_seen"] or 0,
+                             requests=requests, engines_dead=row["engines_dead"] or 0,
+                             frames_undecoded=row["frames_undecoded"] or 0, error=row["error"],
+                             drift_alarms=len(alarms), drift=alarms[-1] if alarms else None)
+
+    def _wait_for_tap(self) -> None:
+        """Until the tap has passed everything on. Dropping, it does within STOP_GRACE_MS; blocking, it
+        waits for the writer, so this waits as long as the writer gets on (lossless takes what it takes)."""
+        self._tap_thread.join(TAP_STOP_S + STOP_GRACE_MS / 1000)
+        while self._block and self._tap_thread.is_alive():
+            before = self._progress
+            self._tap_thread.join(BLOCK_STALL_S)
+            if self._progress == before:
+                return

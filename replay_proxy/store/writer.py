@@ -31,21 +31,20 @@ bounds the queue with it and shows it on the status line.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sqlite3
-import struct
 import sys
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import msgspec
 import zmq
 
+from replay_proxy.clock import utc_now
+from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, encode_progress, header
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
-from replay_proxy.wire.capture import STOP, CapturedFrame, EngineLoss, decode_entries, tap_counts
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Kind, WireDecoder
 from replay_proxy.wire.schema import release_key
 
@@ -55,36 +54,7 @@ STOP_DECODE_S = 2.0  # after STOP: decode this long at most, then keep the rest
 PARENT_CHECK_S = 1.0  # how often: is the proxy still there?
 
 
-class Progress(NamedTuple):
-    """What the writer reports after every step; cumulative, so only the newest matters."""
-
-    frames_written: int  # in the database, kept or decoded
-    requests: int  # ADDs decoded
-    engines_dead: int  # sent ENGINE_CORE_DEAD or vanished
-    frames_failed: int  # could not be written (a full disk, a locked file)
-    frames_undecoded: int  # kept, not yet decoded
-    drift_alarms: int  # distinct ways the traffic disagreed with its release's schema
-
-
-PROGRESS = struct.Struct("<qqqqqq")  # a Progress on the wire, then the last write error and drift alarm (UTF-8)
-
-
-def pack_progress(progress: Progress, error: str | None, drift: str | None) -> bytes:
-    return PROGRESS.pack(*progress) + f"{error or ''}\0{drift or ''}".encode()
-
-
-def unpack_progress(data: bytes) -> tuple[Progress, str | None, str | None]:
-    error, drift = data[PROGRESS.size:].decode().split("\0", 1)
-    return Progress(*PROGRESS.unpack_from(data)), error or None, drift or None
-
-
-class Stop(msgspec.Struct):
-    """What the proxy says with STOP: how the session ended, and the tap's final counts."""
-
-    status: str
-    error: str | None
-    frames_seen: int
-    bytes_seen: int
+Entries = tuple[int, bytes]  # a tap message's frames, and its entries (wire/capture.py) as sent
 
 
 class Writer:
@@ -128,8 +98,9 @@ class Writer:
         self.last_alarm: str | None = None
 
     def progress(self) -> Progress:
-        return Progress(self.frames_written, self.requests, len(self.dead), self.frames_failed, self.frames_undecoded,
-                        len(self.alarmed))
+        return Progress(frames_written=self.frames_written, requests=self.requests, engines_dead=len(self.dead),
+                        frames_failed=self.frames_failed, frames_undecoded=self.frames_undecoded,
+                        drift_alarms=len(self.alarmed), write_error=self.write_error, drift=self.last_alarm)
 
     def _alarms(self, rows: Rows) -> None:
         """A drift alarm row for each new way a frame disagreed with its schema (the first frame of each)."""
@@ -185,23 +156,22 @@ class Writer:
             self._alarms(rows)
         return rows, added
 
-    def write(self, messages: list[list[bytes]]) -> None:
+    def write(self, messages: list[Entries]) -> None:
         """Decode the tap's messages and write them, in one transaction."""
-        frames = sum(tap_counts(m)[0] for m in messages)
-        rows, added = self._tabulate(item for m in messages for item in decode_entries(m[1]))
+        frames = sum(count for count, _ in messages)
+        rows, added = self._tabulate(item for _, entries in messages for item in decode_entries(entries))
         if self._commit(rows):
             self.frames_written += frames
             self.requests += added
         else:
             self.frames_failed += frames
 
-    def keep(self, messages: list[list[bytes]]) -> None:
+    def keep(self, messages: list[Entries]) -> None:
         """Keep the tap's messages as they came, numbering them, about ``DECODE_FRAMES`` x 10 a transaction."""
         while messages:
             rows, frames, taken = Rows(), 0, 0
-            for message in messages:
-                count = tap_counts(message)[0]
-                rows.tables["undecoded"].append((self.session_id, self.last_kept + taken + 1, count, message[1]))
+            for count, entries in messages:
+                rows.tables["undecoded"].append((self.session_id, self.last_kept + taken + 1, count, entries))
                 frames, taken = frames + count, taken + 1
                 if frames >= 10 * DECODE_FRAMES:
                     break
@@ -252,7 +222,7 @@ class Writer:
         end = {} if stop is None else {"status": stop.status, "frames_seen": stop.frames_seen,
                                        "bytes_seen": stop.bytes_seen,
                                        "frames_dropped": max(0, stop.frames_seen - self.frames_written),
-                                       "ended_at": _now()}
+                                       "ended_at": utc_now()}
         if stop is not None and (self.frames_failed or self.write_error) and stop.status == "complete":
             end["status"] = "incomplete"
         error = (stop.error if stop else None) or self.write_error
@@ -266,10 +236,6 @@ class Writer:
         self.connection.close()
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
 def finish_decoding(db_path: str, session_id: int) -> int:
     """Decode what a session kept undecoded (``replay-proxy decode``); return how many frames that was."""
     writer = Writer(db_path, session_id)
@@ -279,75 +245,93 @@ def finish_decoding(db_path: str, session_id: int) -> int:
     return before - writer.frames_undecoded
 
 
-def run(db_path: str, session_id: int, tap_address: str, progress_address: str, parent: int,
-        hold_frames: int, max_bytes: int | None) -> None:
-    """The writer process's loop: take what the tap sends, decode (or keep), report."""
-    context = zmq.Context()
-    tap = context.socket(zmq.PULL)
-    tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
-    tap.bind(tap_address)
-    progress = context.socket(zmq.PUSH)
-    # Only the newest count matters, and a send must never block on a proxy that is gone.
-    progress.setsockopt(zmq.CONFLATE, 1)
-    progress.setsockopt(zmq.LINGER, 5000)
-    progress.connect(progress_address)
-    writer = Writer(db_path, session_id, max_bytes=max_bytes)
-    progress.send(pack_progress(writer.progress(), None, None))  # started
-    held: list[list[bytes]] = []  # the tap's messages waiting, in memory
-    held_bytes = held_frames = 0
-    stop: Stop | None = None
-    stop_by = None  # after STOP: when decoding gives way to keeping
-    frames_seen = bytes_seen = 0  # as the tap's last message said, for a proxy that dies
-    parent_checked = time.monotonic()
-    parent_gone = False
-    while True:
-        while stop is None:  # take what the tap has sent since the last look, without waiting
+class WriterLoop:
+    """The writer process: take what the tap sends, decode it (or keep it), report, until Stop."""
+
+    def __init__(self, start: WriterStart):
+        self.context = zmq.Context()
+        self.tap = self.context.socket(zmq.PULL)
+        self.tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
+        self.tap.bind(start.tap_address)
+        self.progress = self.context.socket(zmq.PUSH)
+        # Only the newest count matters, and a send must never block on a proxy that is gone.
+        self.progress.setsockopt(zmq.CONFLATE, 1)
+        self.progress.setsockopt(zmq.LINGER, 5000)
+        self.progress.connect(start.progress_address)
+        self.parent, self.hold_frames = start.parent_pid, start.hold_frames
+        self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes)
+        self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
+        self.held_bytes = self.held_frames = 0
+        self.stop: Stop | None = None
+        self.stop_by: float | None = None  # after Stop: when decoding gives way to keeping
+        self.last_batch = Batch(0, 0, 0)  # its counts, for a proxy that dies without Stop
+        self.parent_checked = time.monotonic()
+        self.parent_gone = False
+
+    def run(self) -> None:
+        self._report()  # the first report says the writer has started
+        while self._step():
+            if self.stop is None and time.monotonic() - self.parent_checked >= PARENT_CHECK_S:
+                self.parent_checked = time.monotonic()
+                self.parent_gone = os.getppid() != self.parent  # died without Stop: finish what came, say so
+            self._report()
+        self.writer.finish(self.stop)
+        self.tap.close(linger=0)
+        self.progress.close()
+        self.context.term()
+
+    def _report(self) -> None:
+        self.progress.send(encode_progress(self.writer.progress()))
+
+    def _take(self) -> None:
+        """Take what the tap has sent since the last look, without waiting."""
+        while self.stop is None:
             try:
-                message = tap.recv_multipart(zmq.NOBLOCK)
+                message = self.tap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                if parent_gone:  # everything the proxy sent before it died is in
-                    stop = Stop("interrupted", "the proxy exited without stopping the recording", frames_seen,
-                                bytes_seen)
-                    stop_by = time.monotonic() + STOP_DECODE_S
-                break
-            if message[0] == STOP[0]:  # the proxy's last frame is in
-                stop = msgspec.json.decode(message[1], type=Stop)
-                stop_by = time.monotonic() + STOP_DECODE_S
-                break
-            held.append(message)
-            held_bytes += len(message[1])
-            count, frames_seen, bytes_seen = tap_counts(message)
-            held_frames += count
-        late = stop_by is not None and time.monotonic() > stop_by
-        # In order, and bounded in memory and in the recorder's queue (half of it, ``hold_frames``): keep.
-        if held and (writer.behind or held_bytes > HOLD_BYTES or held_frames > hold_frames or late):
-            writer.keep(held)
-            held, held_bytes, held_frames = [], 0, 0
+                if self.parent_gone:  # everything the proxy sent before it died is in
+                    self._stopping(Stop("interrupted", "the proxy exited without stopping the recording",
+                                        self.last_batch.frames_seen, self.last_batch.bytes_seen))
+                return
+            head = header(message)
+            if isinstance(head, Stop):  # the proxy's last frame is in
+                self._stopping(head)
+                return
+            self.held.append((head.frames, message[1]))
+            self.held_bytes += len(message[1])
+            self.held_frames += head.frames
+            self.last_batch = head
+
+    def _stopping(self, stop: Stop) -> None:
+        self.stop, self.stop_by = stop, time.monotonic() + STOP_DECODE_S
+
+    def _step(self) -> bool:
+        """One step: keep, decode or write; False once Stop has come and everything before it is in."""
+        self._take()
+        writer = self.writer
+        late = self.stop_by is not None and time.monotonic() > self.stop_by
+        # In order, and bounded in memory and in the recorder's queue (``hold_frames``): keep.
+        if self.held and (writer.behind or self.held_bytes > HOLD_BYTES or self.held_frames > self.hold_frames
+                          or late):
+            writer.keep(self.held)
+            self.held, self.held_bytes, self.held_frames = [], 0, 0
         elif writer.behind and not late:
             writer.decode_some()
-        elif held:
+        elif self.held:
             taken, frames = 0, 0
-            while taken < len(held) and frames < DECODE_FRAMES:
-                frames += tap_counts(held[taken])[0]
+            while taken < len(self.held) and frames < DECODE_FRAMES:
+                frames += self.held[taken][0]
                 taken += 1
-            writer.write(held[:taken])
-            held_bytes -= sum(len(m[1]) for m in held[:taken])
-            held_frames -= frames
-            del held[:taken]
-        elif stop is not None:
-            break
+            writer.write(self.held[:taken])
+            self.held_bytes -= sum(len(entries) for _, entries in self.held[:taken])
+            self.held_frames -= frames
+            del self.held[:taken]
+        elif self.stop is not None:
+            return False
         else:
-            tap.poll(PARENT_CHECK_S * 1000)
-        if stop is None and time.monotonic() - parent_checked >= PARENT_CHECK_S:
-            parent_checked = time.monotonic()
-            parent_gone = os.getppid() != parent  # died without STOP: finish what came, and say so
-        progress.send(pack_progress(writer.progress(), writer.write_error, writer.last_alarm))
-    writer.finish(stop)
-    tap.close(linger=0)
-    progress.close()
-    context.term()
+            self.tap.poll(PARENT_CHECK_S * 1000)
+        return True
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]),
-        int(sys.argv[7]) if sys.argv[7] != "-" else None)
+    WriterLoop(msgspec.json.decode(sys.argv[1], type=WriterStart)).run()

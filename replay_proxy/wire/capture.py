@@ -11,12 +11,9 @@ Sans-IO: bytes in, values out, and back. Three layers, innermost first:
 * A **relay entry**: a message the relay's own thread reports (the
   handshake, the coordinator) or an engine's loss, as one ZMQ message
   ``[header, *parts, *forwarded parts]`` sent from the identity ``RELAY``.
-* A **tap message**, from the recorder's tap thread to the writer process:
-  ``[counts (3 x i64: its frames, the tap's frames and bytes seen so far),
-  msgpack list of entries]``, each entry ``[tag, batch]`` or
-  ``[RELAY, header, *parts...]``. STOP, from the relay's thread to the tap,
-  is ``[b""]``; from the recorder to the writer ``[b"", JSON]``, saying how
-  the session ended.
+* **Entries**, as the recorder's tap passes them to the writer process (in
+  the messages of ``store/protocol.py``): a msgpack list, each entry
+  ``[tag, batch]`` or ``[RELAY, header, *parts...]``.
 
 Everything is numbered by one counter, the relay's, so ``seq`` is the order
 the proxy forwarded messages in, across links.
@@ -143,27 +140,14 @@ def is_engine_loss(entry: list[bytes]) -> bool:
     return entry[0] == RELAY and _HEADER.unpack(entry[1])[2] == _ENGINE_LOST
 
 
-# --- the tap's messages to the writer ------------------------------------------------------
+# --- the entries of a message from the tap to the writer --------------------------------
 
-STOP = [b""]  # the last message: every frame before it is in
-_COUNTS = struct.Struct("<qqq")  # frames in the message; frames and bytes the tap had seen when it sent it
-_encode_entries = msgspec.msgpack.Encoder().encode
+encode_entries = msgspec.msgpack.Encoder().encode  # entries as the tap received them: [[identity, ...], ...]
 _decode_entries = msgspec.msgpack.Decoder(list[list[bytes]]).decode
 
 
-def tap_message(entries: list[list[bytes]], frames: int, frames_seen: int, bytes_seen: int) -> list[bytes]:
-    """Entries as received by the tap ([identity, ...] each), holding ``frames`` frames, as one message;
-    ``frames_seen``, ``bytes_seen``: the tap's counts so far, so that a writer whose proxy died knows them."""
-    return [_COUNTS.pack(frames, frames_seen, bytes_seen), _encode_entries(entries)]
-
-
-def tap_counts(message: list[bytes]) -> tuple[int, int, int]:
-    """The frames a tap message holds, and the tap's frames and bytes seen (without decoding it)."""
-    return _COUNTS.unpack(message[0])
-
-
 def decode_entries(entries: bytes) -> Iterator[CapturedFrame | EngineLoss]:
-    """The numbered frames and engine losses of a tap message's entries (its second part)."""
+    """The numbered frames and engine losses of encoded entries (``encode_entries``)."""
     for entry in _decode_entries(entries):
         if entry[0] != RELAY:  # a batch of copies from a forwarder
             for seq, ts_ns, parts in unbatch(entry[1]):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.store.tables import open_database  # noqa: E402
 from replay_proxy.store.writer import Writer  # noqa: E402
-from replay_proxy.wire.capture import capture_tag, tap_message  # noqa: E402
+from replay_proxy.wire.capture import capture_tag, encode_entries  # noqa: E402
 from replay_proxy.wire.encode import encode  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
@@ -53,13 +53,14 @@ def c_batch(messages: list[tuple[int, int, list[bytes]]]) -> bytes:
     return struct.pack("<IQ", len(messages), sum(len(p) for _, _, parts in messages for p in parts)) + body
 
 
-def tap_messages(frames: list[bytes]) -> list[list[bytes]]:
-    """The frames as the tap passes them on: batches of copies from the output link, 4,096 frames a message."""
+def tap_messages(frames: list[bytes]) -> list[tuple[int, bytes]]:
+    """The frames as the tap passes them on: batches of copies from the output link, 2,048 frames a message
+    (each as the writer holds it: its frames, its entries)."""
     tag = capture_tag(Channel.OUTPUT, 0, 0)
     numbered = [(seq, 1_700_000_000_000_000_000 + seq * 10_000_000, [frame]) for seq, frame in enumerate(frames, 2)]
-    return [tap_message([[tag, c_batch(numbered[i:i + 64])] for i in range(start, min(start + TAP_FRAMES,
-                                                                                         len(numbered)), 64)],
-                        min(TAP_FRAMES, len(numbered) - start), 0, 0)
+    return [(min(TAP_FRAMES, len(numbered) - start),
+             encode_entries([[tag, c_batch(numbered[i:i + 64])]
+                             for i in range(start, min(start + TAP_FRAMES, len(numbered)), 64)]))
             for start in range(0, len(numbered), TAP_FRAMES)]
 
 
@@ -71,7 +72,7 @@ def run_writer(frames: list[bytes], folder: Path) -> float:
     db.close()
     writer = Writer(str(db_path), session)
     input_tag = capture_tag(Channel.INPUT, 0, 0)
-    writer.write([tap_message([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration()])])]], 1, 1, 0)])
+    writer.write([(1, encode_entries([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration()])])]]))])
     messages = tap_messages(frames)
     start = time.process_time()
     for message in messages:  # as the writer's loop takes them when it keeps up: about DECODE_FRAMES at once

@@ -1,0 +1,79 @@
+"""What the recorder and its writer process say to each other, as msgspec Structs.
+
+* ``WriterStart``: how the recorder starts the writer (its one command-line argument, JSON).
+* Recorder to writer, on the tap socket: a ``Batch`` (this header, then the tap's entries as a
+  second part, so the writer counts a message without decoding its frames), or the ``Stop``
+  that follows the last one. Both are one msgpack union, told apart by their tag.
+* Writer to recorder, on the progress socket: ``Progress`` after every step; cumulative, so only
+  the newest matters (the socket conflates).
+
+The entries themselves are the capture format (``wire/capture.py``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from replay_proxy.wire.capture import encode_entries
+
+
+class WriterStart(msgspec.Struct, frozen=True):
+    db_path: str
+    session_id: int
+    tap_address: str  # the writer binds it; the recorder's tap connects
+    progress_address: str  # the recorder binds it
+    parent_pid: int  # the proxy, given (it may be gone before the writer looks): another parent means it died
+    hold_frames: int  # waiting frames beyond this are kept undecoded (half the recorder's queue)
+    max_bytes: int | None = None  # a cap on the database file
+
+
+class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    frames: int  # frames in the entries that follow
+    frames_seen: int  # the tap's counts when it sent this, for a writer whose proxy dies
+    bytes_seen: int
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Every frame before it is in; how the session ended, and the tap's final counts."""
+
+    status: str
+    error: str | None
+    frames_seen: int
+    bytes_seen: int
+
+
+class Progress(msgspec.Struct, frozen=True, array_like=True):
+    frames_written: int = 0  # in the database, kept or decoded
+    requests: int = 0  # ADDs decoded
+    engines_dead: int = 0  # sent ENGINE_CORE_DEAD or vanished
+    frames_failed: int = 0  # could not be written (a full disk, a locked file)
+    frames_undecoded: int = 0  # kept, not decoded yet
+    drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
+    write_error: str | None = None  # the last one
+    drift: str | None = None  # the newest drift alarm
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_header = msgspec.msgpack.Decoder(Batch | Stop).decode
+_decode_progress = msgspec.msgpack.Decoder(Progress).decode
+
+
+def batch_message(entries: list[list[bytes]], batch: Batch) -> list[bytes]:
+    """Entries as the tap received them ([identity, ...] each), as one message to the writer."""
+    return [_encode(batch), encode_entries(entries)]
+
+
+def stop_message(stop: Stop) -> list[bytes]:
+    return [_encode(stop)]
+
+
+def header(message: list[bytes]) -> Batch | Stop:
+    return _decode_header(message[0])
+
+
+def encode_progress(progress: Progress) -> bytes:
+    return _encode(progress)
+
+
+def decode_progress(data: bytes) -> Progress:
+    return _decode_progress(data)
