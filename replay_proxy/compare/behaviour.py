@@ -11,9 +11,9 @@ build, so their divergence is a warning unless repeat runs of the baseline
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Matching, Request, Session, match_requests
 
 
@@ -34,7 +34,7 @@ def deterministic(session: Session, request: Request) -> bool:
     return value(request.params, "temperature") == 0.0 or value(request.params, "seed") is not None
 
 
-def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: dict[str, Any],
+def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
                        noise: list[Session] = (), frontend_under_test: bool = False) -> list[Finding]:
     findings = []
     for request in matching.missing:
@@ -46,7 +46,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                 "the candidate has a request the baseline does not", message_kind="ADD",
                                 request_id=request.request_id))
     # Batched requests do not reproduce on vLLM's CPU build: noise, unless repeat runs show them stable.
-    unstable = _unstable(baseline, noise, rules["match_sampling_keys"])
+    unstable = _unstable(baseline, noise, rules.match_sampling_keys)
     noisy = {rid for rid in batched(baseline) if not noise or rid in unstable}
     for a, b in matching.pairs:
         rid = a.request_id
@@ -56,7 +56,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                         f"aborted by the frontend in {'baseline' if a.frontend_aborted else 'candidate'}"
                                         " only", request_id=rid))
             else:
-                findings.append(_abort_landing(a, b, rules["abort_progress_tolerance_tokens"]))
+                findings.append(_abort_landing(a, b, rules.abort_progress_tolerance_tokens))
             continue
         if a.tokens != b.tokens and deterministic(baseline, a):
             first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
@@ -80,10 +80,10 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                     baseline=len(a.tokens), candidate=len(b.tokens)))
         if a.logprobs and b.logprobs and a.tokens == b.tokens:
             worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
-            if worst > rules["logprob_tolerance"]:
+            if worst > rules.logprob_tolerance:
                 findings.append(Finding("behaviour", Severity.REGRESSION, "logprobs_differ",
-                                        f"logprobs differ by up to {worst:.2g} (tolerance {rules['logprob_tolerance']})",
-                                        request_id=rid, baseline=rules["logprob_tolerance"], candidate=worst))
+                                        f"logprobs differ by up to {worst:.2g} (tolerance {rules.logprob_tolerance})",
+                                        request_id=rid, baseline=rules.logprob_tolerance, candidate=worst))
     findings += _utility_findings(baseline, candidate, frontend_under_test)
     return findings
 

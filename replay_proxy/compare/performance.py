@@ -38,11 +38,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from replay_proxy.compare.findings import Change, Finding, Severity
+from replay_proxy.compare.rules import Performance, Rules
 from replay_proxy.store.session import Matching, Request, Session, match_requests
 
 Z_95 = 1.959964  # two-sided 95%
@@ -69,20 +69,20 @@ def latency_samples(session: Session) -> dict[str, list[float]]:
     return {metric: [v for r in session.requests for v in values(r)] for metric, values in LATENCIES.items()}
 
 
-def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: dict[str, Any],
+def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
                          noise: list[Session] = ()) -> list[Finding]:
-    limits = rules["performance"]
-    repeats = [match_requests(baseline, n, rules["match_sampling_keys"]).pairs for n in noise]
-    measures = [(f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, str(p))
-                for metric, values in LATENCIES.items() for p in rules["percentiles"]]
-    measures.append(("throughput_tokens_s", "throughput_tokens_s", _throughput, None, "50"))
+    repeats = [match_requests(baseline, n, rules.match_sampling_keys).pairs for n in noise]
+    measures = [(f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, p)
+                for metric, values in LATENCIES.items() for p in rules.percentiles]
+    measures.append(("throughput_tokens_s", "throughput_tokens_s", _throughput, None, 50))
     findings = []
     for field, metric, statistic, values, percentile in measures:
         estimate = _Estimate(baseline, candidate, matching.pairs, statistic, values)
-        if estimate.usable and min(estimate.samples) >= rules["min_samples"].get(percentile, 1):
+        if estimate.usable and min(estimate.samples) >= rules.min_samples.get(percentile, 1):
             noise_changes = [_Estimate(baseline, n, r, statistic, values).point_change()
                              for n, r in zip(noise, repeats)]
-            findings.append(_finding(field, metric, estimate, noise_changes, limits, higher_is_better=values is None,
+            findings.append(_finding(field, metric, estimate, noise_changes, rules.performance,
+                                     higher_is_better=values is None,
                                      unit="ms" if values else "tokens/s"))
     return findings
 
@@ -159,10 +159,10 @@ class _Estimate:
         return float(ratios.std(ddof=1)) if len(ratios) > 1 else math.inf
 
 
-def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[float], limits: dict[str, Any],
+def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[float], limits: Performance,
              *, higher_is_better: bool, unit: str) -> Finding:
-    threshold = limits["min_relative_change"]
-    floor = limits.get(metric, {}).get("min_delta", 0.0)
+    threshold = limits.min_relative_change
+    floor = limits.min_delta_ms.get(metric, 0.0)
     change = estimate.point_change()
     run_to_run = sum(d * d for d in noise_changes) / len(noise_changes) if noise_changes else 0.0
     se = math.sqrt(estimate.standard_error() ** 2 + run_to_run)

@@ -3,19 +3,20 @@ and the report of two release schemas (``schema diff``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 from replay_proxy.compare.behaviour import behaviour_findings
 from replay_proxy.compare.findings import Finding, Report, Severity
 from replay_proxy.compare.performance import LATENCIES, latency_samples, performance_findings
+from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
 from replay_proxy.compare.schema_diff import diff_schemas
-from replay_proxy.store.session import Session, match_requests
+from replay_proxy.store.session import Session, decode_and_load, match_requests
 from replay_proxy.wire.schema import Schema, schema_lines
 
 
-def build_report(title: str, baseline: Session, candidate: Session, rules: dict[str, Any],
+def build_report(title: str, baseline: Session, candidate: Session, rules: Rules,
                  noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False) -> Report:
     """The one place where two sessions become a report.
 
@@ -23,7 +24,7 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: dict[
     while the baseline is a recording made under other conditions (the real peers sharing the machine):
     their first run is then the baseline for timing, and the others measure run-to-run variation.
     """
-    keys = rules["match_sampling_keys"]
+    keys = rules.match_sampling_keys
     matching = match_requests(baseline, candidate, keys)
     shapes = observed_shapes(baseline), observed_shapes(candidate)
     timing, variation = (noise[0], noise[1:]) if replayed_noise and noise else (baseline, noise)
@@ -41,11 +42,19 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: dict[
         title=title, baseline=baseline.label, candidate=candidate.label, findings=findings,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas=_side_by_side(baseline.schema, candidate.schema, findings), noise=[n.label for n in noise],
-        performance_threshold=rules["performance"]["min_relative_change"],
+        performance_threshold=rules.performance.min_relative_change,
         checks=([f"schema:{s}" for s in sorted(shapes[0])] + ["schema:EngineCoreReadyResponse"]
                 + [f"behaviour:{r.request_id}" for r in baseline.requests]
-                + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules["percentiles"]]
+                + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules.percentiles]
                 + ["performance:throughput_tokens_s"]))
+
+
+def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidate: str, rules: Rules,
+                  noise: list[str] = ()) -> Report:
+    """``replay-proxy diff``: two recorded sessions, and ``noise``, more runs of the baseline build (sessions
+    of the baseline's database)."""
+    return build_report("diff", decode_and_load(baseline_db, baseline), decode_and_load(candidate_db, candidate),
+                        rules, [decode_and_load(baseline_db, n) for n in noise])
 
 
 def schema_report(old: Schema, new: Schema) -> Report:

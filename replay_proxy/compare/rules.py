@@ -1,28 +1,65 @@
-"""Noise rules and thresholds are data: ``rules.json``, with ``--rules FILE`` replacing any of its keys."""
+"""Noise rules and thresholds are data: ``rules.json``, with ``--rules FILE`` replacing any of its keys.
+
+Both are read into ``Rules``, which knows every key: a key it does not know (a typo) is an error,
+not silently ignored. Keys that begin with ``_`` are comments.
+"""
 
 from __future__ import annotations
 
 import importlib.resources
 import json
 from pathlib import Path
-from typing import Any
+
+import msgspec
 
 from replay_proxy.errors import ReplayProxyError
 
 
 class RulesError(ReplayProxyError):
-    """A rules file is not valid JSON or not an object."""
+    """A rules file that cannot be used: not JSON, not an object, an unknown key or a value of the wrong type."""
 
 
-def load_rules(path: Path | None = None) -> dict[str, Any]:
+class Performance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A change is reported when its 95% interval lies beyond ``min_relative_change`` and it moved more than
+    the metric's ``min_delta_ms``."""
+
+    min_relative_change: float
+    min_delta_ms: dict[str, float]  # by metric: ttft_ms, itl_ms, e2e_ms
+
+
+class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    ignore_registration_keys: frozenset[str]
+    match_sampling_keys: list[str]
+    frontend_handled_sampling_keys: frozenset[str]
+    logprob_tolerance: float
+    float_tolerance: float
+    performance: Performance
+    percentiles: list[int]
+    min_samples: dict[int, int]  # by percentile: estimated only with at least this many values on each side
+    abort_progress_tolerance_tokens: int
+    peer_error_patterns: list[str]
+
+
+def _keys(data: object, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise RulesError(f"{where}: expected a JSON object")
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def load_rules(path: Path | None = None) -> Rules:
     """The default noise rules, with the keys of ``path`` (if given) replacing them."""
-    rules = json.loads((importlib.resources.files("replay_proxy.compare") / "rules.json").read_text())
+    rules = _keys(json.loads((importlib.resources.files("replay_proxy.compare") / "rules.json").read_text()),
+                  "rules.json")
+    where = "the default rules"
     if path is not None:
+        where = f"rules file {path}"
         try:
-            extra = json.loads(Path(path).read_text())
+            rules.update(_keys(json.loads(Path(path).read_text()), where))
         except (OSError, json.JSONDecodeError) as exc:
-            raise RulesError(f"rules file {path}: {exc}") from None
-        if not isinstance(extra, dict):
-            raise RulesError(f"rules file {path}: expected a JSON object")
-        rules.update(extra)
-    return rules
+            raise RulesError(f"{where}: {exc}") from None
+    try:
+        return msgspec.convert(rules, Rules, strict=False)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(Rules.__struct_fields__)
+        raise RulesError(f"{where}: {exc}" + (f" (known keys: {known})" if "unknown field" in str(exc) else "")) \
+            from None

@@ -12,17 +12,18 @@ from collections import defaultdict
 from typing import Any
 
 from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Request, Session
 
 
-def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, rules: dict[str, Any]) -> list[Finding]:
+def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, rules: Rules) -> list[Finding]:
     """How each SamplingParams key travels in the candidate's requests.
 
     Keys the candidate's engine release does not know are found in every
     request; the other comparisons need a matched baseline request.
     """
     defaults = candidate.schema.sampling_defaults
-    by_frontend = set(rules["frontend_handled_sampling_keys"])
+    by_frontend = set(rules.frontend_handled_sampling_keys)
     by_key: dict[str, list[str]] = defaultdict(list)
     for request in candidate.requests:
         for key in request.params:
@@ -40,7 +41,7 @@ def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, 
                 by_key[key].append("default sent" if key not in old else "default omitted" if key not in new
                                    else "same")
             elif isinstance(before, float) and isinstance(after, float) and \
-                    abs(before - after) < rules["float_tolerance"]:
+                    abs(before - after) < rules.float_tolerance:
                 by_key[key].append("f32")
             elif key not in new:
                 by_key[key].append("handled by the frontend" if key in by_frontend else "dropped")

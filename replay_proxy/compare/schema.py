@@ -15,8 +15,10 @@ import msgspec
 
 from replay_proxy.compare.findings import PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.compare.readers import how_they_read, rejecting
+from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.schema_diff import readers
 from replay_proxy.store.session import Session
+from replay_proxy.wire.messages import Kind
 from replay_proxy.wire.schema import Schema
 from replay_proxy.wire.values import decode_msgpack, kind_of
 
@@ -35,8 +37,8 @@ def observed_shapes(session: Session) -> Shapes:
     """The shapes of EngineCoreRequest (ADD), EngineCoreOutputs, EngineCoreOutput and UtilityOutput."""
     shapes: Shapes = defaultdict(Shape)
     for frame in session.inputs + session.outputs:
-        if frame.kind in ("ADD", "OUTPUTS", "UTILITY_OUTPUT"):
-            body = frame.parts[1] if frame.kind == "ADD" else frame.parts[0]  # ADD: after its request type
+        if frame.kind in (Kind.ADD, Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
+            body = frame.parts[1] if frame.kind is Kind.ADD else frame.parts[0]  # ADD: after its request type
             _observe_shapes(shapes, frame.kind, decode_msgpack(body))
     return dict(shapes)
 
@@ -50,9 +52,9 @@ def _observe(shapes: Shapes, struct: str, value: Any) -> None:
         shape.kinds.setdefault(position, set()).add(kind_of(item))
 
 
-def _observe_shapes(shapes: Shapes, kind: str, body: Any) -> None:
+def _observe_shapes(shapes: Shapes, kind: Kind, body: Any) -> None:
     """Positions that are the same in every release: EngineCoreOutputs 1 (outputs), 4 (utility_output)."""
-    if kind == "ADD":
+    if kind is Kind.ADD:
         _observe(shapes, "EngineCoreRequest", body)
         return
     _observe(shapes, "EngineCoreOutputs", body)
@@ -64,7 +66,7 @@ def _observe_shapes(shapes: Shapes, kind: str, body: Any) -> None:
 
 
 def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes, Shapes],
-                    rules: dict[str, Any]) -> list[Finding]:
+                    rules: Rules) -> list[Finding]:
     """The registration's keys and values, array shapes as seen on the wire, unknown finish reasons."""
     findings = []
     spec = baseline.schema.structs["EngineCoreReadyResponse"]
@@ -82,7 +84,7 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
             findings.append(Finding("schema", Severity.INFO, "registration_key_added",
                                     f"the registration has a new key {key!r} (frontends ignore unknown keys)",
                                     message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key))
-        ignored = set(rules["ignore_registration_keys"])
+        ignored = set(rules.ignore_registration_keys)
         for key in sorted(keys_a & keys_b - ignored):
             a, b = baseline.registrations[0].get(key), candidate.registrations[0].get(key)
             if a != b:

@@ -27,6 +27,7 @@ import msgspec
 
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.peers import Frontend
+from replay_proxy.wire.messages import Direction
 from replay_proxy.wire.schema import release_key, shipped_releases
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
@@ -58,7 +59,7 @@ class Evidence(msgspec.Struct, frozen=True, omit_defaults=True):
     """One reason for a verdict: a predicted change, a finding of a replay, a peer's log line."""
 
     verdict: Verdict
-    direction: str  # "to-engine" or "to-frontend"
+    direction: Direction | None  # the messages' direction (their reader's verdict); None: both
     message: str
     reader: str | None = None
     struct: str | None = None

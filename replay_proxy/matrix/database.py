@@ -9,12 +9,12 @@ and keeps the others, so several runs build one matrix.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import msgspec
 import sqlite_utils
 
+from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell
 
 CELLS = "matrix_cells"
@@ -24,7 +24,7 @@ RUNS = "matrix_runs"
 def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite_utils.Database(path)
-    db[RUNS].insert({"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    db[RUNS].insert({"started_at": utc_now("seconds"),
                      "command": command, "seconds": round(seconds, 1), "cells": len(cells),
                      "observed": sum(c.observed is not None for c in cells)}, pk="id")
     rows = []

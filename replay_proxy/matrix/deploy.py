@@ -20,13 +20,14 @@ from pathlib import Path
 
 import msgspec
 
-from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording, recording_of,
-                                 releases_in)
+from replay_proxy.matrix import (Cell, Evidence, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording,
+                                 recording_of, releases_in)
 from replay_proxy.matrix import database
 from replay_proxy.matrix.observe import replay
 from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.run import build
 from replay_proxy.releases import ReleaseError
+from replay_proxy.wire.messages import Side
 from replay_proxy.wire.schema import release_key, shipped_releases
 
 
@@ -34,6 +35,16 @@ class Answer(msgspec.Struct):
     cell: Cell
     source: str  # "observed" (when), "predicted", or "verified now"
     upgrade: list[str]  # the order that keeps every step working, one line per step
+
+    def reasons(self) -> list[tuple[Evidence, int]]:
+        """The evidence the verdict rests on, one piece per kind (a failure per request is one kind), with
+        how many pieces of that kind there are."""
+        kinds: dict[tuple, list[Evidence]] = {}
+        for evidence in (self.cell.observed or self.cell.predicted).evidence:
+            if evidence.verdict is self.cell.verdict:
+                kinds.setdefault((evidence.direction, evidence.rule, evidence.struct, evidence.field), []).append(
+                    evidence)
+        return [(same[0], len(same)) for same in kinds.values()]
 
 
 def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
@@ -105,12 +116,10 @@ class Tried(msgspec.Struct):
     exit_code: int
 
 
-def bisect(db: Path, session: str, against: str, releases: str, *, frontend_kind: str = "vllm-rs",
+def bisect(db: Path, session: str, against: Side, releases: str, *, frontend_kind: str = "vllm-rs",
            workdir: Path | None = None, progress=lambda line: None) -> tuple[str | None, list[Tried]]:
-    """The first release of ``releases`` whose replay of ``session`` regresses (None: none does), and the
-    releases tried, in the order tried."""
-    if against not in ("engine", "frontend"):
-        raise MatrixError("--against is engine or frontend")
+    """The first release of ``releases`` on side ``against`` whose replay of ``session`` regresses (None:
+    none does), and the releases tried, in the order tried."""
     order = releases_in(releases)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-bisect-"))
     tried: dict[str, Tried] = {}
@@ -118,10 +127,9 @@ def bisect(db: Path, session: str, against: str, releases: str, *, frontend_kind
     def regresses(index: int) -> bool:
         release = order[index]
         if release not in tried:
-            direction = "to-engine" if against == "engine" else "to-frontend"
             try:
-                peer = {"engine": release} if against == "engine" else {"frontend": Frontend(frontend_kind, release)}
-                code, report, why = replay(direction, (db, session), workdir / release, **peer)  # type: ignore[arg-type]
+                peer = {"engine": release} if against is Side.ENGINE else {"frontend": Frontend(frontend_kind, release)}
+                code, report, why = replay(against.reads, (db, session), workdir / release, **peer)  # type: ignore[arg-type]
             except ReleaseError as exc:
                 raise MatrixError(f"cannot bisect over {release}: {exc}") from None
             tried[release] = _tried(release, code, report, why)

@@ -34,16 +34,16 @@ from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, engine_r
 from replay_proxy.matrix.predict import frames
 from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
-from replay_proxy.store.session import load_session, match_requests
-from replay_proxy.wire.messages import WireDecoder
+from replay_proxy.store.session import decode_and_load, load_session, match_requests
+from replay_proxy.wire.messages import Direction, WireDecoder
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.wire.values import to_json
 
 READY_S, FINISH_S = 240, 60  # each replay's waits for its peer (a real engine is ready in 25-40 s here)
 LEG_S = READY_S + FINISH_S + 120  # one replay, at most, set-up and comparison included
-BREAKING_CODES = {"to-engine": {"replay_failed", "engine_dead", "finish_timeout"},
-                  "to-frontend": {"replay_failed", "http_failed"}}
-DEGRADING_CODES = {"to-frontend": {"http_response_differs"}}
+BREAKING_CODES = {Direction.TO_ENGINE: {"replay_failed", "engine_dead", "finish_timeout"},
+                  Direction.TO_FRONTEND: {"replay_failed", "http_failed"}}
+DEGRADING_CODES = {Direction.TO_FRONTEND: {"http_response_differs"}}
 # What differs between the frontend under test and the one that made a recording, not between F and E.
 UNRELATED = "the replay's other findings compare the peer under test with the recorded one, not F with E"
 
@@ -51,7 +51,7 @@ UNRELATED = "the replay's other findings compare the peer under test with the re
 class Leg:
     """One replay of one direction, run once and shared by the cells it stands for."""
 
-    def __init__(self, direction: str, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
+    def __init__(self, direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
                  frontend: Frontend | None = None):
         self.direction, self.recording, self.workdir = direction, recording, workdir
         self.engine, self.frontend = engine, frontend
@@ -78,7 +78,7 @@ class Leg:
                     for f in report["findings"] if f["code"] in BREAKING_CODES[self.direction]]
         evidence += [Evidence(Verdict.DEGRADED, self.direction, f["message"], rule=f["code"], source=str(report_path))
                      for f in report["findings"] if f["code"] in DEGRADING_CODES.get(self.direction, ())]
-        if self.direction == "to-engine" and not evidence:
+        if self.direction is Direction.TO_ENGINE and not evidence:
             evidence += self._against_own_frontend(db, report["candidate"])
         if not evidence:
             evidence.append(Evidence(Verdict.WORKS, self.direction, f"replayed clean: {report['candidate']}",
@@ -88,7 +88,7 @@ class Leg:
 
     @property
     def peer(self) -> str:
-        return f"engine {self.engine}" if self.direction == "to-engine" else str(self.frontend)
+        return f"engine {self.engine}" if self.direction is Direction.TO_ENGINE else str(self.frontend)
 
     def _against_own_frontend(self, db: Path, replay_name: str) -> list[Evidence]:
         """Greedy or seeded requests, each run alone, whose tokens or finish reason differ from what engine E
@@ -97,11 +97,11 @@ class Leg:
         if own is None:
             return []
         replay_id = replay_name.rsplit("(#", 1)[1].rstrip(")")  # "name (#2)", as reports name sessions
-        baseline, candidate = load_session(own[0], own[1]), load_session(db, replay_id)
+        baseline, candidate = load_session(own[0], own[1]), decode_and_load(db, replay_id)
         evidence = []
         # Batched requests do not reproduce on vLLM's CPU build (compare/behaviour.py): not compared.
         noisy = batched(baseline) | batched(candidate)
-        for before, after in match_requests(baseline, candidate, load_rules()["match_sampling_keys"]).pairs:
+        for before, after in match_requests(baseline, candidate, load_rules().match_sampling_keys).pairs:
             if before.abort_progress is not None or after.abort_progress is not None:
                 continue  # where an abort lands is the replay's own finding
             if {before.request_id, after.request_id} & noisy or not deterministic(baseline, before):
@@ -119,7 +119,7 @@ class Leg:
         return evidence
 
 
-def replay(direction: str, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
+def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
            frontend: Frontend | None = None) -> tuple[int, dict | None, str]:
     """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
     (direction to-engine) or frontend ``frontend``, installed first if need be: (exit code, its report,
@@ -128,7 +128,7 @@ def replay(direction: str, recording: tuple[Path, str], workdir: Path, *, engine
     db = workdir / "replay.db"
     shutil.copy(recording[0], db)
     scratch = peers.scratch_dir()  # the peer's own files: gone with the replay (an engine's are 150 MB)
-    if direction == "to-engine":
+    if direction is Direction.TO_ENGINE:
         peers.install_engine(engine)
         port = free_port()
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
@@ -157,7 +157,7 @@ def sends(recording: tuple[Path, str], release: str) -> str:
     """A digest of what a frontend sent in ``recording``, request ids, timestamps and addresses aside."""
     decoder = WireDecoder(load_schema(release), fixed=True)
     digest = hashlib.sha256()
-    for channel, direction, parts in frames(*recording, "to-engine"):
+    for channel, direction, parts in frames(*recording, Direction.TO_ENGINE):
         message = decoder.decode(channel, direction, parts)
         fields = message.fields if isinstance(message.fields, dict) else {"value": message.fields}
         kept = {k: v for k, v in fields.items() if k not in ("request_id", "arrival_time", "call_id", "addresses",
@@ -179,17 +179,17 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path,
             continue
         key = (sends(sent, frontend.release), engine)
         if key not in engine_legs:
-            engine_legs[key] = Leg("to-engine", sent, workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"),
-                                   engine=engine)
+            engine_legs[key] = Leg(Direction.TO_ENGINE, sent,
+                                   workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"), engine=engine)
         legs[(frontend, engine)] = (engine_legs[key], Leg(
-            "to-frontend", got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend))
+            Direction.TO_FRONTEND, got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend))
     return legs
 
 
 def judge(legs: tuple[Leg, Leg] | None) -> Judgement:
     """The cell's observed verdict: the worse of its two directions."""
     if legs is None:
-        return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, "both", "no recording of what one side sends: "
+        return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, None, "no recording of what one side sends: "
                                                     "make it with scripts/make_recordings.py")])
     results = [leg.run() for leg in legs]
     evidence = [e for j in results for e in j.evidence]

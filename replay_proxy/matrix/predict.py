@@ -45,10 +45,10 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
     sent_by_engine = engine_recording(engine, recordings)
     evidence: list[Evidence] = []
     for direction, recording, writer, reader, reader_release in (
-            ("to-engine", sent_by_frontend, frontend.release, "python-engine", engine),
-            ("to-frontend", sent_by_engine, engine, frontend.reader, frontend.release)):
+            (Direction.TO_ENGINE, sent_by_frontend, frontend.release, "python-engine", engine),
+            (Direction.TO_FRONTEND, sent_by_engine, engine, frontend.reader, frontend.release)):
         if recording is None:
-            writer_name = frontend if direction == "to-engine" else f"engine {engine}"
+            writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
             evidence.append(Evidence(Verdict.UNKNOWN, direction, f"no recording of what {writer_name} sends: "
                                      "make one with scripts/make_recordings.py"))
             continue
@@ -59,20 +59,19 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
     return Judgement(worst(e.verdict for e in evidence), evidence, how)
 
 
-def frames(db: Path, session: str, direction: str) -> list[tuple[Channel, Direction, list[bytes]]]:
+def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:
     """The frames one side sent in ``session`` of the recording at ``db``, in recorded order."""
-    wanted = Direction.TO_ENGINE if direction == "to-engine" else Direction.TO_FRONTEND
     connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = connection.execute(
             "SELECT f.channel, f.raw FROM frames f JOIN sessions s ON s.id = f.session_id "
-            "WHERE s.name = ? AND f.direction = ? ORDER BY f.seq", (session, str(wanted))).fetchall()
+            "WHERE s.name = ? AND f.direction = ? ORDER BY f.seq", (session, str(direction))).fetchall()
     finally:
         connection.close()
-    return [(Channel(channel), wanted, decode_msgpack(raw)) for channel, raw in rows]
+    return [(Channel(channel), direction, decode_msgpack(raw)) for channel, raw in rows]
 
 
-def read_direction(direction: str, sent: list[tuple[Channel, Direction, list[bytes]]], writer: Schema,
+def read_direction(direction: Direction, sent: list[tuple[Channel, Direction, list[bytes]]], writer: Schema,
                    reader_schema: Schema, reader: str) -> list[Evidence]:
     """What ``reader`` (of ``reader_schema``'s release) does with the messages ``writer``'s release sent."""
     decoder = WireDecoder(reader_schema, fixed=True)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from replay_proxy.matrix import Cell, Frontend, RECORDINGS
+import msgspec
+
+from replay_proxy.clock import utc_now
+from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_in, parse_build, releases_in
 from replay_proxy.matrix.observe import judge, legs_of
 from replay_proxy.matrix.predict import predict
 
@@ -38,8 +40,36 @@ def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Call
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(run, unique))
     by_cell = {(c.frontend, c.engine): c for c in cells}
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = utc_now("seconds")
     for (frontend, engine), pair in legs.items():
         cell = by_cell[(str(frontend), engine)]
         cell.observed, cell.observed_at = judge(pair), now
     return cells
+
+
+class MatrixRun(msgspec.Struct):
+    cells: list[Cell]
+    seconds: float
+
+    @property
+    def disagreeing(self) -> list[Cell]:
+        """Observed otherwise than predicted: a defect of the readers' rules."""
+        return [c for c in self.cells if c.agrees is False]
+
+
+def run(frontends: str, engines: str, *, predict_only: bool = False, observe: list[str] = (),
+        recordings: Path = RECORDINGS, db: Path | None = None, command: str = "replay-proxy matrix",
+        progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
+    """``replay-proxy matrix``: the cells of ``frontends`` x ``engines`` (their specs, as ``frontends_in`` and
+    ``releases_in`` read them), predicted, and observed unless ``predict_only``: every cell, or only the
+    ``observe`` ones (``FRONTEND@ENGINE``); kept in ``db`` if given. Bad specs raise ``MatrixError``."""
+    started = time.monotonic()
+    builds, releases = frontends_in(frontends), releases_in(engines)
+    chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
+    wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \
+        (lambda f, e: (f, e) in chosen) if chosen else True
+    cells = build(builds, releases, observe=wanted, recordings=recordings, progress=progress)
+    seconds = time.monotonic() - started
+    if db is not None:
+        database.save(db, cells, command, seconds)
+    return MatrixRun(cells, seconds)

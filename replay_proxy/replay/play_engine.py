@@ -33,7 +33,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome
 from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
@@ -49,16 +49,13 @@ HTTP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "
 class EnginePlayer(Player):
     """Plays the engines of ``session`` to the frontend whose handshake is ``upstream`` and API ``http``."""
 
-    def __init__(self, session: Session, upstream: str, http: str, observer: Observer, *, pace: str = "original",
-                 ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules: dict[str, Any],
+    def __init__(self, session: Session, upstream: str, http: str, observer: Observer, options: ReplayOptions,
                  context: zmq.Context | None = None):
-        super().__init__(session, observer, pace=pace, ready_timeout=ready_timeout, finish_timeout=finish_timeout,
-                         context=context)
+        super().__init__(session, observer, options, context)
         self.upstream = upstream
         self.http = http.rstrip("/")
-        self.rules = rules
         self._outputs: dict[tuple[int, int], ZmqSocket] = {}  # (engine, client) -> PUSH
-        self._adds = [f for f in session.inputs if f.kind == "ADD"]
+        self._adds = [f for f in session.inputs if f.kind is Kind.ADD]
         self._unmatched = list(self._adds)
         self._recorded_outputs = _outputs_by_request(session)
         self._utility_results = _utility_results(session)
@@ -67,7 +64,7 @@ class EnginePlayer(Player):
         # Recorded request id -> seq of the first ABORT that named it.
         self._abort_seq: dict[str, int] = {}
         for frame in session.inputs:
-            if frame.kind == "ABORT":
+            if frame.kind is Kind.ABORT:
                 for rid in frame.progress:
                     self._abort_seq.setdefault(rid, frame.seq)
 
@@ -104,7 +101,7 @@ class EnginePlayer(Player):
 
     # --- the engine side --------------------------------------------------------------------
 
-    def _recorded(self, kind: str, engine: int, client: int | None = None) -> RecordedFrame:
+    def _recorded(self, kind: Kind, engine: int, client: int | None = None) -> RecordedFrame:
         frames = [f for f in self.session.handshake if f.kind == kind and f.engine_index == engine]
         return next((f for f in frames if client is None or f.client_index == client), frames[0])
 
@@ -112,7 +109,7 @@ class EnginePlayer(Player):
         identity = engine_identity(engine)
         handshake = self._socket(zmq.DEALER, identity)
         handshake.connect(self.upstream)
-        hello = self._recorded("HELLO", engine)
+        hello = self._recorded(Kind.HELLO, engine)
         await handshake.send(hello.parts)
         self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine, None, hello.parts)
         init = await handshake.receive()
@@ -128,16 +125,16 @@ class EnginePlayer(Player):
             push = self._socket(zmq.PUSH)
             push.connect(output_address)
             self._outputs[(engine, client)] = push
-            registration = self._recorded("REGISTRATION", engine, client)
+            registration = self._recorded(Kind.REGISTRATION, engine, client)
             await dealer.send(registration.parts)
             self._report(Channel.INPUT, Direction.TO_FRONTEND, engine, client, registration.parts)
             nursery.start_soon(self._serve, engine, client, dealer)
-        ready = self._recorded("READY", engine)
+        ready = self._recorded(Kind.READY, engine)
         await handshake.send(ready.parts)
         self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine, None, ready.parts)
 
     def _compare_init(self, payload: bytes) -> None:
-        recorded = self._recorded("INIT", self.session.engines[0]).decoded or {}
+        recorded = self._recorded(Kind.INIT, self.session.engines[0]).decoded or {}
         new = decode_msgpack(payload)
         for key in sorted(set(recorded) ^ set(new)):
             self.outcome.findings.append(Finding(
@@ -183,7 +180,7 @@ class EnginePlayer(Player):
 
     def _match(self, fields: dict) -> RecordedFrame | None:
         """The recorded ADD that asked for what ``fields`` asks for (``store/session.request_key``)."""
-        keys = self.rules["match_sampling_keys"]
+        keys = self.options.rules.match_sampling_keys
         key = lambda request: request_key(self.decoder.schema, request.get("prompt_token_ids"),  # noqa: E731
                                           request.get("sampling_params") or {}, keys)
         wanted = key(fields)
@@ -305,10 +302,10 @@ def _outputs_by_request(session: Session) -> dict[str, list[tuple[RecordedFrame,
 
 
 def _utility_results(session: Session) -> dict[str, RecordedFrame]:
-    calls = {f.decoded["call_id"]: f.decoded["method"] for f in session.inputs if f.kind == "UTILITY"}
+    calls = {f.decoded["call_id"]: f.decoded["method"] for f in session.inputs if f.kind is Kind.UTILITY}
     results = {}
     for frame in session.outputs:
-        utility = (frame.decoded or {}).get("utility_output") if frame.kind == "UTILITY_OUTPUT" else None
+        utility = (frame.decoded or {}).get("utility_output") if frame.kind is Kind.UTILITY_OUTPUT else None
         if utility and utility.get("call_id") in calls:
             results.setdefault(calls[utility["call_id"]], frame)
     return results

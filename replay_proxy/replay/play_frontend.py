@@ -36,7 +36,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome
 from replay_proxy.store.session import RecordedFrame, Session
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, engine_index
@@ -48,10 +48,9 @@ SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unr
 class FrontendPlayer(Player):
     """Plays the frontend of ``session`` to the engine(s) that dial ``listen``."""
 
-    def __init__(self, session: Session, listen: str, observer: Observer, *, pace: str = "original",
-                 ready_timeout: float = 300.0, finish_timeout: float = 120.0, context: zmq.Context | None = None):
-        super().__init__(session, observer, pace=pace, ready_timeout=ready_timeout, finish_timeout=finish_timeout,
-                         context=context)
+    def __init__(self, session: Session, listen: str, observer: Observer, options: ReplayOptions,
+                 context: zmq.Context | None = None):
+        super().__init__(session, observer, options, context)
         self.listen = listen
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
@@ -60,8 +59,8 @@ class FrontendPlayer(Player):
         self._progress = trio.Event()  # set (and renewed) on every output and every ADD sent
         self._sent_requests: set[str] = set()
         self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
-                                   if f.kind == "ADD" and isinstance(f.decoded, dict)]
-        self._pending_aborts = [f for f in session.inputs if f.kind == "ABORT"]
+                                   if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
+        self._pending_aborts = [f for f in session.inputs if f.kind is Kind.ABORT]
 
     def progress(self) -> tuple[int, int, int, int]:
         """Requests sent, requests finished, requests recorded, tokens received."""
@@ -172,7 +171,7 @@ class FrontendPlayer(Player):
             return
         start, first_ts = trio.current_time(), inputs[0].ts_ns
         for frame in inputs:
-            if frame.kind == "ABORT":
+            if frame.kind is Kind.ABORT:
                 continue  # sent by _release_aborts, at its requests' progress
             if self.factor is not None:
                 due = start + (frame.ts_ns - first_ts) / 1e9 / self.factor
@@ -209,15 +208,15 @@ class FrontendPlayer(Player):
         await self.inputs[client].send([engine_identity(frame.engine_index), *frame.parts])
         self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, frame.parts)
         self.outcome.sent += 1
-        if frame.kind == "ADD" and isinstance(frame.decoded, dict):
+        if frame.kind is Kind.ADD and isinstance(frame.decoded, dict):
             self._sent_requests.add(frame.decoded["request_id"])
             await self._release_aborts()
 
     async def _wait_finished(self) -> None:
         """Wait (bounded) for every request to finish or be aborted and every call to be answered."""
         inputs = self.session.inputs
-        aborted = {rid for f in inputs if f.kind == "ABORT" for rid in f.decoded["request_ids"]}
-        calls = {f.decoded["call_id"] for f in inputs if f.kind == "UTILITY" and isinstance(f.decoded, dict)}
+        aborted = {rid for f in inputs if f.kind is Kind.ABORT for rid in f.decoded["request_ids"]}
+        calls = {f.decoded["call_id"] for f in inputs if f.kind is Kind.UTILITY and isinstance(f.decoded, dict)}
         done = lambda r: r in self._finished or r in aborted  # noqa: E731
         pending = lambda: ([r for r in self._recorded_requests if not done(r)], calls - self._answered)  # noqa: E731
         with trio.move_on_after(self.finish_timeout) as waiting:

@@ -13,18 +13,20 @@ from __future__ import annotations
 import abc
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
 from replay_proxy.compare.findings import Finding
+from replay_proxy.compare.rules import Rules, load_rules
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import ZmqSocket
 from replay_proxy.store.session import Session
 from replay_proxy.wire.capture import CapturedFrame
-from replay_proxy.wire.messages import Channel, Direction, WireDecoder
+from replay_proxy.wire.messages import Channel, Direction, Kind, Side, WireDecoder
 
 
 class ReplayError(ReplayProxyError):
@@ -45,6 +47,32 @@ class ReplayOutcome(msgspec.Struct):
     http: dict[str, dict[str, Any]] = {}  # against a frontend: recorded request id -> what its HTTP client saw
 
 
+class PeerUnderTest(msgspec.Struct, frozen=True, kw_only=True):
+    """The new build a session is replayed against; the proxy plays the other side."""
+
+    side: Side
+    address: str  # an engine: the handshake address it dials (the proxy binds it); a frontend: its handshake
+    http: str | None = None  # a frontend: its HTTP API, which the proxy drives as the recorded users did
+    command: str | None = None  # start it with this (own process group, log kept, stopped by PID at the end)
+
+
+class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How a replay runs: the same for its noise runs and for the replay itself."""
+
+    pace: str = "original"  # 'original' recorded timing, 'fast', or a speed-up factor like 2
+    ready_timeout_s: float = 300.0  # for the peer under test to be ready
+    finish_timeout_s: float = 120.0  # for outstanding requests at the end
+    rules: Rules = msgspec.field(default_factory=load_rules)
+    noise_runs: int = 0  # replays against the baseline build first: what varies between them is noise
+    baseline_command: str | None = None  # starts the baseline build (the one the recording was made with)
+    report_dir: Path | None = None  # the peers' logs (and, for the command, the reports); default: a temporary one
+
+    def __post_init__(self) -> None:
+        pace_factor(self.pace)
+        if self.noise_runs and not self.baseline_command:
+            raise ReplayError("noise runs need the baseline build's command")
+
+
 def pace_factor(pace: str) -> float | None:
     """``original`` -> 1.0, a number -> that speed-up, ``fast`` -> None (no pacing)."""
     if pace == "fast":
@@ -63,16 +91,17 @@ def pace_factor(pace: str) -> float | None:
 class Player(abc.ABC):
     """The sockets, decoder, outcome and reporting of a player; ``run`` and ``progress`` are each one's own."""
 
-    def __init__(self, session: Session, observer: Observer, *, pace: str, ready_timeout: float,
-                 finish_timeout: float, context: zmq.Context | None = None):
+    def __init__(self, session: Session, observer: Observer, options: ReplayOptions,
+                 context: zmq.Context | None = None):
         self.session = session
         self.observer = observer
-        self.factor = pace_factor(pace)
-        self.ready_timeout = ready_timeout
-        self.finish_timeout = finish_timeout
+        self.options = options
+        self.factor = pace_factor(options.pace)
+        self.ready_timeout = options.ready_timeout_s
+        self.finish_timeout = options.finish_timeout_s
         self.context = context or zmq.Context.instance()
         self.decoder = WireDecoder()
-        self.outcome = ReplayOutcome(requests=sum(f.kind == "ADD" for f in session.inputs))
+        self.outcome = ReplayOutcome(requests=sum(f.kind is Kind.ADD for f in session.inputs))
         self._sockets: list[ZmqSocket] = []
         self._seq = itertools.count(1)  # one Python thread reports: no forwarders to share a counter with
 

@@ -1,6 +1,6 @@
 """``replay-proxy replay``: replay a recorded session against a new build, then compare.
 
-The peer under test (``--engine-cmd`` / ``--frontend-cmd``) runs in its own
+The peer under test (``PeerUnderTest``: ``--engine-cmd`` / ``--frontend-cmd``) runs in its own
 process group with its log kept, and is stopped by PID at the end; if it
 exits during the replay, the replay fails at once rather than waiting out
 its timeouts. The replay is recorded as a session of its own (mode
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import re
 import shlex
 import tempfile
@@ -25,89 +24,75 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.report import build_report
-from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
-from replay_proxy.replay import Against
 from replay_proxy.replay.play_engine import EnginePlayer
 from replay_proxy.replay.play_frontend import FrontendPlayer
-from replay_proxy.replay.player import Player, ReplayError, ReplayOutcome
+from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
 from replay_proxy.store.recorder import Recorder, SessionInfo
-from replay_proxy.store.session import Session, SessionError, load_session
+from replay_proxy.store.session import Session, SessionError, decode_and_load
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
-from replay_proxy.wire.messages import Direction, WireDecoder
+from replay_proxy.wire.messages import Direction, Side, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
-def replay_session(db: Path, session: str, against: Against, address: str, *,
-                   http: str | None = None, command: str | None = None, pace: str = "original",
-                   ready_timeout: float = 300.0, finish_timeout: float = 120.0, rules_path: Path | None = None,
-                   logs: Path | None = None, console: Console | None = None, noise_runs: int = 0,
-                   baseline_command: str | None = None) -> tuple[Report, ReplayOutcome | None]:
-    """Play the other side of ``session`` against a new engine (at ``address``, the handshake it dials)
-    or a new frontend (at ``address``, its handshake; ``http``, its API); return the report.
+def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, *,
+                   console: Console | None = None) -> tuple[Report, ReplayOutcome | None]:
+    """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
-    With ``noise_runs``, the session is first replayed that many times against the baseline build
-    (``baseline_command``); what varies between those runs is the noise floor, not regression.
-    With a terminal ``console``, a progress bar shows while it runs."""
-    if noise_runs and not baseline_command:
-        raise ValueError("noise runs need the baseline build's command")
-    against = Against(against)
-    recording = load_session(db, session)
+    With ``options.noise_runs``, the session is first replayed that many times against the baseline
+    build; what varies between those runs is the noise floor, not regression. With a terminal
+    ``console``, a progress bar shows while it runs."""
+    recording = decode_and_load(db, session)
     if recording.init is None:
         raise SessionError(f"session {recording.name!r} has no INIT: the handshake was not recorded")
-    rules = load_rules(rules_path)
-    title = f"replay against {against}"
-    logs = logs or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
+    title = f"replay against {peer.side}"
+    logs = options.report_dir or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    run = functools.partial(_replay_once, recording, against, address, http=http, pace=pace,
-                            ready_timeout=ready_timeout, finish_timeout=finish_timeout, rules=rules, console=console)
     noise = []
-    for i in range(1, noise_runs + 1):
+    for i in range(1, options.noise_runs + 1):
         name = f"{recording.name}-noise-{stamp}-{i}"
-        session_id, _, failure = run(name, baseline_command, logs / f"baseline-{i}.log")
+        baseline = msgspec.structs.replace(peer, command=options.baseline_command)
+        session_id, _, failure = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console)
         if failure:
             return _failed(title, recording.name, name, f"noise run {i} against the baseline build: {failure}"), None
-        noise.append(load_session(db, str(session_id)))
+        noise.append(decode_and_load(db, str(session_id)))
     name = f"{recording.name}-replay-{stamp}"
-    session_id, outcome, failure = run(name, command, logs / f"{against}.log")
+    session_id, outcome, failure = _replay_once(recording, peer, options, name, logs / f"{peer.side}.log", console)
     if failure:
         return _failed(title, recording.name, name, failure), None
-    report = build_report(title, load_session(db, str(recording.id)), load_session(db, str(session_id)), rules, noise,
-                          frontend_under_test=against is Against.FRONTEND, replayed_noise=True)
+    report = build_report(title, recording, decode_and_load(db, str(session_id)),
+                          options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True)
     report.findings += outcome.findings
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
 
 
-def _replay_once(recording: Session, against: Against, address: str, name: str, command: str | None, log: Path, *,
-                 http: str | None, pace: str, ready_timeout: float, finish_timeout: float, rules: dict,
+def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
                  console: Console | None) -> tuple[int, ReplayOutcome | None, str | None]:
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
-    # Its writer yields the CPU to the peer under test and the player (recorder.py: WRITER_NICENESS).
-    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=address,
+    # Its writer yields the CPU to the peer under test and the player (store/recorder.py: SCHED_IDLE).
+    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=peer.address,
                                                        baseline_session_id=recording.id))
-    observer = LastSent(recorder, Direction.TO_ENGINE if against is Against.ENGINE else Direction.TO_FRONTEND)
-    player: Player
-    if against is Against.ENGINE:
-        player = FrontendPlayer(recording, address, observer, pace=pace, ready_timeout=ready_timeout,
-                                finish_timeout=finish_timeout)
+    observer = LastSent(recorder, peer.side.reads)
+    player: Player  # plays the other side: the recorded frontend to an engine, the recorded engines to a frontend
+    if peer.side is Side.ENGINE:
+        player = FrontendPlayer(recording, peer.address, observer, options)
     else:
-        player = EnginePlayer(recording, address, http, observer, pace=pace, ready_timeout=ready_timeout,
-                              finish_timeout=finish_timeout, rules=rules)
-    peer = None
+        player = EnginePlayer(recording, peer.address, peer.http, observer, options)
+    child = None
 
     async def main():
-        nonlocal peer
+        nonlocal child
         async with trio.open_nursery() as nursery:
             async def play() -> None:
                 await player.run()
                 nursery.cancel_scope.cancel()  # done: stop watching the peer
 
-            if command:  # ZMQ connects retry, so the peer may start before or after us
-                peer = Child(shlex.split(command), log, name=f"{against} under test")
-                nursery.start_soon(_watch, peer)
+            if peer.command:  # ZMQ connects retry, so the peer may start before or after us
+                child = Child(shlex.split(peer.command), log, name=f"{peer.side} under test")
+                nursery.start_soon(_watch, child)
             nursery.start_soon(play)
             if console is not None and console.is_terminal:
                 nursery.start_soon(_show_progress, console, player)
@@ -121,14 +106,14 @@ def _replay_once(recording: Session, against: Against, address: str, name: str, 
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
-        failure = f"{leaf(exc)}\n{observer.describe(against)}"
-        if peer is not None:
-            rejected = peer_error(peer, rules["peer_error_patterns"])
+        failure = f"{leaf(exc)}\n{observer.describe(peer.side)}"
+        if child is not None:
+            rejected = peer_error(child, options.rules.peer_error_patterns)
             failure += (f"\nits log says: {rejected}" if rejected else "") + f"\n(log: {log})"
     finally:
         recorder.close("failed" if failure else "complete", failure)
-        if peer is not None:
-            peer.stop(timeout=30)
+        if child is not None:
+            child.stop(timeout=30)
     return recorder.session_id, outcome, failure
 
 

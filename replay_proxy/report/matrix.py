@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from replay_proxy.matrix import Cell, Evidence, Verdict
+from replay_proxy.matrix.deploy import Answer
+from replay_proxy.matrix.run import MatrixRun
 
 COLOURS = {Verdict.WORKS: "#2e7d32", Verdict.DEGRADED: "#f9a825", Verdict.BREAKS: "#c62828",
            Verdict.UNKNOWN: "#757575"}
@@ -46,11 +48,33 @@ def print_table(cells: list[Cell], console: Console) -> None:
     console.print(table)
 
 
+def print_run(run: MatrixRun, console: Console, log: Console) -> None:
+    """The table on ``console``; on ``log``, each disagreement and a line of totals."""
+    print_table(run.cells, console)
+    for cell in run.disagreeing:
+        log.print(f"[yellow]observed {cell.observed.verdict.value}, predicted {cell.predicted.verdict.value}:[/] "
+                  f"{cell.frontend} x engine {cell.engine}", highlight=False)
+    log.print(f"{len(run.cells)} cells, {sum(c.observed is not None for c in run.cells)} observed, "
+              f"{len(run.disagreeing)} disagreeing with their prediction, in {run.seconds:.0f} s")
+
+
+def print_answer(answer: Answer, console: Console) -> None:
+    """can-i-deploy's answer: the verdict and where it comes from, its reasons, the upgrade order."""
+    verdict = answer.cell.verdict
+    console.print(f"{answer.cell.frontend} with engine {answer.cell.engine}: [{RICH[verdict]}]{verdict.value}[/] "
+                  f"({answer.source})")
+    for evidence, count in answer.reasons():
+        more = f" (and {count - 1} more like it)" if count > 1 else ""
+        console.print(f"  {evidence_line(evidence)}{more}", highlight=False, markup=False)
+    for line in answer.upgrade:
+        console.print(line, highlight=False)
+
+
 def main_reason(cell: Cell) -> str:
     """The first piece of evidence behind the verdict, in one line."""
     judgement = cell.observed or cell.predicted
     reasons = [e for e in judgement.evidence if e.verdict is cell.verdict] or judgement.evidence
-    return f"{reasons[0].direction}: {reasons[0].message}" if reasons else ""
+    return f"{reasons[0].direction or 'both'}: {reasons[0].message}" if reasons else ""
 
 
 def junit(cells: list[Cell]) -> bytes:
@@ -74,12 +98,12 @@ def junit(cells: list[Cell]) -> bytes:
 
 
 def evidence_line(e: Evidence) -> str:
-    """``[breaks] to-frontend EngineCoreOutputs[8]: ... (source: ...)``, the place left out where the message
+    """``[breaks] to_frontend EngineCoreOutputs[8]: ... (source: ...)``, the place left out where the message
     starts with it; the source is the reader rule's, or the replay's report."""
     where = ".".join(str(p) for p in (e.struct, e.field) if p) + (f"[{e.position}]" if e.position is not None else "")
     if where and e.message.startswith(where.split("[")[0]):
         where = ""
-    return (f"[{e.verdict.value}] {e.direction}{' ' + where if where else ''}: {e.message}"
+    return (f"[{e.verdict.value}] {e.direction or 'both'}{' ' + where if where else ''}: {e.message}"
             + (f" (source: {e.source})" if e.source else ""))
 
 

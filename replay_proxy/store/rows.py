@@ -14,14 +14,14 @@ import msgspec
 
 from replay_proxy.store.tables import TABLES, sampling_columns
 from replay_proxy.wire.capture import CapturedFrame
-from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, Kind, Message, WireDecoder
+from replay_proxy.wire.messages import (
+    ENGINE_CORE_DEAD, HANDSHAKE_KINDS, Channel, Direction, Kind, Message, WireDecoder)
 from replay_proxy.wire.schema import Flag, Schema
 from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs
 from replay_proxy.wire.values import decode_msgpack, to_json
 
 _raw = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
-HANDSHAKE_KINDS = {Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION}
 # EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
 REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
                              "data_parallel_rank", "priority", "sampling_params"})

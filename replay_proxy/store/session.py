@@ -21,13 +21,10 @@ import msgspec
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, open_existing
 from replay_proxy.store.writer import finish_decoding
-from replay_proxy.wire.messages import Channel, Direction, WireDecoder
+from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, schema_for
 from replay_proxy.wire.values import decode_msgpack
 
-HANDSHAKE_KINDS = ("HELLO", "INIT", "READY", "REGISTRATION")
-INPUT_KINDS = ("ADD", "ABORT", "UTILITY")  # frontend -> engine
-OUTPUT_KINDS = ("OUTPUTS", "UTILITY_OUTPUT", "ENGINE_CORE_DEAD")  # engine -> frontend
 
 
 class SessionError(ReplayProxyError):
@@ -37,7 +34,7 @@ class SessionError(ReplayProxyError):
 class RecordedFrame(msgspec.Struct, frozen=True):
     seq: int
     ts_ns: int
-    kind: str
+    kind: Kind
     engine_index: int
     client_index: int | None
     parts: list[bytes]  # exactly as recorded: replay resends these bytes
@@ -102,17 +99,27 @@ class Session(msgspec.Struct):
         return {r.finish_reason for r in self.requests if r.finish_reason}
 
 
-def load_session(db_path: Path, session: str) -> Session:
-    """Session ``session`` (name or id) of the recording at ``db_path``."""
-    db = open_existing(db_path)
-    row = find_session(db, session)
-    sid = row["id"]
-    if row["frames_undecoded"]:  # kept by a writer that had to stop: decoded now, once
+def decode_and_load(db_path: Path, session: str) -> Session:
+    """Decode what ``session`` kept undecoded (a writer that had to stop keeps frames as they came), once,
+    into its database, then load it: what replay and diff read."""
+    row = find_session(open_existing(db_path), session)
+    if row["frames_undecoded"]:
         if row["status"] == "recording":
             raise SessionError(f"session {row['name']!r} is still recording and {row['frames_undecoded']:,} of "
                                "its frames are not decoded yet: wait for it to end")
-        finish_decoding(str(db_path), sid)
-        row = find_session(db, str(sid))
+        finish_decoding(str(db_path), row["id"])
+    return load_session(db_path, str(row["id"]))
+
+
+def load_session(db_path: Path, session: str) -> Session:
+    """Session ``session`` (name or id) of the recording at ``db_path``, read as it is: one whose frames are
+    not all decoded yet is refused (``decode_and_load`` decodes them first)."""
+    db = open_existing(db_path)
+    row = find_session(db, session)
+    sid = row["id"]
+    if row["frames_undecoded"]:
+        raise SessionError(f"{row['frames_undecoded']:,} frames of session {row['name']!r} are not decoded yet: "
+                           f"replay-proxy decode --db {db_path} --session {sid}")
     progress: dict[int, dict[str, int]] = defaultdict(dict)
     for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? "
                       "ORDER BY seq", [sid]):
@@ -122,27 +129,27 @@ def load_session(db_path: Path, session: str) -> Session:
     decoder = WireDecoder(schema_for(row["vllm_version"])[0])
 
     def decoded(r: dict, parts: list[bytes]) -> Any:
-        if r["kind"] in ("OUTPUTS", "UTILITY_OUTPUT"):
+        if r["kind"] in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
             return decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, parts).fields
-        if r["kind"] == "ADD":
+        if r["kind"] == Kind.ADD:
             return decoder.decode(Channel.INPUT, Direction.TO_ENGINE, parts).fields
         return msgspec.json.decode(r["decoded"]) if r["decoded"] else None
 
-    frames = [RecordedFrame(r["seq"], r["ts_ns"], r["kind"], r["engine_index"], r["client_index"], parts,
+    frames = [RecordedFrame(r["seq"], r["ts_ns"], Kind(r["kind"]), r["engine_index"], r["client_index"], parts,
                             decoded(r, parts), progress.get(r["seq"], {}))
               for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, raw, decoded FROM frames "
                                 "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output') "
                                 "ORDER BY seq", [sid]) for parts in [decode_msgpack(r["raw"])]]
     # (a recorded coordinator is neither replayed nor compared)
     handshake = [f for f in frames if f.kind in HANDSHAKE_KINDS]
-    init = next((f.decoded for f in handshake if f.kind == "INIT"), None)
+    init = next((f.decoded for f in handshake if f.kind is Kind.INIT), None)
     registrations = [json.loads(r["payload"]) for r in db.query(
         "SELECT payload FROM handshakes WHERE session_id = ? AND kind = 'REGISTRATION' ORDER BY engine_index, seq",
         [sid])]
     aborted = {rid: tokens for per_abort in reversed(progress.values()) for rid, tokens in per_abort.items()}
     return Session(
         db_path=Path(db_path), id=sid, name=row["name"], schema=schema_for(row["vllm_version"])[0], init=init,
-        engines=sorted({f.engine_index for f in handshake if f.kind == "HELLO"}), handshake=handshake,
+        engines=sorted({f.engine_index for f in handshake if f.kind is Kind.HELLO}), handshake=handshake,
         inputs=[f for f in frames if f.kind in INPUT_KINDS], outputs=[f for f in frames if f.kind in OUTPUT_KINDS],
         registrations=registrations, requests=_requests(db, sid, aborted),
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "

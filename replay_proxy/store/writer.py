@@ -36,12 +36,14 @@ import sqlite3
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import msgspec
 import zmq
 
 from replay_proxy.clock import utc_now
 from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, encode_progress, header
+from replay_proxy.store.queries import find_session, list_sessions, open_existing
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
@@ -237,12 +239,20 @@ class Writer:
 
 
 def finish_decoding(db_path: str, session_id: int) -> int:
-    """Decode what a session kept undecoded (``replay-proxy decode``); return how many frames that was."""
+    """Decode what a session kept undecoded; return how many frames that was."""
     writer = Writer(db_path, session_id)
     before = writer.frames_undecoded
     writer.decode_all()
     writer.finish()
     return before - writer.frames_undecoded
+
+
+def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, int | None]]:
+    """``replay-proxy decode``: decode what each session (or ``session``) kept undecoded. For each session
+    that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them)."""
+    rows = [find_session(open_existing(db_path), session)] if session is not None else list_sessions(db_path)
+    return [(row["name"], None if row["status"] == "recording" else finish_decoding(str(db_path), row["id"]))
+            for row in rows if row["frames_undecoded"]]
 
 
 class WriterLoop:

@@ -37,9 +37,31 @@ class Channel(enum.StrEnum):
     COORDINATOR_OUTPUT = "coordinator_output"  # engine PUSH -> coordinator PULL
 
 
+class Side(enum.StrEnum):
+    """One side of the link. A replay names the side under test; the proxy plays the other."""
+
+    ENGINE = "engine"
+    FRONTEND = "frontend"
+
+    @property
+    def other(self) -> Side:
+        return Side.FRONTEND if self is Side.ENGINE else Side.ENGINE
+
+    @property
+    def reads(self) -> Direction:
+        """The direction of the messages this side reads."""
+        return Direction.TO_ENGINE if self is Side.ENGINE else Direction.TO_FRONTEND
+
+
 class Direction(enum.StrEnum):
+    """Where a message goes: its reader is that side."""
+
     TO_ENGINE = "to_engine"
     TO_FRONTEND = "to_frontend"  # the coordinator counts as the frontend side
+
+    @property
+    def reader(self) -> Side:
+        return Side.ENGINE if self is Direction.TO_ENGINE else Side.FRONTEND
 
 
 class Kind(enum.StrEnum):
@@ -58,6 +80,11 @@ class Kind(enum.StrEnum):
     SUBSCRIBE = "SUBSCRIBE"
     UNSUBSCRIBE = "UNSUBSCRIBE"
     UNKNOWN = "UNKNOWN"
+
+
+HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.INIT, Kind.READY, Kind.REGISTRATION})
+INPUT_KINDS = frozenset({Kind.ADD, Kind.ABORT, Kind.UTILITY})  # frontend -> engine
+OUTPUT_KINDS = frozenset({Kind.OUTPUTS, Kind.UTILITY_OUTPUT, Kind.ENGINE_CORE_DEAD})  # engine -> frontend
 
 
 class RequestType(bytes, enum.Enum):

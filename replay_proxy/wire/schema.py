@@ -12,7 +12,7 @@ as it can and the drift itself is recorded.
 from __future__ import annotations
 
 import functools
-import importlib.resources
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -107,18 +107,23 @@ def release_key(release: str) -> tuple[int, ...]:
     return tuple(int(p) for p in release.split("+")[0].split(".") if p.isdigit())
 
 
+SCHEMAS = Path(__file__).resolve().parent / "schemas"  # one file a release, extracted from its own classes
+
+
 @functools.cache
 def shipped_releases() -> tuple[str, ...]:
     """Releases with a schema in the package, oldest first."""
-    folder = importlib.resources.files("replay_proxy.wire") / "schemas"
-    names = [p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")]
+    names = [p.name.removesuffix(".json") for p in SCHEMAS.iterdir() if p.name.endswith(".json")]
     return tuple(sorted(names, key=release_key))
+
+
+def shipped_path(release: str) -> Path:
+    return SCHEMAS / f"{release}.json"
 
 
 @functools.cache
 def load_schema(release: str) -> Schema:
-    path = importlib.resources.files("replay_proxy.wire") / "schemas" / f"{release}.json"
-    return msgspec.json.decode(path.read_bytes(), type=Schema)
+    return msgspec.json.decode(shipped_path(release).read_bytes(), type=Schema)
 
 
 def schema_for(version: str | None) -> tuple[Schema, bool]:

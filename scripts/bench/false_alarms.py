@@ -25,7 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.compare.findings import Severity  # noqa: E402
 from replay_proxy.processes import free_port  # noqa: E402
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions  # noqa: E402
 from replay_proxy.replay.run import replay_session  # noqa: E402
+from replay_proxy.wire.messages import Side  # noqa: E402
 from tests.replay import test_performance_replay_sim as paced  # noqa: E402
 
 
@@ -33,9 +35,10 @@ def replay(recorded: Path, folder: Path, fraction: float) -> dict:
     db = folder / "replay.db"
     shutil.copy(recorded, db)
     listen = f"tcp://127.0.0.1:{free_port()}"
-    report, _ = replay_session(db, "paced", "engine", listen, command=shlex.join(paced.engine_argv(listen, fraction)),
-                               pace="original", ready_timeout=30, finish_timeout=30, logs=folder, noise_runs=1,
-                               baseline_command=shlex.join(paced.engine_argv(listen)))
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=shlex.join(paced.engine_argv(listen, fraction)))
+    options = ReplayOptions(pace="original", ready_timeout_s=30, finish_timeout_s=30, report_dir=folder,
+                            noise_runs=1, baseline_command=shlex.join(paced.engine_argv(listen)))
+    report, _ = replay_session(db, "paced", peer, options)
     return {f.field: f for f in report.findings if f.category == "performance"}
 
 

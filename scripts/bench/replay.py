@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.net.relay import Relay  # noqa: E402
 from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.replay.play_frontend import FrontendPlayer  # noqa: E402
+from replay_proxy.replay.player import ReplayOptions  # noqa: E402
 from replay_proxy.sim.engine import SimEngine  # noqa: E402
 from replay_proxy.sim.frontend import SimFrontend  # noqa: E402
 from replay_proxy.store.recorder import OnFull, Recorder, SessionInfo  # noqa: E402
@@ -64,8 +65,8 @@ def replay(db: Path, pace: str, logs: Path):
     engine = Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", listen],
                    logs / f"engine-{pace}.log")
     try:
-        player = FrontendPlayer(load_session(db, "bench"), listen, Nothing(), pace=pace, ready_timeout=30,
-                                finish_timeout=60)
+        player = FrontendPlayer(load_session(db, "bench"), listen, Nothing(),
+                                ReplayOptions(pace=pace, ready_timeout_s=30, finish_timeout_s=60))
         return trio.run(player.run)
     finally:
         engine.stop()

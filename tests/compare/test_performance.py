@@ -48,7 +48,7 @@ def _read_after_stall(times: list[int]) -> list[int]:
 
 
 def findings(baseline, candidate, noise=()):
-    matching = match_requests(baseline, candidate, RULES["match_sampling_keys"])
+    matching = match_requests(baseline, candidate, RULES.match_sampling_keys)
     return {f.field: f for f in performance_findings(baseline, candidate, matching, RULES, list(noise))}
 
 
@@ -57,7 +57,7 @@ def test_a_ten_percent_slowdown_is_a_regression_whose_interval_holds_ten_percent
     for field in ("itl_ms.p50", "itl_ms.p90", "e2e_ms.p50"):
         change = found[field].change
         assert found[field].code.endswith("_regression") and found[field].severity is Severity.REGRESSION, field
-        assert change.low <= 0.10 <= change.high and change.low > RULES["performance"]["min_relative_change"], field
+        assert change.low <= 0.10 <= change.high and change.low > RULES.performance.min_relative_change, field
         assert change.paired and change.samples[0] == change.samples[1]
     # TTFT varies more with the prompt: its interval holds the 10% too, it is only wider.
     assert found["ttft_ms.p50"].change.low <= 0.10 <= found["ttft_ms.p50"].change.high

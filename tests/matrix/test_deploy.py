@@ -12,6 +12,7 @@ from replay_proxy.matrix.deploy import can_i_deploy
 from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.run import build
 from replay_proxy.report.matrix import html_page, junit, markdown
+from replay_proxy.wire.messages import Direction
 
 CLI = [sys.executable, "-m", "replay_proxy"]
 
@@ -19,7 +20,7 @@ CLI = [sys.executable, "-m", "replay_proxy"]
 def observed(frontend: str, engine: str, verdict: Verdict, message: str) -> Cell:
     """A cell as ``matrix --db`` keeps it after a real observation."""
     cell = Cell(frontend, engine, predict(Frontend(*frontend.split(":")), engine, RECORDINGS))
-    cell.observed = Judgement(verdict, [Evidence(verdict, "to-frontend", message)], "two replays", 40.0)
+    cell.observed = Judgement(verdict, [Evidence(verdict, Direction.TO_FRONTEND, message)], "two replays", 40.0)
     cell.observed_at = "2026-12-01T16:00:00+00:00"
     return cell
 

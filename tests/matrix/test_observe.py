@@ -7,6 +7,7 @@ import msgspec
 
 from replay_proxy.matrix import RECORDINGS, Frontend, Verdict, frontends_in, recording_of
 from replay_proxy.matrix.observe import judge, legs_of, sends
+from replay_proxy.wire.messages import Direction
 
 
 def test_frontends_share_an_engine_replay_exactly_when_they_send_the_same(tmp_path):
@@ -20,7 +21,7 @@ def test_frontends_share_an_engine_replay_exactly_when_they_send_the_same(tmp_pa
     engine_legs = {id(pair[0]) for pair in legs.values()}
     assert 2 <= len(engine_legs) < len(cells)  # some frontends do send the same: fewer replays than cells
     to_frontend = legs[(Frontend("vllm", "0.27.0"), "0.30.0")][1]
-    assert (to_frontend.direction, to_frontend.frontend) == ("to-frontend", Frontend("vllm", "0.27.0"))
+    assert (to_frontend.direction, to_frontend.frontend) == (Direction.TO_FRONTEND, Frontend("vllm", "0.27.0"))
     assert to_frontend.recording == recording_of(Frontend("vllm", "0.30.0"))  # what engine 0.30.0 sent
 
 

@@ -11,6 +11,7 @@ import pytest
 from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_release, frontends_in,
                                  parse_build, recording_of, releases_in)
 from replay_proxy.matrix.predict import frames, predict, read_direction
+from replay_proxy.wire.messages import Direction
 from replay_proxy.wire.schema import load_schema
 
 ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
@@ -50,7 +51,7 @@ def test_a_newer_python_frontend_rejects_an_older_engines_registration():
     judgement = predict(Frontend("vllm", "0.29.0"), "0.28.0", RECORDINGS)
     assert judgement.verdict is Verdict.BREAKS
     assert reasons(judgement, Verdict.BREAKS) == {
-        ("to-frontend", "python-frontend", "EngineCoreReadyResponse", key, None, "missing_required_key")
+        (Direction.TO_FRONTEND, "python-frontend", "EngineCoreReadyResponse", key, None, "missing_required_key")
         for key in ("max_loras", "supports_lora")}
 
 
@@ -65,20 +66,20 @@ def test_an_older_python_frontend_reads_a_newer_engine_its_extra_elements_ignore
 def test_vllm_rs_before_0_32_rejects_weight_version_in_engine_core_outputs(release, position):
     judgement = predict(Frontend("vllm-rs", release), "0.32.0", RECORDINGS)
     assert judgement.verdict is Verdict.BREAKS
-    assert ("to-frontend", "rust-frontend", "EngineCoreOutputs", None, position, "extra_trailing_elements") in \
+    assert (Direction.TO_FRONTEND, "rust-frontend", "EngineCoreOutputs", None, position, "extra_trailing_elements") in \
         reasons(judgement, Verdict.BREAKS)
 
 
 def test_vllm_rs_0_30_rejects_the_extra_outputs_element_that_0_31_ignores():
     old, new = (predict(Frontend("vllm-rs", r), "0.31.0", RECORDINGS) for r in ("0.30.0", "0.31.0"))
-    assert ("to-frontend", "rust-frontend", "EngineCoreOutput", None, 17, "extra_trailing_elements") in \
+    assert (Direction.TO_FRONTEND, "rust-frontend", "EngineCoreOutput", None, 17, "extra_trailing_elements") in \
         reasons(old, Verdict.BREAKS)
     assert new.verdict is Verdict.WORKS
 
 
 def test_vllm_rs_before_0_26_misreads_the_inserted_ec_transfer_params():
     judgement = predict(Frontend("vllm-rs", "0.25.1"), "0.27.0", RECORDINGS)
-    assert ("to-frontend", "rust-frontend", "EngineCoreOutput", "ec_transfer_params", 9, "field_inserted") in \
+    assert (Direction.TO_FRONTEND, "rust-frontend", "EngineCoreOutput", "ec_transfer_params", 9, "field_inserted") in \
         reasons(judgement, Verdict.BREAKS)
 
 
@@ -87,20 +88,20 @@ def test_an_ignored_sampling_key_that_asks_for_nothing_unusual_works():
     # gives the same tokens as an engine that honours it (observed: docs/compatibility.md).
     judgement = predict(Frontend("vllm-rs", "0.32.0"), "0.29.0", RECORDINGS)
     assert judgement.verdict is Verdict.WORKS
-    assert ("to-engine", "python-engine", "SamplingParams", "watermarking", None, "unknown_map_key") in \
+    assert (Direction.TO_ENGINE, "python-engine", "SamplingParams", "watermarking", None, "unknown_map_key") in \
         reasons(judgement, Verdict.WORKS)
 
 
 def test_an_ignored_sampling_key_that_asks_for_something_is_degraded():
     """A real 0.32.0 request asking for prompt logprobs from position 3 on, read by a 0.30.0 engine."""
     sent = []
-    for channel, direction, parts in frames(*recording_of(Frontend("vllm", "0.32.0")), "to-engine"):
+    for channel, direction, parts in frames(*recording_of(Frontend("vllm", "0.32.0")), Direction.TO_ENGINE):
         request = msgspec.msgpack.decode(parts[1]) if len(parts) > 1 and parts[0] == b"\x00" else None
         if request is not None:
             request[3]["prompt_logprob_start"] = 3
             parts = [parts[0], msgspec.msgpack.encode(request), *parts[2:]]
         sent.append((channel, direction, parts))
-    evidence = read_direction("to-engine", sent, load_schema("0.32.0"), load_schema("0.30.0"), "python-engine")
+    evidence = read_direction(Direction.TO_ENGINE, sent, load_schema("0.32.0"), load_schema("0.30.0"), "python-engine")
     [degraded] = [e for e in evidence if e.verdict is Verdict.DEGRADED]
     assert (degraded.struct, degraded.field) == ("SamplingParams", "prompt_logprob_start")
     assert "= 3 is sent, and a 0.30.0 engine does not know it" in degraded.message

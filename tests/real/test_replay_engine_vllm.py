@@ -37,7 +37,7 @@ def test_same_release_gives_the_same_tokens_and_abort_point(tmp_path):
     # The ABORT went at the recorded progress, however fast this machine's engine is.
     landed = {row["session_id"]: row["tokens_before_abort"] for row in db.query(
         "SELECT session_id, tokens_before_abort FROM abort_progress")}
-    assert abs(landed[1] - landed[2]) <= load_rules()["abort_progress_tolerance_tokens"]
+    assert abs(landed[1] - landed[2]) <= load_rules().abort_progress_tolerance_tokens
     [landing] = [f for f in report["findings"] if f.get("message_kind") == "ABORT"]
     assert (landing["code"], landing["baseline"], landing["candidate"]) == ("abort_landed", landed[1], landed[2])
     replay_session = db["sessions"].get(2)

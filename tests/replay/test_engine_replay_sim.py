@@ -12,7 +12,9 @@ import trio
 from replay_proxy.compare.findings import Severity, exit_code
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
+from replay_proxy.wire.messages import Side
 from tests.conftest import RecordedSession
 
 ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
@@ -57,9 +59,10 @@ def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20, noise_ru
     if edit is not None:
         edit(sqlite_utils.Database(db))
     listen = f"tcp://127.0.0.1:{free_port()}"
-    report, outcome = replay_session(db, "baseline", "engine", listen, command=engines_command(listen, drift, engines),
-                                     pace=pace, ready_timeout=ready_timeout, finish_timeout=10, logs=tmp_path,
-                                     noise_runs=noise_runs, baseline_command=engines_command(listen))
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen, drift, engines))
+    options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=10, report_dir=tmp_path,
+                            noise_runs=noise_runs, baseline_command=engines_command(listen))
+    report, outcome = replay_session(db, "baseline", peer, options)
     return report, outcome, db
 
 
@@ -78,21 +81,24 @@ def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_pat
     assert (outcome.sent, outcome.requests, outcome.finished) == (11, 9, 8)  # the aborted one never finishes
     sessions = list(sqlite_utils.Database(db).query("SELECT id, mode, baseline_session_id, status FROM sessions"))
     assert sessions[1] == {"id": 2, "mode": "replay", "baseline_session_id": 1, "status": "complete"}
-    # The ABORT went at the recorded progress: after the output that brought the request to 4 tokens.
-    assert landings(db) == (4, 4)
+    # The ABORT went at the recorded progress. (Where it was recorded is the sim frontend's race: it
+    # aborts once it has 3 tokens, and one or two more are usually in flight by then.)
+    recorded_at, replayed_at = landings(db)
+    assert replayed_at == recorded_at >= 3
     [landed] = [f for f in report.findings if f.code == "abort_landed"]
-    assert (landed.request_id, landed.baseline, landed.candidate) == ("long", 4, 4)
+    assert (landed.request_id, landed.baseline, landed.candidate) == ("long", recorded_at, recorded_at)
 
 
 def test_an_abort_lands_at_its_recorded_progress_on_an_engine_faster_than_the_recorded_one(tmp_path, recorded):
-    # As if the recorded engine had been slow: the ABORT crossed 3 s after the request had its 4 tokens.
+    # As if the recorded engine had been slow: the ABORT crossed 3 s after the request had its tokens.
     # At the recorded time the sim engine has long finished all 500, so the clock must not decide.
     def later_abort(db):
         db.execute("UPDATE frames SET ts_ns = ts_ns + 3000000000 WHERE kind = 'ABORT'")
         db.execute("UPDATE aborts SET ts_ns = ts_ns + 3000000000")
         db.conn.commit()
     report, outcome, db = replay(tmp_path, recorded, pace="original", edit=later_abort)
-    assert landings(db) == (4, 4)
+    recorded_at, replayed_at = landings(db)
+    assert replayed_at == recorded_at >= 3
     assert "abort_progress" not in {f.code for f in report.findings}
     assert outcome.finished == 8  # the aborted request never finished: the ABORT came before its 500 tokens
 

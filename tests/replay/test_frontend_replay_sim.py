@@ -18,8 +18,10 @@ from replay_proxy.compare.findings import Severity, exit_code
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
 from replay_proxy.replay.play_engine import completion
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.api import serve_api
+from replay_proxy.wire.messages import Side
 from tests.conftest import RecordedSession
 
 FRONTEND = [sys.executable, "-m", "replay_proxy", "sim", "frontend"]
@@ -66,9 +68,10 @@ def replay(tmp_path, recorded, drift=None):
     handshake, port = f"tcp://127.0.0.1:{free_port()}", free_port()
     command = [*FRONTEND, "--handshake", handshake, "--http-port", str(port)]
     command += ["--drift", json.dumps(drift)] if drift else []
-    report, outcome = replay_session(db, "http", "frontend", handshake, http=f"http://127.0.0.1:{port}",
-                                     command=shlex.join(command), pace="fast", ready_timeout=20, finish_timeout=5,
-                                     logs=tmp_path)
+    peer = PeerUnderTest(side=Side.FRONTEND, address=handshake, http=f"http://127.0.0.1:{port}",
+                         command=shlex.join(command))
+    options = ReplayOptions(pace="fast", ready_timeout_s=20, finish_timeout_s=5, report_dir=tmp_path)
+    report, outcome = replay_session(db, "http", peer, options)
     return report, outcome, db
 
 

@@ -15,8 +15,10 @@ import trio
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.processes import Child, free_port
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.frontend import SimFrontend
+from replay_proxy.wire.messages import Side
 
 CLI = [sys.executable, "-m", "replay_proxy"]
 STEP_MS = 20
@@ -70,9 +72,10 @@ def replay(tmp_path, recorded, fraction, noise_runs):
     db = tmp_path / "replay.db"
     db.write_bytes(recorded.read_bytes())
     listen = f"tcp://127.0.0.1:{free_port()}"
-    report, _ = replay_session(db, "paced", "engine", listen, command=shlex.join(engine_argv(listen, fraction)),
-                               pace="original", ready_timeout=30, finish_timeout=30, logs=tmp_path,
-                               noise_runs=noise_runs, baseline_command=shlex.join(engine_argv(listen)))
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=shlex.join(engine_argv(listen, fraction)))
+    options = ReplayOptions(pace="original", ready_timeout_s=30, finish_timeout_s=30, report_dir=tmp_path,
+                            noise_runs=noise_runs, baseline_command=shlex.join(engine_argv(listen)))
+    report, _ = replay_session(db, "paced", peer, options)
     return {f.field: f for f in report.findings if f.category == "performance"}
 
 

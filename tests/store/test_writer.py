@@ -13,7 +13,7 @@ import pytest
 import sqlite_utils
 
 from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
-from replay_proxy.store.session import load_session
+from replay_proxy.store.session import SessionError, decode_and_load, load_session
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.protocol import Stop
 from replay_proxy.store.writer import Writer
@@ -260,8 +260,10 @@ def test_frames_kept_undecoded_are_decoded_by_decode_and_before_a_replay_loads_t
     assert '"frames_undecoded": 300' in listing.stdout
     query = cli("query", "--db", str(db_path), "SELECT COUNT(*) AS n FROM frames")
     assert "300 frames of session 'kept' are not decoded yet" in query.stderr
+    with pytest.raises(SessionError, match="300 frames of session 'kept' are not decoded yet"):
+        load_session(db_path, "kept")  # it reads, and says what to run
     # A replay or diff decodes what it needs first.
-    assert len(load_session(db_path, "kept").inputs) == 300
+    assert len(decode_and_load(db_path, "kept").inputs) == 300
     row = db["sessions"].get(session_id)
     assert (row["frames_undecoded"], row["frames_recorded"], db["aborts"].count, db["undecoded"].count) == (
         0, 300, 300, 0)

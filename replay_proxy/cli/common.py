@@ -1,0 +1,64 @@
+"""What every command shares: the typer apps, the two consoles, and how a command ends."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from replay_proxy.compare.findings import Report, exit_code
+from replay_proxy.compare.rules import Rules, RulesError, load_rules
+from replay_proxy.errors import ExitCode
+
+app = typer.Typer(
+    help="Record and replay the ZeroMQ link between vLLM frontends and engines.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
+app.add_typer(schema_app, name="schema")
+sim_app = typer.Typer(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
+app.add_typer(sim_app, name="sim")
+peers_app = typer.Typer(help="Real vLLM peers, fetched from pip into the cache ($REPLAY_PROXY_CACHE).",
+                        no_args_is_help=True)
+app.add_typer(peers_app, name="peers")
+out = Console(width=None if sys.stdout.isatty() else 200)  # query results are wide: do not fold at 80
+err = Console(stderr=True, soft_wrap=True)
+
+
+def fail(message: str, code: ExitCode = ExitCode.ERROR) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(int(code))
+
+
+def finish_report(report: Report, report_dir: Path | None, show_info: bool = False) -> NoReturn:
+    """The ending of every command that produces a report: summary, report files, exit code."""
+    from replay_proxy.report.render import print_summary, write_reports
+
+    print_summary(report, out, show_info)
+    if report_dir is not None:
+        for path in write_reports(report, report_dir):
+            err.print(f"wrote {path}")
+    raise typer.Exit(int(exit_code(report.findings)))
+
+
+def check_address(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.startswith(("tcp://", "ipc://")):
+        raise typer.BadParameter(f"{value!r} is not a ZMQ address: use tcp://HOST:PORT or ipc:///PATH")
+    if value.startswith("tcp://") and not value.rsplit(":", 1)[-1].isdigit():
+        raise typer.BadParameter(f"{value!r} has no port: use tcp://HOST:PORT")
+    return value
+
+
+def rules_option(path: Path | None) -> Rules:
+    """``--rules FILE`` over the defaults; a file that cannot be used is a usage error."""
+    try:
+        return load_rules(path)
+    except RulesError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None

@@ -1,0 +1,193 @@
+"""Comparing builds: ``diff``, ``replay``, and the release schemas (``schema extract | diff | history``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from replay_proxy.cli.common import app, check_address, err, fail, finish_report, out, rules_option, schema_app
+from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.wire.messages import Side
+
+REPORT_DIR_HELP = "Write report.json, junit.xml, report.html here."
+
+
+@app.command()
+def diff(
+    db: Annotated[Path, typer.Option(help="Recording database of the candidate (and of the baseline, by default).")],
+    baseline: Annotated[str, typer.Option(help="Baseline session: name or id.")],
+    candidate: Annotated[str, typer.Option(help="Candidate session: name or id.")],
+    baseline_db: Annotated[Path | None, typer.Option(help="The baseline's database, if another one.")] = None,
+    noise: Annotated[list[str] | None, typer.Option(
+        help="Another run of the baseline build (repeatable): what varies between them is noise, not regression.")]
+        = None,
+    rules: Annotated[Path | None, typer.Option(help="JSON noise rules and thresholds to apply over the defaults.")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+    show_info: Annotated[bool, typer.Option("--all", help="Also list informational findings.")] = False,
+) -> None:
+    """Compare two recorded sessions: schema, behaviour and performance findings.
+
+    Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
+    performance regressions (docs/comparing.md).
+
+    Example: replay-proxy diff --db recordings/vllm-0.32.0-vllm-rs.db --baseline-db recordings/vllm-0.32.0-python.db --baseline python-frontend --candidate vllm-rs-frontend
+    """
+    from replay_proxy.compare.report import diff_sessions
+
+    noise_rules = rules_option(rules)
+    try:
+        report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    finish_report(report, report_dir, show_info)
+
+
+@app.command()
+def replay(
+    db: Annotated[Path, typer.Option(help="Recording database; the replay is recorded into it too.")],
+    session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
+    against: Annotated[Side, typer.Option(
+        help="The side under test: 'engine' (the proxy plays the recorded frontend) or 'frontend' (it plays "
+             "the recorded engines).")],
+    listen: Annotated[str | None, typer.Option(callback=check_address,
+        help="--against engine: the handshake address the engine dials.")] = None,
+    upstream: Annotated[str | None, typer.Option(callback=check_address,
+        help="--against frontend: the frontend's handshake address.")] = None,
+    http: Annotated[str | None, typer.Option(help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")]
+        = None,
+    engine_cmd: Annotated[str | None, typer.Option(
+        help="Start the engine under test with this command (own process group, stopped at the end, log kept).")]
+        = None,
+    frontend_cmd: Annotated[str | None, typer.Option(help="Start the frontend under test with this command.")]
+        = None,
+    pace: Annotated[str, typer.Option(
+        help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")] = "original",
+    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
+    finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
+    rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
+    noise_runs: Annotated[int, typer.Option(min=0, help=(
+        "First replay the session this many times against --baseline-cmd: what varies between "
+        "those runs of one build is the noise floor, not reported as regression."))] = 0,
+    baseline_cmd: Annotated[str | None, typer.Option(
+        help="--noise-runs: start the baseline build (the one the recording was made with) with this command.")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+) -> None:
+    """Replay a recorded session against a new engine or frontend build and report what changed.
+
+    Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
+    performance regressions; 6 when the replay could not run (docs/replay.md).
+
+    Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine --listen tcp://127.0.0.1:29560
+    """
+    from replay_proxy.replay.player import PeerUnderTest, ReplayError, ReplayOptions
+    from replay_proxy.replay.run import replay_session
+
+    if against is Side.ENGINE and listen is None:
+        raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
+    if against is Side.FRONTEND and (upstream is None or http is None):
+        raise fail("--against frontend needs --upstream (its handshake) and --http (its API)", ExitCode.USAGE)
+    if noise_runs and not baseline_cmd:
+        raise fail("--noise-runs needs --baseline-cmd (the build the recording was made with)", ExitCode.USAGE)
+    peer = PeerUnderTest(side=against, address=listen if against is Side.ENGINE else upstream, http=http,
+                         command=engine_cmd if against is Side.ENGINE else frontend_cmd)
+    try:
+        options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout,
+                                rules=rules_option(rules), noise_runs=noise_runs, baseline_command=baseline_cmd,
+                                report_dir=report_dir)
+    except ReplayError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    err.print(f"replaying {session!r} against the {against} at {peer.address}")
+    try:
+        report, outcome = replay_session(db, session, peer, options, console=err)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    if outcome is not None:
+        err.print(outcome.summary)
+    finish_report(report, report_dir)
+
+
+@schema_app.command("extract")
+def schema_extract(
+    release: Annotated[str | None, typer.Option(
+        help="A release pip has: its wheel is fetched (cached) and its classes read; written to the package's "
+             "schemas/RELEASE.json unless --out says otherwise.")] = None,
+    python: Annotated[Path | None, typer.Option(help="Python interpreter of a vLLM installation.")] = None,
+    vllm_src: Annotated[Path | None, typer.Option(
+        help="With --python: a folder holding a vllm/ package to import instead (a source tree).")] = None,
+    output: Annotated[Path | None, typer.Option("--out", help="Write here (- for stdout).")] = None,
+) -> None:
+    """Extract a release's wire schema from vLLM's own classes.
+
+    Example: replay-proxy schema extract --release 0.33.0
+
+    Example: replay-proxy schema extract --python ~/vllm/.venv/bin/python --vllm-src ~/vllm --out -
+    """
+    from replay_proxy import releases
+    from replay_proxy.wire.schema import shipped_path
+
+    if (release is None) == (python is None):
+        raise fail("give either --release or --python", ExitCode.USAGE)
+    if vllm_src is not None and python is None:
+        raise fail("--vllm-src goes with --python", ExitCode.USAGE)
+    try:
+        schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
+    except releases.ReleaseError as exc:
+        raise fail(str(exc)) from None
+    output = output or (shipped_path(release) if release else None)
+    if output is None or str(output) == "-":
+        sys.stdout.write(schema.decode())
+    else:
+        output.write_bytes(schema)
+        err.print(f"wrote {output}")
+
+
+@schema_app.command("diff")
+def schema_diff(
+    old: Annotated[str, typer.Argument(help="The older release, e.g. 0.31.0.")],
+    new: Annotated[str, typer.Argument(help="The newer release, e.g. 0.32.0.")],
+    report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+    show_info: Annotated[bool, typer.Option("--all", help="Also list compatible changes.")] = False,
+) -> None:
+    """What breaks between two shipped release schemas, and for which decoder.
+
+    Exit code 3 if any change breaks a real decoder (docs/comparing.md).
+
+    Example: replay-proxy schema diff 0.31.0 0.32.0
+    """
+    from replay_proxy.compare.report import schema_report
+    from replay_proxy.wire.schema import load_schema, shipped_releases
+
+    for release in (old, new):
+        if release not in shipped_releases():
+            raise fail(f"no shipped schema for {release!r}; shipped: {', '.join(shipped_releases())}", ExitCode.USAGE)
+    finish_report(schema_report(load_schema(old), load_schema(new)), report_dir, show_info)
+
+
+@schema_app.command("history")
+def schema_history(
+    struct: Annotated[str, typer.Argument(help="A struct, e.g. EngineCoreOutput.")],
+    field: Annotated[str | None, typer.Argument(help="Only this field.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+) -> None:
+    """Each field's first and last release, and every change of position, type or default between,
+    across all shipped schemas.
+
+    Example: replay-proxy schema history EngineCoreOutput num_nans_in_logits
+    """
+    from replay_proxy.compare.schema_history import struct_history
+    from replay_proxy.report.tables import print_history
+    from replay_proxy.wire.schema import load_schema, shipped_releases
+
+    schemas = [load_schema(r) for r in shipped_releases()]
+    try:
+        history = struct_history(schemas, struct, field)
+    except KeyError as exc:
+        known = sorted({n for s in schemas for n in s.structs})
+        raise fail(f"no {exc.args[0]} in any shipped schema" + ("" if field else f"; structs: {', '.join(known)}"),
+                   ExitCode.USAGE) from None
+    print_history(history, f"{struct} across {schemas[0].release} .. {schemas[-1].release}", out, as_json=as_json)

@@ -1,0 +1,128 @@
+"""Which releases work together: ``matrix``, ``can-i-deploy``, ``bisect``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from replay_proxy.cli.common import app, err, fail, out
+from replay_proxy.errors import ExitCode
+from replay_proxy.wire.messages import Side
+
+DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
+DEFAULT_ENGINES = "0.27.0..0.32.0"
+RECORDINGS_HELP = "The recordings of what each release sends (default: the project's recordings/)."
+
+
+@app.command()
+def matrix(
+    frontends: Annotated[str, typer.Option(help="Frontend builds: vllm-rs:RANGE (Rust) and vllm:RANGE (Python), "
+                                                "a range A..B over the shipped releases.")] = DEFAULT_FRONTENDS,
+    engines: Annotated[str, typer.Option(help="Engine releases, A..B or a comma list.")] = DEFAULT_ENGINES,
+    predict_only: Annotated[bool, typer.Option("--predict-only", help="Predict every cell, run nothing.")] = False,
+    observe: Annotated[list[str] | None, typer.Option(
+        help="Observe only this cell (FRONTEND@ENGINE, e.g. vllm-rs:0.30.0@0.31.0); repeatable. "
+             "Default: every cell.")] = None,
+    db: Annotated[Path | None, typer.Option(help="Keep the cells in this matrix database (can-i-deploy reads it).")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(
+        help="Write matrix.json, junit.xml (a testcase per cell), matrix.html (heat map) and matrix.md here.")] = None,
+    recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
+) -> None:
+    """Which frontend release works with which engine release: every cell predicted from the schemas
+    and the readers' rules, and observed by replaying real peers (docs/matrix.md).
+
+    Example: replay-proxy matrix --engines 0.30.0..0.32.0 --predict-only --report-dir matrix/
+    """
+    from replay_proxy.matrix import RECORDINGS, MatrixError
+    from replay_proxy.matrix.run import run
+    from replay_proxy.report.matrix import print_run, write_reports
+
+    try:
+        done = run(frontends, engines, predict_only=predict_only, observe=observe or [],
+                   recordings=recordings or RECORDINGS, db=db, command="replay-proxy matrix " + " ".join(sys.argv[2:]),
+                   progress=lambda line: err.print(line, highlight=False))
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    print_run(done, out, err)
+    if report_dir is not None:
+        for path in write_reports(done.cells, report_dir):
+            err.print(f"wrote {path}")
+
+
+@app.command("can-i-deploy")
+def can_i_deploy(
+    frontend: Annotated[str, typer.Option(help="The frontend to ship: vllm-rs==X (Rust) or vllm==X (Python).")],
+    engine: Annotated[str, typer.Option(help="The engine to run it with: vllm==Y.")],
+    db: Annotated[Path | None, typer.Option(help="The matrix database (replay-proxy matrix --db).")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="Observe the cell now with real peers.")] = False,
+    current_frontend: Annotated[str | None, typer.Option(
+        help="The frontend running now, for the upgrade order (default: the older release of the two).")] = None,
+    current_engine: Annotated[str | None, typer.Option(help="The engine running now: vllm==Y.")] = None,
+    recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
+) -> None:
+    """Will this frontend work with that engine, and in which order to upgrade?
+
+    Exit code 0 works, 3 breaks, 4 degraded, 6 unknown. Answers from the matrix database where the
+    cell was observed, from the prediction otherwise, and says which.
+
+    Example: replay-proxy can-i-deploy --frontend vllm-rs==0.31.0 --engine vllm==0.30.0 --db matrix.db
+    """
+    from replay_proxy.matrix import RECORDINGS, MatrixError, engine_release, parse_build
+    from replay_proxy.matrix.deploy import can_i_deploy as answer
+    from replay_proxy.report.matrix import print_answer
+
+    try:
+        build, release = parse_build(frontend), engine_release(engine)
+        current = None
+        if current_frontend or current_engine:
+            current = (parse_build(current_frontend or frontend), engine_release(current_engine or engine))
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS)
+    print_answer(result, out)
+    raise typer.Exit(int(result.cell.verdict.exit_code))
+
+
+@app.command()
+def bisect(
+    db: Annotated[Path, typer.Option(help="The recording database.")],
+    session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
+    against: Annotated[Side, typer.Option(help="The side that changes across the releases.")],
+    releases: Annotated[str, typer.Option(help="The range to search, A..B (oldest first).")],
+    frontend_kind: Annotated[str, typer.Option(help="--against frontend: vllm-rs or vllm.")] = "vllm-rs",
+) -> None:
+    """Name the first release of a range whose replay of a session regresses against the recording.
+
+    Each release it needs is installed on demand and replayed in bisection order.
+    Exit code 0 when no release of the range regresses, else the deciding replay's (3, 4 or 6).
+
+    Example: replay-proxy bisect --db recordings/vllm-0.28.0-python.db --session python-frontend --against frontend --frontend-kind vllm --releases 0.28.0..0.32.0
+    """
+    from replay_proxy.matrix import MatrixError, releases_in
+    from replay_proxy.matrix.deploy import bisect as search
+
+    if frontend_kind not in ("vllm-rs", "vllm"):
+        raise fail("--frontend-kind is vllm-rs or vllm", ExitCode.USAGE)
+    try:
+        releases_in(releases)
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    if not db.is_file():
+        raise fail(f"no recording database at {db}")
+    try:
+        first, tried = search(db, session, against, releases, frontend_kind=frontend_kind,
+                              progress=lambda line: err.print(line, highlight=False))
+    except MatrixError as exc:
+        raise fail(str(exc)) from None
+    tried_text = ", ".join(t.release for t in tried)
+    if first is None:
+        out.print(f"no release of {releases} regresses (tried {tried_text})")
+        return
+    decided = next(t for t in tried if t.release == first)
+    out.print(f"first regressing release: {first}: {decided.reason}", highlight=False)
+    out.print(f"tried, in order: {tried_text}", highlight=False)
+    raise typer.Exit(decided.exit_code if decided.exit_code in (3, 4, 6) else int(ExitCode.REPLAY_FAILED))

@@ -1,0 +1,166 @@
+"""The recording and what reads it: ``record``, ``sessions``, ``decode``, ``export``, ``query``,
+``datasette-metadata``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import trio
+import typer
+
+from replay_proxy.cli.common import app, check_address, err, fail, out
+from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.store import queries
+from replay_proxy.store.recorder import OnFull
+
+
+@app.command()
+def record(
+    listen: Annotated[str, typer.Option(callback=check_address,
+        help="Handshake address the engines dial (their --data-parallel-address/--data-parallel-rpc-port).")],
+    upstream: Annotated[str, typer.Option(callback=check_address,
+        help="The frontend's real handshake address.")],
+    db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing).")],
+    session: Annotated[str | None, typer.Option(help="Session name (default: record-DATE-TIME).")] = None,
+    on_full: Annotated[OnFull, typer.Option(
+        help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
+             "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = OnFull.DROP,
+    record_coordinator: Annotated[bool, typer.Option(
+        help="Also relay and record the engines' DP-coordinator channels (subscription, READY, waves, stats); "
+             "by default engines talk to the coordinator directly.")] = False,
+    max_db_mb: Annotated[float | None, typer.Option(min=1,
+        help="Stop recording (never forwarding) once the database file reaches this size; what does not "
+             "fit is counted as dropped, as on a full disk.")] = None,
+    fail_on_drift: Annotated[bool, typer.Option(
+        help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
+             "(the drift alarms, in the drift_alarms table).")] = False,
+) -> None:
+    """Relay a vLLM frontend and its engines, recording every frame.
+
+    Stops on Ctrl-C or SIGTERM, flushes the recording and marks the session complete.
+
+    Example: replay-proxy record --listen tcp://127.0.0.1:29560 --upstream tcp://127.0.0.1:29550 --db recordings/staging.db
+    """
+    from replay_proxy.record import record as run_record, status_line
+
+    name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
+    try:
+        recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
+                                                      record_coordinator=record_coordinator, max_db_mb=max_db_mb,
+                                                      console=err))
+    except (ReplayProxyError, OSError) as exc:
+        raise fail(str(exc)) from None
+    err.print(status_line(stats, 0))
+    so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"
+    err.print(f"session {name!r} (id {recorder.session_id}) {recorder.status}: {stats.frames_recorded:,} of "
+              f"{stats.frames_seen:,} frames recorded{so_far}, {stats.frames_dropped:,} dropped -> {db}")
+    if stats.frames_undecoded:
+        err.print(f"{stats.frames_undecoded:,} frames are kept but not decoded yet: "
+                  f"replay-proxy decode --db {db} --session {name}")
+    if recorder.status not in ("complete", "finishing"):
+        raise fail(f"the recording is {recorder.status}: {stats.error or 'see the sessions table'}")
+    if stats.drift_alarms:
+        err.print(f"{stats.drift_alarms} drift alarm(s): replay-proxy query --db {db} --preset drift")
+        if fail_on_drift:
+            raise typer.Exit(int(ExitCode.SCHEMA_BREAKING))
+
+
+@app.command()
+def sessions(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List the sessions in a recording.
+
+    Example: replay-proxy sessions --db recordings/demo.db
+    """
+    from replay_proxy.report.tables import print_rows
+
+    try:
+        rows = queries.list_sessions(db)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    print_rows(rows, "json" if as_json else "table", out, title=f"sessions in {db}")
+
+
+@app.command()
+def decode(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
+) -> None:
+    """Decode the frames a recording kept but did not decode yet (a writer stopped at high load keeps them).
+
+    Example: replay-proxy decode --db recordings/staging.db
+    """
+    from replay_proxy.store.writer import decode_kept
+
+    try:
+        for name, decoded in decode_kept(db, session):
+            err.print(f"session {name!r} is still recording: its writer decodes it" if decoded is None
+                      else f"session {name!r}: decoded {decoded:,} frames")
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command()
+def export(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    parquet: Annotated[Path, typer.Option(help="Folder to write into: DIR/TABLE/session=NAME/FILE-ID.parquet.")],
+    session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
+) -> None:
+    """Write each table of each session as Parquet, partitioned by session, for DuckDB, Spark or pandas.
+
+    Example: replay-proxy export --db recordings/staging.db --parquet lake/
+    """
+    from replay_proxy.store.export import export_parquet
+
+    try:
+        files = export_parquet(db, parquet, session)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    err.print(f"wrote {len(files)} Parquet files under {parquet}")
+
+
+@app.command()
+def query(
+    db: Annotated[Path, typer.Option(help="Recording database.")],
+    sql: Annotated[str | None, typer.Argument(help="SQL to run (or use --preset).")] = None,
+    preset: Annotated[str | None, typer.Option(
+        help=f"A named query: {', '.join(queries.PRESETS)}.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+) -> None:
+    """Run SQL (or a named preset) over a recording and print the result.
+
+    Example: replay-proxy query --db recordings/demo.db "SELECT request_id, ttft_ms FROM request_timeline"
+    """
+    from replay_proxy.report.tables import print_rows
+
+    if (sql is None) == (preset is None):
+        raise fail("give either SQL or --preset NAME", ExitCode.USAGE)
+    if preset is not None and preset not in queries.PRESETS:
+        raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
+    try:
+        rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql)
+        partly = [s for s in queries.list_sessions(db) if s["frames_undecoded"]]
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    print_rows(rows, "json" if as_json else "csv" if as_csv else "table", out)
+    for s in partly:
+        err.print(f"note: {s['frames_undecoded']:,} frames of session {s['name']!r} are not decoded yet, so not "
+                  f"in these tables: replay-proxy decode --db {db}")
+
+
+@app.command("datasette-metadata")
+def datasette_metadata(
+    databases: Annotated[list[Path], typer.Argument(help="The recording databases Datasette will serve.")],
+) -> None:
+    """Print Datasette metadata whose canned queries are the query presets.
+
+    Example: replay-proxy datasette-metadata recordings/*.db > metadata.json && datasette recordings/*.db -m metadata.json
+    """
+    sys.stdout.write(json.dumps(queries.datasette_metadata(databases), indent=1) + "\n")
