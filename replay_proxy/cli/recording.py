@@ -96,7 +96,7 @@ def decode(
 
     Example: replay-proxy decode --db recordings/staging.db
     """
-    from replay_proxy.store.writer import decode_kept
+    from replay_proxy.store.session import decode_kept
 
     try:
         for name, decoded in decode_kept(db, session):

@@ -1,7 +1,11 @@
 """Comparing: two loaded sessions, or two release schemas, in; findings out.
 
-For others: ``report`` (``build_report``, ``schema_report``), ``findings``
-(``Finding``, ``Report``, ``Severity``, ``exit_code``), ``rules`` (``load_rules``),
-``schema_diff`` (``diff_schemas``, ``readers``). ``schema``, ``sampling``,
-``behaviour`` and ``performance`` are the kinds of finding ``report`` gathers.
+For others: ``report`` (``build_report``, ``diff_sessions``, ``schema_report``),
+``findings`` (``Finding``, ``Report``, ``Severity``, ``exit_code``), ``rules``
+(``Rules``, ``load_rules``), ``schema_diff`` (``diff_schemas``, ``readers``),
+``readers`` (the readers' rules, which the matrix predicts with),
+``schema_history`` (``struct_history``), and ``behaviour``'s ``batched`` and
+``deterministic`` (which requests reproduce, for the matrix's observation).
+``schema``, ``sampling`` and ``performance`` are kinds of finding that only
+``report`` gathers (pyproject.toml: [tool.importlinter]).
 """

@@ -39,7 +39,7 @@ def observed_shapes(session: Session) -> Shapes:
     for frame in session.inputs + session.outputs:
         if frame.kind in (Kind.ADD, Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
             body = frame.parts[1] if frame.kind is Kind.ADD else frame.parts[0]  # ADD: after its request type
-            _observe_shapes(shapes, frame.kind, decode_msgpack(body))
+            _observe_shapes(shapes, frame.kind, decode_msgpack(body), session.schema)
     return dict(shapes)
 
 
@@ -52,17 +52,17 @@ def _observe(shapes: Shapes, struct: str, value: Any) -> None:
         shape.kinds.setdefault(position, set()).add(kind_of(item))
 
 
-def _observe_shapes(shapes: Shapes, kind: Kind, body: Any) -> None:
-    """Positions that are the same in every release: EngineCoreOutputs 1 (outputs), 4 (utility_output)."""
+def _observe_shapes(shapes: Shapes, kind: Kind, body: Any, schema: Schema) -> None:
     if kind is Kind.ADD:
         _observe(shapes, "EngineCoreRequest", body)
         return
     _observe(shapes, "EngineCoreOutputs", body)
     if isinstance(body, list):
-        for output in body[1] if len(body) > 1 and isinstance(body[1], list) else []:
+        outputs, utility = (schema.position("EngineCoreOutputs", f) for f in ("outputs", "utility_output"))
+        for output in body[outputs] if len(body) > outputs and isinstance(body[outputs], list) else []:
             _observe(shapes, "EngineCoreOutput", output)
-        if len(body) > 4:
-            _observe(shapes, "UtilityOutput", body[4])
+        if len(body) > utility:
+            _observe(shapes, "UtilityOutput", body[utility])
 
 
 def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes, Shapes],

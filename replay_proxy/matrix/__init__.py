@@ -13,9 +13,14 @@ a seeded request, a client abort, the start-up utility calls):
 the readers' rules (compare/readers.json) what the reader does with each
 difference, by struct, field and position. ``observe`` runs the real peers:
 F's recording replayed against a real engine E, and E's recording replayed
-against a real frontend F (README: why the composition is sound). A cell's
-verdict is the observation where there is one, else the prediction; the two
-are kept side by side, and a disagreement is a finding about the rules.
+against a real frontend F (docs/matrix.md: why the composition is sound). A
+cell's verdict is the observation where there is one, else the prediction;
+the two are kept side by side, and a disagreement is a finding about the rules.
+
+For others: this module (``Cell``, ``Verdict``, ``Evidence``, parsing builds and
+ranges), ``run`` (``run``, ``MatrixRun``) and ``deploy`` (``can_i_deploy``,
+``Answer``, ``bisect``). ``predict``, ``observe`` and ``database`` are the
+matrix's own (pyproject.toml: [tool.importlinter]).
 """
 
 from __future__ import annotations

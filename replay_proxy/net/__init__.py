@@ -2,5 +2,5 @@
 
 For others: ``relay`` (``Relay``, its ``Observer`` protocol, ``local_address_like``),
 ``zmq_socket`` (``ZmqSocket``, a pyzmq socket driven by trio). ``loop`` and
-``_forward`` are the relay's own.
+``_forward`` are the relay's own (pyproject.toml: [tool.importlinter]).
 """

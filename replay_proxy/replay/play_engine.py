@@ -33,7 +33,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome
+from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
 from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
@@ -65,13 +65,13 @@ class EnginePlayer(Player):
         self._abort_seq: dict[str, int] = {}
         for frame in session.inputs:
             if frame.kind is Kind.ABORT:
-                for rid in frame.progress:
+                for rid in frame.tokens_before_abort:
                     self._abort_seq.setdefault(rid, frame.seq)
 
-    def progress(self) -> tuple[int, int, int, int]:
+    def tally(self) -> Tally:
         """Requests sent (HTTP), requests answered, requests recorded, tokens users got."""
         tokens = sum(len(seen.get("token_ids") or []) for seen in self.outcome.http.values())
-        return len(self._adds) - len(self._unmatched), len(self.outcome.http), len(self._adds), tokens
+        return Tally(len(self._adds) - len(self._unmatched), len(self.outcome.http), len(self._adds), tokens)
 
     async def run(self) -> ReplayOutcome:
         try:
@@ -96,7 +96,7 @@ class EnginePlayer(Player):
         finally:
             self._close()
         self.outcome.findings += self._request_findings()
-        self.outcome.sent, self.outcome.finished, _, self.outcome.tokens = self.progress()
+        self.outcome.sent, self.outcome.finished, _, self.outcome.tokens = self.tally()
         return self.outcome
 
     # --- the engine side --------------------------------------------------------------------
@@ -208,13 +208,15 @@ class EnginePlayer(Player):
             elif self.factor is not None:
                 await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
             body = decode_msgpack(frame.parts[0])
-            output = list(body[1][position])
-            output[0] = request_id  # the one thing that must change
-            body[1] = [output]
-            body[2] = None  # scheduler stats went out once, with the batch they belonged to
-            body[3] = time.monotonic()  # an engine stamps its outputs as it makes them: here, the player
-            if len(body) > 5 and body[5]:
-                body[5] = [request_id] if rid in body[5] else None
+            outputs = self._at("outputs")
+            output = list(body[outputs][position])
+            output[self.session.schema.position("EngineCoreOutput", "request_id")] = request_id  # must change
+            body[outputs] = [output]
+            body[self._at("scheduler_stats")] = None  # they went out once, with the batch they belonged to
+            body[self._at("timestamp")] = time.monotonic()  # an engine stamps its outputs as it makes them
+            finished = self._at("finished_requests")
+            if len(body) > finished and body[finished]:
+                body[finished] = [request_id] if rid in body[finished] else None
             parts = [encode(body), *frame.parts[1:]]
             await self._outputs[(engine, client)].send(parts)
             self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
@@ -232,13 +234,23 @@ class EnginePlayer(Player):
                 "behaviour", Severity.WARNING, "utility_call_unexpected",
                 f"the frontend called {method!r}, which the recorded frontend never did; answered with a failure",
                 message_kind="UTILITY", field=method))
-            body = [engine, [], None, 0.0, [call_id, f"{method} is not in the recording", None]]
+            utility = [None] * len(self.session.schema.structs["UtilityOutput"].fields)
+            utility[self.session.schema.position("UtilityOutput", "failure_message")] = \
+                f"{method} is not in the recording"
+            body: list = [None] * (self._at("utility_output") + 1)
+            body[self._at("engine_index")], body[self._at("outputs")], body[self._at("timestamp")] = engine, [], 0.0
         else:
             body = decode_msgpack(recorded.parts[0])
-            body[4] = [call_id, *body[4][1:]]
+            utility = list(body[self._at("utility_output")])
+        utility[self.session.schema.position("UtilityOutput", "call_id")] = call_id
+        body[self._at("utility_output")] = utility
         parts = [encode(body)]
         await self._outputs[(engine, client)].send(parts)
         self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
+
+    def _at(self, field: str) -> int:
+        """Where ``field`` stands in an EngineCoreOutputs of the recorded release."""
+        return self.session.schema.position("EngineCoreOutputs", field)
 
     # --- the user side ----------------------------------------------------------------------
 
@@ -256,7 +268,7 @@ class EnginePlayer(Player):
         params = recorded.get("sampling_params") or {}
         body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
                 **{k: params[k] for k in HTTP_PARAMS if k in params}}
-        aborted_after = next((f.progress[recorded["request_id"]] for f in self.session.inputs
+        aborted_after = next((f.tokens_before_abort[recorded["request_id"]] for f in self.session.inputs
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
         stream = params.get("output_kind") == delta or aborted_after is not None

@@ -36,7 +36,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
-from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome
+from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
 from replay_proxy.store.session import RecordedFrame, Session
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, engine_index
@@ -56,16 +56,16 @@ class FrontendPlayer(Player):
         self._finished: set[str] = set()
         self._answered: set[int] = set()
         self._dead_on_api_servers: list[int] = []  # API servers whose output socket got ENGINE_CORE_DEAD
-        self._progress = trio.Event()  # set (and renewed) on every output and every ADD sent
+        self._moved = trio.Event()  # set (and renewed) on every output and every ADD sent
         self._sent_requests: set[str] = set()
         self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
                                    if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
         self._pending_aborts = [f for f in session.inputs if f.kind is Kind.ABORT]
 
-    def progress(self) -> tuple[int, int, int, int]:
+    def tally(self) -> Tally:
         """Requests sent, requests finished, requests recorded, tokens received."""
-        return (len(self._sent_requests), len(self._finished), len(self._recorded_requests),
-                sum(self._tokens.values()))
+        return Tally(len(self._sent_requests), len(self._finished), len(self._recorded_requests),
+                     sum(self._tokens.values()))
 
     async def run(self) -> ReplayOutcome:
         try:
@@ -180,7 +180,7 @@ class FrontendPlayer(Player):
             await self._send(frame)
         with trio.move_on_after(self.finish_timeout):
             while self._pending_aborts:
-                await self._progress.wait()
+                await self._moved.wait()
         for frame in list(self._pending_aborts):  # never reached their progress: sent late, and reported so
             self._pending_aborts.remove(frame)
             await self._send(frame)
@@ -189,7 +189,7 @@ class FrontendPlayer(Player):
     def _abort_due(self, frame: RecordedFrame) -> bool:
         # A request whose ADD the recording lacks (recorded mid-flight) cannot progress: not waited for.
         return all(rid in self._sent_requests and (self._tokens[rid] >= n or rid in self._finished)
-                   for rid, n in frame.progress.items() if rid in self._recorded_requests)
+                   for rid, n in frame.tokens_before_abort.items() if rid in self._recorded_requests)
 
     async def _release_aborts(self) -> None:
         """Send each pending ABORT whose requests reached their recorded progress, at once.
@@ -200,8 +200,8 @@ class FrontendPlayer(Player):
         while (frame := next((f for f in self._pending_aborts if self._abort_due(f)), None)) is not None:
             self._pending_aborts.remove(frame)
             await self._send(frame)
-        self._progress.set()
-        self._progress = trio.Event()
+        self._moved.set()
+        self._moved = trio.Event()
 
     async def _send(self, frame: RecordedFrame) -> None:
         client = frame.client_index or 0
@@ -221,7 +221,7 @@ class FrontendPlayer(Player):
         pending = lambda: ([r for r in self._recorded_requests if not done(r)], calls - self._answered)  # noqa: E731
         with trio.move_on_after(self.finish_timeout) as waiting:
             while any(pending()):
-                await self._progress.wait()
+                await self._moved.wait()
         unfinished, unanswered = pending()
         self.outcome.finished = sum(r in self._finished for r in self._recorded_requests)
         self.outcome.tokens = sum(self._tokens.values())

@@ -14,7 +14,7 @@ import abc
 import itertools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -31,6 +31,13 @@ from replay_proxy.wire.messages import Channel, Direction, Kind, Side, WireDecod
 
 class ReplayError(ReplayProxyError):
     """The replay could not run: the peer under test never became ready, or has another shape."""
+
+
+class Tally(NamedTuple):
+    sent: int  # requests sent to the peer under test
+    finished: int
+    recorded: int  # requests in the recording
+    tokens: int  # that the peer's users got (against a frontend), or that it produced (against an engine)
 
 
 class ReplayOutcome(msgspec.Struct):
@@ -89,7 +96,7 @@ def pace_factor(pace: str) -> float | None:
 
 
 class Player(abc.ABC):
-    """The sockets, decoder, outcome and reporting of a player; ``run`` and ``progress`` are each one's own."""
+    """The sockets, decoder, outcome and reporting of a player; ``run`` and ``tally`` are each one's own."""
 
     def __init__(self, session: Session, observer: Observer, options: ReplayOptions,
                  context: zmq.Context | None = None):
@@ -110,8 +117,8 @@ class Player(abc.ABC):
         """Play the session to the peer under test, then return the outcome."""
 
     @abc.abstractmethod
-    def progress(self) -> tuple[int, int, int, int]:
-        """Requests sent, requests finished, requests recorded, tokens: for the progress bar."""
+    def tally(self) -> Tally:
+        """What it has done so far: for the progress bar and the outcome."""
 
     def _socket(self, socket_type: int, identity: bytes | None = None) -> ZmqSocket:
         sock = ZmqSocket(self.context, socket_type, identity=identity, linger_ms=1000)

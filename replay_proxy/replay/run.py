@@ -101,7 +101,7 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     outcome = failure = None
     try:
         outcome = trio.run(main)
-        sent, finished, total, tokens = player.progress()
+        sent, finished, total, tokens = player.tally()
         outcome.summary = f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
@@ -180,7 +180,7 @@ async def _show_progress(console: Console, player: Player) -> None:
                   TextColumn("{task.fields[detail]}"), console=console, transient=True) as bar:
         task = bar.add_task("replaying", total=None, detail="")
         while True:
-            sent, finished, total, tokens = player.progress()
+            sent, finished, total, tokens = player.tally()
             bar.update(task, completed=finished, total=total,
                        detail=f"sent {sent}, finished {finished}, {tokens:,} tokens")
             await trio.sleep(0.25)

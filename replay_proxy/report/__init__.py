@@ -1,5 +1,8 @@
-"""Rendering a ``compare.findings.Report``: a terminal summary, report.json, junit.xml, report.html.
+"""Rendering: a report, the matrix, and rows for the terminal. It reads nothing but what it is given.
 
-For others: ``render.print_summary`` and ``render.write_reports``. It reads
-nothing but the findings and the report it is given.
+For others: ``render`` (``print_summary``, ``write_reports``: a
+``compare.findings.Report`` as a terminal summary, report.json, junit.xml,
+report.html), ``matrix`` (the cells as a table, JSON, JUnit, an HTML heat map
+and markdown; can-i-deploy's answer), ``tables`` (query rows, a schema
+history).
 """

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.queries import find_session, open_existing
+from replay_proxy.store.queries import find_session, list_sessions, open_existing
 from replay_proxy.store.writer import finish_decoding
 from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, schema_for
@@ -39,8 +39,7 @@ class RecordedFrame(msgspec.Struct, frozen=True):
     client_index: int | None
     parts: list[bytes]  # exactly as recorded: replay resends these bytes
     decoded: Any = None
-    # ABORT only: tokens each aborted request had produced when the ABORT crossed.
-    progress: dict[str, int] = {}
+    tokens_before_abort: dict[str, int] = {}  # ABORT only: by request it names, its tokens when it crossed
 
 
 class Request(msgspec.Struct):
@@ -97,6 +96,14 @@ class Session(msgspec.Struct):
     @property
     def finish_reasons(self) -> set[str]:
         return {r.finish_reason for r in self.requests if r.finish_reason}
+
+
+def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, int | None]]:
+    """``replay-proxy decode``: decode what each session (or ``session``) kept undecoded. For each session
+    that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them)."""
+    rows = [find_session(open_existing(db_path), session)] if session is not None else list_sessions(db_path)
+    return [(row["name"], None if row["status"] == "recording" else finish_decoding(str(db_path), row["id"]))
+            for row in rows if row["frames_undecoded"]]
 
 
 def decode_and_load(db_path: Path, session: str) -> Session:

@@ -36,14 +36,12 @@ import sqlite3
 import sys
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from replay_proxy.clock import utc_now
 from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, encode_progress, header
-from replay_proxy.store.queries import find_session, list_sessions, open_existing
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
@@ -247,14 +245,6 @@ def finish_decoding(db_path: str, session_id: int) -> int:
     return before - writer.frames_undecoded
 
 
-def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, int | None]]:
-    """``replay-proxy decode``: decode what each session (or ``session``) kept undecoded. For each session
-    that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them)."""
-    rows = [find_session(open_existing(db_path), session)] if session is not None else list_sessions(db_path)
-    return [(row["name"], None if row["status"] == "recording" else finish_decoding(str(db_path), row["id"]))
-            for row in rows if row["frames_undecoded"]]
-
-
 class WriterLoop:
     """The writer process: take what the tap sends, decode it (or keep it), report, until Stop."""
 
@@ -263,11 +253,11 @@ class WriterLoop:
         self.tap = self.context.socket(zmq.PULL)
         self.tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
         self.tap.bind(start.tap_address)
-        self.progress = self.context.socket(zmq.PUSH)
+        self.progress_socket = self.context.socket(zmq.PUSH)
         # Only the newest count matters, and a send must never block on a proxy that is gone.
-        self.progress.setsockopt(zmq.CONFLATE, 1)
-        self.progress.setsockopt(zmq.LINGER, 5000)
-        self.progress.connect(start.progress_address)
+        self.progress_socket.setsockopt(zmq.CONFLATE, 1)
+        self.progress_socket.setsockopt(zmq.LINGER, 5000)
+        self.progress_socket.connect(start.progress_address)
         self.parent, self.hold_frames = start.parent_pid, start.hold_frames
         self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes)
         self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
@@ -287,11 +277,11 @@ class WriterLoop:
             self._report()
         self.writer.finish(self.stop)
         self.tap.close(linger=0)
-        self.progress.close()
+        self.progress_socket.close()
         self.context.term()
 
     def _report(self) -> None:
-        self.progress.send(encode_progress(self.writer.progress()))
+        self.progress_socket.send(encode_progress(self.writer.progress()))
 
     def _take(self) -> None:
         """Take what the tap has sent since the last look, without waiting."""

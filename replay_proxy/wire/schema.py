@@ -68,6 +68,10 @@ class Schema(msgspec.Struct, frozen=True, dict=True):
     ext_types: dict[str, int] = {}  # CUSTOM_TYPE_* -> msgpack ext code
     utility_methods: dict[str, tuple[Parameter, ...]] | None = None  # None: not extracted for this release
 
+    def position(self, struct: str, field: str) -> int:
+        """Where ``field`` stands in an array-encoded ``struct``."""
+        return self.structs[struct].by_name[field].position
+
     def enum_name(self, enum: str, value: Any) -> str | None:
         for name, v in self.enums.get(enum, {}).items():
             if v == value:
