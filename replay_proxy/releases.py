@@ -9,7 +9,7 @@ build). The wheel is downloaded with ``--no-deps`` (bounded), its ``vllm/``
 Python files unpacked (no compiled extensions, no ``vllm-rs``), and the wheel
 deleted; the classes are then imported by the project's vLLM interpreter
 (the 0.32.0 venv ``scripts/setup-vllm.sh`` installs) with that folder first on
-``PYTHONPATH``, which shared/REAL_VLLM.md checked for older releases. An
+``PYTHONPATH``, which docs/real-vllm.md checked for older releases. An
 older release may import a package the interpreter lacks (0.22.0 to 0.23.0
 import ``gguf``): that one is installed, as the release's own requirement
 says, ``--no-deps`` into ``deps/`` beside its classes, and the import tried

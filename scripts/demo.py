@@ -2,7 +2,9 @@
 
 Two sim engines and a sim frontend with two API servers talk through the
 recording proxy, each in its own process; the recording lands in
-recordings/demo.db, and a few example queries show what it holds.
+demo/demo.db (ignored by git: the committed recordings/demo.db is the tests'
+fixture, which the demo leaves alone), and a few example queries show what
+it holds.
 """
 
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 from replay_proxy.processes import Child, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-DB = ROOT / "recordings" / "demo.db"
+DB = ROOT / "demo" / "demo.db"
 CLI = [sys.executable, "-m", "replay_proxy"]
 QUERIES = [
     ["--preset", "frames-by-kind"],
@@ -25,6 +27,7 @@ QUERIES = [
 
 
 def main() -> None:
+    DB.parent.mkdir(exist_ok=True)
     DB.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="replay-proxy-demo-"))
     frontend_port, listen_port = free_port(), free_port()
@@ -51,7 +54,7 @@ def main() -> None:
         for child in children:
             child.stop()
     for query in QUERIES:
-        print(f"\n$ replay-proxy query --db recordings/demo.db {' '.join(repr(q) if ' ' in q else q for q in query)}")
+        print(f"\n$ replay-proxy query --db demo/demo.db {' '.join(repr(q) if ' ' in q else q for q in query)}")
         subprocess.run([*CLI, "query", "--db", str(DB), *query], check=True, timeout=60)
 
 

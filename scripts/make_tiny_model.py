@@ -1,7 +1,7 @@
 """Build a tiny random-weights model and a byte-level BPE tokenizer, offline.
 
 Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe]`.
-Sizes follow REAL_VLLM.md: the CPU attention backend needs a head size of
+Sizes follow docs/real-vllm.md: the CPU attention backend needs a head size of
 32 or more, so hidden 128 with 4 heads. --moe makes a Mixtral (4 experts, 2
 per token) instead of a Llama: under data parallelism vLLM's CPU build fails
 at its first request and every engine sends ENGINE_CORE_DEAD, a real fatal

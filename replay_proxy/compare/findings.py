@@ -22,7 +22,7 @@ class Severity(enum.IntEnum):
 
 
 Category = Literal["schema", "behaviour", "performance", "replay"]
-# The decoders that read each direction (shared/protocol: Python msgspec, Rust rmp-serde).
+# The decoders that read each direction: Python msgspec, Rust rmp-serde.
 PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND = "python-engine", "python-frontend", "rust-frontend"
 
 

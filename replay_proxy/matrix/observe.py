@@ -1,4 +1,4 @@
-"""A cell's observation: two real replays, one per direction (README: "Why a composed cell is sound").
+"""A cell's observation: two real replays, one per direction (docs/matrix.md: "Why a composed cell is sound").
 
 * to the engine: frontend F's recording replayed against a real engine E
   (``replay-proxy replay --against engine``). E rejecting a request, dying

@@ -1,6 +1,6 @@
 """Drift knobs: the ways a sim peer can differ from the release it claims.
 
-Each knob reproduces a break from vLLM's history (shared/protocol, section 6):
+Each knob reproduces a break from vLLM's history:
 a required registration key missing, a field inserted into a positional
 struct, a trailing field that only the Rust reader rejects, a sampling-params key
 renamed or added, a finish reason or token stream that changed.

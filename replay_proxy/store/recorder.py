@@ -67,7 +67,7 @@ START_TIMEOUT_S = 60.0
 # The writer runs as SCHED_IDLE: only on a core nothing else wants, so under load the engine's and the
 # forwarders' work comes first; it decodes live while there is CPU to spare, and keeps (then decodes)
 # what waits when there is not. (On this project's 2 shared cores, any work beside the forwarders costs
-# round-trip p99, whatever its priority: README, Performance.)
+# round-trip p99, whatever its priority: docs/performance.md.)
 STOP = [b""]  # from the relay's thread to the tap, after its last entry
 _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it
 

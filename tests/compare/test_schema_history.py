@@ -2,7 +2,6 @@
 histories across all of them."""
 
 import json
-import os
 from pathlib import Path
 
 from replay_proxy.compare.schema_diff import diff_schemas
@@ -21,10 +20,7 @@ def consecutive_diffs() -> dict[str, list[list]]:
 
 
 def test_each_consecutive_pair_matches_the_reviewed_snapshot():
-    found = consecutive_diffs()
-    if os.environ.get("UPDATE_SNAPSHOTS"):  # then review the diff of the file before committing it
-        SNAPSHOT.write_text(json.dumps(found, indent=1) + "\n")
-    assert found == json.loads(SNAPSHOT.read_text())
+    assert consecutive_diffs() == json.loads(SNAPSHOT.read_text())
 
 
 def test_history_of_engine_core_output():
@@ -54,3 +50,7 @@ def test_schema_history_cli_table_json_and_bad_names():
     assert (row["first"], row["last"], row["position"]) == ("0.33.0", "0.33.0", 18)
     missing = cli("schema", "history", "EngineCoreOutput", "nope")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "EngineCoreOutput.nope" in missing.stderr
+
+
+if __name__ == "__main__":  # python -m tests.compare.test_schema_history: rewrite the snapshot, then review its diff
+    SNAPSHOT.write_text(json.dumps(consecutive_diffs(), indent=1) + "\n")

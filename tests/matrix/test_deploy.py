@@ -27,12 +27,16 @@ def observed(frontend: str, engine: str, verdict: Verdict, message: str) -> Cell
 
 def test_an_observed_cell_is_answered_from_the_database_and_says_so(tmp_path):
     db = tmp_path / "matrix.db"
-    database.save(db, [observed("vllm-rs:0.30.0", "0.32.0", Verdict.BREAKS, "array had incorrect length")],
+    # Observed otherwise than predicted: the observation answers.
+    database.save(db, [observed("vllm-rs:0.30.0", "0.32.0", Verdict.WORKS, "replayed clean"),
+                       observed("vllm-rs:0.31.0", "0.32.0", Verdict.UNKNOWN, "the engine did not start")],
                   "test", 40.0)
     answer = can_i_deploy(Frontend("vllm-rs", "0.30.0"), "0.32.0", db)
-    assert answer.cell.verdict is Verdict.BREAKS
-    assert answer.source.startswith("observed 2026-12-01")
-    assert answer.cell.observed.evidence[0].message == "array had incorrect length"
+    assert answer.cell.predicted.verdict is Verdict.BREAKS
+    assert answer.cell.verdict is Verdict.WORKS and answer.source.startswith("observed 2026-12-01")
+    # An observation that could not judge is no answer: the prediction is, and says so.
+    unknown = can_i_deploy(Frontend("vllm-rs", "0.31.0"), "0.32.0", db)
+    assert (unknown.cell.verdict, unknown.source) == (Verdict.BREAKS, "predicted: not observed yet")
     # A cell the database lacks is predicted, and says so.
     other = can_i_deploy(Frontend("vllm-rs", "0.31.0"), "0.31.0", db)
     assert (other.cell.verdict, other.source) == (Verdict.WORKS, "predicted: not observed yet")

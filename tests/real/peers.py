@@ -6,8 +6,11 @@ every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import socket
+import sqlite3
 import sys
 import time
 import urllib.error
@@ -103,8 +106,10 @@ def post(port: int, path: str, body: dict, timeout: float = 60) -> dict:
         return json.load(response)
 
 
-def stream(port: int, path: str, body: dict, stop_after: int | None = None, timeout: float = 60) -> list[dict]:
-    """POST with stream=true; return the SSE events, closing early after ``stop_after`` of them."""
+def stream(port: int, path: str, body: dict, stop_after: int | None = None, timeout: float = 60,
+           before_close=lambda: None) -> list[dict]:
+    """POST with stream=true; return the SSE events, closing early after ``stop_after`` of them (having
+    called ``before_close`` first)."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
     events = []
@@ -115,6 +120,7 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
                 continue
             events.append(json.loads(line[len(b"data: "):]))
             if stop_after is not None and len(events) >= stop_after:
+                before_close()
                 break  # closing the connection makes the frontend abort the request
     return events
 
@@ -136,15 +142,25 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         if db is not None:
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
-        children.append(headless_engine(logs, listen, release=engine_release))
+        engine = headless_engine(logs, listen, release=engine_release)
+        children.append(engine)
         wait_http_ready(http, children)
-        return workload.run(http)
+        return workload.run(http, hold_engine=engine.held, abort_seen=db and functools.partial(abort_recorded, db))
     finally:
         for child in reversed(children):
             child.stop()
         if db is not None and children[1].process.returncode != 0:
             raise ChildError(f"replay-proxy record exited with {children[1].process.returncode}:\n"
                              f"{children[1].log_tail()}")
+
+
+def abort_recorded(db: Path) -> bool:
+    """Whether an ABORT has crossed the recording proxy (the writer decodes within a second or so)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as connection:
+            return connection.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ABORT'").fetchone()[0] > 0
+    except sqlite3.OperationalError:  # no frames table yet
+        return False
 
 
 RECORDING = RECORDINGS / "vllm-0.32.0-python.db"

@@ -186,7 +186,7 @@ def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, direct):
     finally:
         proxy_code = stop(children)
     assert proxy_code == 0
-    # Greedy tokens are the same across the Python and Rust frontends (REAL_VLLM.md), and on
+    # Greedy tokens are the same across the Python and Rust frontends (docs/real-vllm.md), and on
     # either engine (both bound to one core).
     assert got == direct[:2] and after == direct[0]
     db = sqlite_utils.Database(db_path)

@@ -134,7 +134,7 @@ def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_extra_trailing_elements_of_an_engine_core_output(tmp_path, release):
-    # Rejected up to 0.30.0, served from 0.31.0 on: observed here (shared/protocol said rejected), and
+    # Rejected up to 0.30.0, served from 0.31.0 on: observed here (the protocol notes we started from said rejected), and
     # the rule follows the real reader.
     rejects = verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutput", release) == "rejects"
     extra = edit_frames("OUTPUTS", each_output(one_beyond(release, "EngineCoreOutput")))

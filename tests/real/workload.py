@@ -1,8 +1,8 @@
 """The HTTP workload run against real frontends: what a user does, one request at a time (completion,
 chat, streaming, a seeded request, logprobs, a client abort).
 
-Requests run sequentially: on this CPU build, greedy requests batched
-together do not reproduce run to run (REAL_VLLM.md), single ones do. A
+Requests run sequentially: on vLLM's CPU build, greedy requests batched
+together do not reproduce run to run (docs/real-vllm.md), single ones do. A
 request that fails (a frontend that cannot read its engine answers 500) is
 noted as its HTTP status and the workload goes on, so that a broken pair's
 recording still holds everything its frontend sends.
@@ -10,6 +10,7 @@ recording still holds everything its frontend sends.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.error
 from pathlib import Path
@@ -25,8 +26,10 @@ def _text(events: list[dict]) -> tuple[str, str | None]:
          if e["choices"] and e["choices"][0]["finish_reason"]), None)
 
 
-def run(http_port: int, model: Path = MODEL) -> dict[str, object]:
-    """Run the workload; return what the user saw, by request name."""
+def run(http_port: int, model: Path = MODEL, *, hold_engine=contextlib.nullcontext,
+        abort_seen=None) -> dict[str, object]:
+    """Run the workload; return what the user saw, by request name (``_abort`` says what
+    ``hold_engine`` and ``abort_seen`` are for)."""
     steps = {
         "completion": lambda: post(http_port, "/v1/completions", {
             "model": str(model), "prompt": "hello world one two", "max_tokens": 8, **GREEDY})["choices"][0],
@@ -51,21 +54,48 @@ def run(http_port: int, model: Path = MODEL) -> dict[str, object]:
         if isinstance(answer, dict):  # a choice: completion text or chat message
             answer = answer.get("text", (answer.get("message") or {}).get("content")), answer["finish_reason"]
         seen[name] = answer
-    # A stream the client closes after two events, so that the frontend sends ABORT. Whether it
-    # does is a race the product does not decide: the tiny model can finish all 240 tokens before
-    # the frontend notices the closed connection (on a busy machine the Python frontend even sends
-    # them as one event). The client tries up to three times to close a stream that is still
-    # generating; the tests then assert only what holds either way (every request ends, finished
-    # or aborted, and the recording says which).
+    seen["abort"], seen["abort_attempts"] = _abort(http_port, model, hold_engine, abort_seen)
+    return seen
+
+
+def _abort(http_port: int, model: Path, hold_engine, abort_seen) -> tuple[object, int]:
+    """A stream the client closes after its first event, so that the frontend sends ABORT: (what the
+    client saw, how many streams that took).
+
+    The engine is held still (``hold_engine``: SIGSTOP on its process group) from that event until the
+    frontend has noticed, so it cannot finish the request first: without that, the tiny model could
+    finish all its tokens before the frontend saw the closed connection, and the ABORT was a race. The
+    Python frontend notices a closed stream at once; vllm-rs when it next writes, so the engine is let
+    go after a while. Only a first event that already ends the request (a busy Python frontend can send
+    everything as one event) leaves nothing to abort: then the client tries again, three times at most.
+    With ``abort_seen`` (a recording: has the ABORT crossed?), that it came is checked, not assumed."""
     for attempt in range(1, 4):
         try:
-            aborted = stream(http_port, "/v1/completions", {
-                "model": str(model), "prompt": "engines stream tokens", "max_tokens": 240, **GREEDY}, stop_after=2)
-        except urllib.error.HTTPError as exc:
-            seen["abort"] = f"HTTP {exc.code}"
+            with contextlib.ExitStack() as held:
+                events = stream(http_port, "/v1/completions", {
+                    "model": str(model), "prompt": "engines stream tokens", "max_tokens": 240, **GREEDY},
+                    stop_after=1, before_close=lambda: held.enter_context(hold_engine()))
+                finished = any(c.get("finish_reason") for e in events for c in e["choices"])
+                if not finished:
+                    _wait(abort_seen, HELD_S)
+        except urllib.error.HTTPError as exc:  # a pair that cannot serve a request: nothing to abort
+            return f"HTTP {exc.code}", attempt
+        if not finished:
             break
-        if len(aborted) == 2 and not any(c.get("finish_reason") for e in aborted for c in e["choices"]):
-            break
-    seen["abort_attempts"] = attempt
-    time.sleep(1.0)  # let the frontend notice the closed connection and send its ABORT
-    return seen
+    if not _wait(abort_seen, ABORT_S):
+        raise AssertionError(f"no ABORT crossed within {ABORT_S:g} s of the client closing its stream "
+                             f"({attempt} stream(s))")
+    return events, attempt
+
+
+HELD_S, ABORT_S = 5.0, 30.0
+
+
+def _wait(condition, seconds: float) -> bool:
+    """Until ``condition()`` holds, or ``seconds`` (None: no condition, just the wait)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition is not None and condition():
+            return True
+        time.sleep(0.1)
+    return condition is None

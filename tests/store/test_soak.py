@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.soak  # the full suite runs it; --fast does not
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 100_000  # engine steps, each with an ADD: 200,004 frames with the handshake
 
