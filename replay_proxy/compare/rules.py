@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -37,7 +38,12 @@ class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     percentiles: list[int]
     min_samples: dict[int, int]  # by percentile: estimated only with at least this many values on each side
     abort_progress_tolerance_tokens: int
-    peer_error_patterns: list[str]
+    link_broke_patterns: list[str]  # what a peer says when it cannot read the link: a break's evidence
+    peer_cannot_run_patterns: list[str]  # what it says when it cannot run for a reason of its own
+
+    def link_broke(self, said: str) -> bool:
+        """Whether ``said`` (a finding's message: a peer's log line, an HTTP body) shows the link broke."""
+        return any(re.search(pattern, said) for pattern in self.link_broke_patterns)
 
 
 def _keys(data: object, where: str) -> dict:

@@ -48,10 +48,10 @@ class Answer(msgspec.Struct):
 
 
 def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
-            recordings: Path = RECORDINGS) -> tuple[Cell, str]:
-    """The cell and where its verdict comes from."""
+            recordings: Path = RECORDINGS, workdir: Path | None = None) -> tuple[Cell, str]:
+    """The cell and where its verdict comes from (``workdir``: where a verification keeps its replays)."""
     if verify:
-        [cell] = build([frontend], [engine], recordings=recordings)
+        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir)
         if db is not None:
             database.save(db, [cell], f"can-i-deploy --frontend {frontend} --engine vllm=={engine} --verify",
                           cell.observed.seconds or 0)
@@ -64,10 +64,11 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
 
 
 def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
-                 current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS) -> Answer:
+                 current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS,
+                 workdir: Path | None = None) -> Answer:
     """Whether ``frontend`` works with ``engine``, and the upgrade order from ``current`` (default: both
     sides at the older of the two releases) that keeps every step working."""
-    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings)
+    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings, workdir=workdir)
     if cell.verdict is Verdict.BREAKS:
         return Answer(cell, source, [f"no upgrade order helps: {frontend} x engine {engine} itself breaks",
                                      *_alternatives(frontend, engine, db, recordings)])

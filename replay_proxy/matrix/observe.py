@@ -41,8 +41,13 @@ from replay_proxy.wire.values import to_json
 
 READY_S, FINISH_S = 240, 60  # each replay's waits for its peer (a real engine is ready in 25-40 s here)
 LEG_S = READY_S + FINISH_S + 120  # one replay, at most, set-up and comparison included
-BREAKING_CODES = {Direction.TO_ENGINE: {"replay_failed", "engine_dead", "finish_timeout"},
-                  Direction.TO_FRONTEND: {"replay_failed", "http_failed"}}
+# What a replay's failure finding means for the cell. A verdict rests on the protocol only: a failure is
+# a break when what the peer said shows the link broke (rules.json: link_broke_patterns; a decode error
+# naming a struct, a rejected registration), else the cell is unknown, the reason quoted (the peer could
+# not run: its model, its memory, a port). An engine's ENGINE_CORE_DEAD is on the wire itself.
+FAILING_CODES = {Direction.TO_ENGINE: {"replay_failed", "peer_not_reached", "finish_timeout"},
+                 Direction.TO_FRONTEND: {"replay_failed", "peer_not_reached", "http_failed"}}
+DEATH_CODES = {Direction.TO_ENGINE: {"engine_dead"}}
 DEGRADING_CODES = {Direction.TO_FRONTEND: {"http_response_differs"}}
 # What differs between the frontend under test and the one that made a recording, not between F and E.
 UNRELATED = "the replay's other findings compare the peer under test with the recorded one, not F with E"
@@ -73,9 +78,7 @@ class Leg:
         if report is None:
             return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
         db = self.workdir / "replay.db"
-        evidence = [Evidence(Verdict.BREAKS, self.direction, f["message"], struct=f.get("struct"),
-                             field=f.get("field"), rule=f["code"], source=str(report_path))
-                    for f in report["findings"] if f["code"] in BREAKING_CODES[self.direction]]
+        evidence = failure_evidence(self.direction, report["findings"], str(report_path))
         evidence += [Evidence(Verdict.DEGRADED, self.direction, f["message"], rule=f["code"], source=str(report_path))
                      for f in report["findings"] if f["code"] in DEGRADING_CODES.get(self.direction, ())]
         if self.direction is Direction.TO_ENGINE and not evidence:
@@ -119,6 +122,22 @@ class Leg:
         return evidence
 
 
+def failure_evidence(direction: Direction, findings: list[dict], source: str) -> list[Evidence]:
+    """A replay's failures as evidence: breaks where what the peer said shows the link broke (or the
+    engine died on the wire), unknown where it could not run or was never reached."""
+    rules = load_rules()
+
+    def verdict(finding: dict) -> Verdict:
+        if finding["code"] in DEATH_CODES.get(direction, ()):
+            return Verdict.BREAKS
+        on_the_wire = finding["code"] != "peer_not_reached" and rules.link_broke(finding["message"])
+        return Verdict.BREAKS if on_the_wire else Verdict.UNKNOWN
+
+    return [Evidence(verdict(f), direction, f["message"], struct=f.get("struct"), field=f.get("field"),
+                     rule=f["code"], source=source)
+            for f in findings if f["code"] in FAILING_CODES[direction] | DEATH_CODES.get(direction, set())]
+
+
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
            frontend: Frontend | None = None) -> tuple[int, dict | None, str]:
     """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
@@ -129,12 +148,12 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
     shutil.copy(recording[0], db)
     scratch = peers.scratch_dir()  # the peer's own files: gone with the replay (an engine's are 150 MB)
     if direction is Direction.TO_ENGINE:
-        peers.install_engine(engine)
+        peers.ready_engine(engine)
         port = free_port()
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
                   "--engine-cmd", peers.command(peers.engine_argv(port, engine), scratch)]
     else:
-        peers.install_frontend(frontend)
+        peers.ready_frontend(frontend)
         http, rpc = free_port(), free_port()
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
                   "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch)]

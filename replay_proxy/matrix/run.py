@@ -58,17 +58,18 @@ class MatrixRun(msgspec.Struct):
 
 
 def run(frontends: str, engines: str, *, predict_only: bool = False, observe: list[str] = (),
-        recordings: Path = RECORDINGS, db: Path | None = None, command: str = "replay-proxy matrix",
-        progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
+        recordings: Path = RECORDINGS, db: Path | None = None, workdir: Path | None = None,
+        command: str = "replay-proxy matrix", progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
     """``replay-proxy matrix``: the cells of ``frontends`` x ``engines`` (their specs, as ``frontends_in`` and
     ``releases_in`` read them), predicted, and observed unless ``predict_only``: every cell, or only the
-    ``observe`` ones (``FRONTEND@ENGINE``); kept in ``db`` if given. Bad specs raise ``MatrixError``."""
+    ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept in ``workdir``
+    (default: a temporary folder); the cells kept in ``db`` if given. Bad specs raise ``MatrixError``."""
     started = time.monotonic()
     builds, releases = frontends_in(frontends), releases_in(engines)
     chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
     wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \
         (lambda f, e: (f, e) in chosen) if chosen else True
-    cells = build(builds, releases, observe=wanted, recordings=recordings, progress=progress)
+    cells = build(builds, releases, observe=wanted, recordings=recordings, workdir=workdir, progress=progress)
     seconds = time.monotonic() - started
     if db is not None:
         database.save(db, cells, command, seconds)

@@ -56,7 +56,9 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
         baseline = msgspec.structs.replace(peer, command=options.baseline_command)
         session_id, _, failure = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console)
         if failure:
-            return _failed(title, recording.name, name, f"noise run {i} against the baseline build: {failure}"), None
+            failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
+                                                               f"{failure.message}")
+            return _failed(title, recording.name, name, failure), None
         noise.append(decode_and_load(db, str(session_id)))
     name = f"{recording.name}-replay-{stamp}"
     session_id, outcome, failure = _replay_once(recording, peer, options, name, logs / f"{peer.side}.log", console)
@@ -70,8 +72,11 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
 
 
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
-                 console: Console | None) -> tuple[int, ReplayOutcome | None, str | None]:
-    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None)."""
+                 console: Console | None) -> tuple[int, ReplayOutcome | None, Finding | None]:
+    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None).
+
+    A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
+    rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
     # Its writer yields the CPU to the peer under test and the player (store/recorder.py: SCHED_IDLE).
     recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=peer.address,
                                                        baseline_session_id=recording.id))
@@ -106,12 +111,15 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
-        failure = f"{leaf(exc)}\n{observer.describe(peer.side)}"
-        if child is not None:
-            rejected = peer_error(child, options.rules.peer_error_patterns)
-            failure += (f"\nits log says: {rejected}" if rejected else "") + f"\n(log: {log})"
+        why = f"{leaf(exc)}\n{observer.describe(peer.side)}"
+        if child is not None:  # what the link did to it, else why it could not run
+            said = peer_line(child, options.rules.link_broke_patterns) or \
+                peer_line(child, options.rules.peer_cannot_run_patterns)
+            why += (f"\nits log says: {said}" if said else "") + f"\n(log: {log})"
+        failure = Finding("replay", Severity.REGRESSION, "replay_failed" if observer.events else "peer_not_reached",
+                          why)
     finally:
-        recorder.close("failed" if failure else "complete", failure)
+        recorder.close("failed" if failure else "complete", failure and failure.message)
         if child is not None:
             child.stop(timeout=30)
     return recorder.session_id, outcome, failure
@@ -149,15 +157,14 @@ def _name(frame: CapturedFrame) -> str:
     return f"{kind} ({where})"
 
 
-def peer_error(peer: Child, patterns: list[str]) -> str | None:
-    """The first line of the peer's log that reports a decode or validation error."""
+def peer_line(peer: Child, patterns: list[str]) -> str | None:
+    """The first line of the peer's log that matches one of ``patterns``."""
     found = re.compile("|".join(patterns))
     return next((line.strip()[:300] for line in peer.log_lines() if found.search(line)), None)
 
 
-def _failed(title: str, baseline: str, candidate: str, why: str) -> Report:
-    return Report(title=title, baseline=baseline, candidate=candidate,
-                  findings=[Finding("replay", Severity.REGRESSION, "replay_failed", why)])
+def _failed(title: str, baseline: str, candidate: str, failure: Finding) -> Report:
+    return Report(title=title, baseline=baseline, candidate=candidate, findings=[failure])
 
 
 def save_findings(db: Path, session_id: int, baseline_session_id: int, findings: list[Finding]) -> None:

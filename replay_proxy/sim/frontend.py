@@ -127,8 +127,8 @@ class SimFrontend:
                 identity, payload = await sock.receive()
                 registration = decode_msgpack(payload)
                 required = self.drift.require_registration_key
-                if required and required not in registration:  # worded like msgspec's ValidationError
-                    raise FrontendError(f"engine {engine_index(identity)} registration: "
+                if required and required not in registration:  # as vLLM's frontend logs msgspec's error
+                    raise FrontendError(f"engine {engine_index(identity)} registration: msgspec.ValidationError: "
                                         f"Object missing required field `{required}`")
                 self.registrations[(engine_index(identity), client)] = registration
         self.ready.set()

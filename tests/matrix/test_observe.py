@@ -6,7 +6,7 @@ import sqlite3
 import msgspec
 
 from replay_proxy.matrix import RECORDINGS, Frontend, Verdict, frontends_in, recording_of
-from replay_proxy.matrix.observe import judge, legs_of, sends
+from replay_proxy.matrix.observe import failure_evidence, judge, legs_of, sends
 from replay_proxy.wire.messages import Direction
 
 
@@ -58,3 +58,45 @@ def test_a_cell_without_a_recording_is_unknown_never_works(tmp_path):
     legs = legs_of([(Frontend("vllm", "0.25.0"), "0.30.0")], RECORDINGS, tmp_path)
     judgement = judge(legs[(Frontend("vllm", "0.25.0"), "0.30.0")])
     assert judgement.verdict is Verdict.UNKNOWN and "no recording" in judgement.evidence[0].message
+
+
+# What real peers said, from their logs and HTTP answers (the matrix's runs, docs/compatibility.db, and
+# peers started without a usable model): the link breaking, and a peer that could not run at all.
+LINK_BROKE = [
+    ("replay_failed", Direction.TO_FRONTEND, "frontend under test exited with code 1 during the replay:\n"
+     "last messages sent to the frontend: HELLO (engine 0), REGISTRATION (engine 0, API server 0), READY (engine 0)\n"
+     "its log says: msgspec.ValidationError: Object missing required field `supports_lora`"),
+    ("http_failed", Direction.TO_FRONTEND, 'the HTTP request failed: HTTP 500: {"error":{"message":"failed to submit '
+     'completion request: engine-core error: messagepack decode failed for vllm_engine_core_client::protocol::output::'
+     'EngineCoreOutputs: array had incorrect length, expected 17'),
+]
+COULD_NOT_RUN = [
+    ("peer_not_reached", Direction.TO_ENGINE, "engine under test exited with code 1 during the replay:\n"
+     "json.decoder.JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 3 (char 2)\n"
+     "nothing had been sent to the engine\nits log says: OSError: It looks like the config file at "
+     "'/tmp/cache/tiny-model/config.json' is not a valid JSON file."),
+    ("replay_failed", Direction.TO_FRONTEND, "frontend under test exited with code 1 during the replay:\n"
+     "last messages sent to the frontend: HELLO (engine 0)\nits log says: tokenizer error: local model directory "
+     "'/tmp/cache/tiny-model' does not contain a supported tokenizer file (tokenizer.json, tiktoken.model, or "
+     "*.tiktoken)"),
+    ("peer_not_reached", Direction.TO_ENGINE, "engine under test exited with code 1 during the replay:\n"
+     "nothing had been sent to the engine\nits log says: huggingface_hub.errors.HFValidationError: Repo id must be "
+     "in the form 'repo_name' or 'namespace/repo_name': '/tmp/cache/tiny-model'."),
+    ("http_failed", Direction.TO_FRONTEND, "the HTTP request failed: URLError: <urlopen error [Errno 111] Connection "
+     "refused>"),
+]
+
+
+def test_a_break_needs_evidence_on_the_wire_and_a_peer_that_could_not_run_is_unknown():
+    for expected, cases in ((Verdict.BREAKS, LINK_BROKE), (Verdict.UNKNOWN, COULD_NOT_RUN)):
+        for code, direction, message in cases:
+            [evidence] = failure_evidence(direction, [{"code": code, "message": message}], "report.json")
+            assert (evidence.verdict, evidence.message, evidence.rule) == (expected, message, code), message
+    # The engine's own ENGINE_CORE_DEAD is on the wire: a break, whatever else it said.
+    [dead] = failure_evidence(Direction.TO_ENGINE, [{"code": "engine_dead", "message": "engine 0 sent "
+                                                     "ENGINE_CORE_DEAD after request req-1"}], "report.json")
+    assert dead.verdict is Verdict.BREAKS
+    # And a frame that was never sent cannot have been rejected, whatever the log says.
+    [unreached] = failure_evidence(Direction.TO_ENGINE, [{"code": "peer_not_reached", "message": LINK_BROKE[0][2]}],
+                                   "report.json")
+    assert unreached.verdict is Verdict.UNKNOWN

@@ -6,6 +6,7 @@ on demand by the product itself, as a user's matrix run would.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def test_observed_cells_agree_with_their_predictions(observed, frontend, engine,
 def live_pair(tmp_path, frontend: str, engine: str) -> tuple[str, dict]:
     """The cell as a live pair through `replay-proxy record`: its verdict from what the HTTP clients saw."""
     build = Frontend(*frontend.split(":"))
-    real.install_frontend(build)
-    real.install_engine(engine)
+    real.ready_frontend(build)
+    real.ready_engine(engine)
 
     def start(logs, http, rpc):
         return peers.real_child(real.frontend_argv(build, http, rpc), logs / "frontend.log", frontend)
@@ -87,6 +88,46 @@ def test_can_i_deploy_answers_from_the_observation_and_verifies_a_cell_now(obser
     assert "vllm:0.31.0 with engine 0.32.0: works (verified now: observed by real peers)" in verified.stdout
     row = sqlite_utils.Database(db)["matrix_cells"].get(("vllm:0.31.0", "0.32.0"))
     assert (row["observed"], row["predicted"], row["agrees"]) == ("works", "works", 1)
+
+
+def cache_whose_model(tmp_path, spoil) -> dict:
+    """The environment of a peer cache holding the installed venvs and binaries (links) and a copy of the
+    tiny model, which ``spoil(folder)`` spoils: a peer's own trouble, nothing to do with the link."""
+    cache = tmp_path / "cache"
+    (cache / "bin").mkdir(parents=True)
+    for release in ("0.31.0", "0.32.0"):
+        (cache / f"vllm-{release}").symlink_to(real.venv(release))
+    for binary in (real.cache_dir() / "bin").glob("vllm-rs-*"):
+        (cache / "bin" / binary.name).symlink_to(binary)
+    shutil.copytree(real.model(), cache / "tiny-model")
+    spoil(cache / "tiny-model")
+    return {**os.environ, "REPLAY_PROXY_CACHE": str(cache)}
+
+
+def verify(env, report_dir) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0", "--verify",
+                           "--report-dir", str(report_dir)], capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_verify_with_a_file_missing_is_unknown_before_any_replay(tmp_path):
+    result = verify(cache_whose_model(tmp_path, lambda model: (model / "tokenizer.json").unlink()), tmp_path / "r")
+    assert result.returncode == 6, result.stdout + result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first == "vllm:0.31.0 with engine 0.32.0: unknown (verified now: observed by real peers)", result.stdout
+    assert f"missing {tmp_path / 'cache' / 'tiny-model' / 'tokenizer.json'}" in result.stdout
+    assert not list((tmp_path / "r").glob("*/report.json"))  # no peer was started: no replay ran
+
+
+def test_verify_with_a_peer_that_cannot_run_is_unknown_with_its_reason_and_evidence_to_follow(tmp_path):
+    result = verify(cache_whose_model(tmp_path, lambda model: (model / "config.json").write_text("{ not json")),
+                    tmp_path / "r")
+    assert result.returncode == 6, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0].endswith(": unknown (verified now: observed by real peers)"), result.stdout
+    # Both peers really ran and failed on the model; what they said is quoted, and the reports are kept.
+    assert result.stdout.count("its log says: OSError: It looks like the config file at") == 2, result.stdout
+    reports = sorted((tmp_path / "r").glob("*/report.json"))
+    assert len(reports) == 2 and all(str(path) in result.stdout for path in reports)
+    assert "breaks" not in result.stdout
 
 
 def test_bisect_names_the_first_python_frontend_that_rejects_an_older_engines_registration(tmp_path):

@@ -163,7 +163,7 @@ def test_a_session_recorded_with_its_coordinator_replays_without_it(tmp_path):
 def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
     report, outcome, db = replay(tmp_path, recorded, engines=2, ready_timeout=10)
     [finding] = report.findings
-    assert finding.code == "replay_failed" and "engine 1 connected" in finding.message
+    assert finding.code == "peer_not_reached" and "engine 1 connected" in finding.message
     assert exit_code(report.findings) is ExitCode.REPLAY_FAILED
     sent = sqlite_utils.Database(db).execute(
         "SELECT COUNT(*) FROM frames WHERE session_id = 2 AND channel = 'input' AND direction = 'to_engine'").fetchone()
