@@ -1,8 +1,7 @@
 """Sim frontend <-> recording relay <-> sim engines: forwarding and recording are exact."""
 
+import contextlib
 import json
-import os
-import signal
 
 import msgspec
 import pytest
@@ -11,6 +10,7 @@ import trio
 
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.messages import RequestType
+from tests.store.test_writer import writer_paused
 
 
 async def run_workload(session, requests=12):
@@ -102,12 +102,10 @@ async def test_with_a_tiny_queue_block_records_every_forwarded_frame_and_drop_co
     for on_full in ("block", "drop"):  # one file, two sessions
         with trio.fail_after(30):
             session = await session_factory(engines=2, api_servers=2, name=on_full, on_full=on_full, queue_size=2)
-            writer = session.recorder._process.pid
-            if on_full == "drop":
-                os.kill(writer, signal.SIGSTOP)  # the writer takes nothing while the traffic flows: the queue fills
-            await run_workload(session, requests=40)  # ... and every request still finishes: forwarding never waits
-            if on_full == "drop":
-                os.kill(writer, signal.SIGCONT)
+            # Dropping, the writer takes nothing while the traffic flows, so the queue fills ... and every
+            # request still finishes: forwarding never waits.
+            with writer_paused(session.recorder) if on_full == "drop" else contextlib.nullcontext():
+                await run_workload(session, requests=40)
         stats = session.recorder.close()
         db = sqlite_utils.Database(db_path)
         seqs = [r["seq"] for r in db.query("SELECT seq FROM frames WHERE session_id = ?", [session.recorder.session_id])]

@@ -2,6 +2,7 @@
 a dead proxy and a dead writer each end the session with exact counts; recording resumes when space
 comes back; kept frames are decoded later."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,23 +44,31 @@ def wait_for(condition, timeout=20.0):
     return condition()
 
 
-def record_burst(db_path, on_full, frames=3000, writer_paused=False):
-    """``frames`` ABORTs through a recorder whose queue holds 2; with ``writer_paused``, the writer
-    process is stopped (SIGSTOP, by its PID) until the last one is in, so the queue surely fills."""
+@contextlib.contextmanager
+def writer_paused(recorder):
+    """The recorder's writer process stopped (SIGSTOP, by its PID) inside the block, and continued after
+    it whatever happens there: it takes nothing meanwhile, so the queue surely fills."""
+    os.kill(recorder._process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(recorder._process.pid, signal.SIGCONT)
+
+
+def record_burst(db_path, on_full, frames=3000):
+    """``frames`` ABORTs through a recorder whose queue holds 2, its writer paused until they are in."""
     recorder = Recorder(db_path, SessionInfo(name=on_full), on_full=on_full, queue_size=2)
-    if writer_paused:
-        os.kill(recorder._process.pid, signal.SIGSTOP)
-    for seq in range(1, frames + 1):
-        recorder.frame(frame(seq))
-    if writer_paused:  # dropping, the tap takes every frame; blocking, it waits at a full queue
+    with writer_paused(recorder):
+        for seq in range(1, frames + 1):
+            recorder.frame(frame(seq))
+        # dropping, the tap takes every frame; blocking, it waits at a full queue
         full = (lambda s: s.frames_seen == frames) if on_full == "drop" else (lambda s: s.queue_depth_frames >= 2)
         assert wait_for(lambda: full(recorder.statistics()))
-        os.kill(recorder._process.pid, signal.SIGCONT)
     return recorder, recorder.close()
 
 
 def test_a_full_queue_drops_and_counts(db_path):
-    recorder, stats = record_burst(db_path, "drop", writer_paused=True)
+    recorder, stats = record_burst(db_path, "drop")
     assert stats.frames_seen == 3000
     assert 2998 <= stats.frames_dropped < 3000  # the writer took nothing while they came: all but a batch
     assert stats.frames_recorded + stats.frames_dropped == 3000
@@ -73,7 +82,7 @@ def test_a_full_queue_drops_and_counts(db_path):
 
 
 def test_block_policy_records_everything(db_path):
-    recorder, stats = record_burst(db_path, "block", writer_paused=True)
+    recorder, stats = record_burst(db_path, "block")
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped, stats.final) == (3000, 3000, 0, True)
     assert sqlite_utils.Database(db_path)["aborts"].count == 3000
 
@@ -83,11 +92,10 @@ def test_a_stop_that_ends_before_the_writer_calls_nothing_still_being_written_dr
     and the counts say they are not final, until the writer ends the session with the real ones."""
     monkeypatch.setattr("replay_proxy.store.recorder.WRITER_STOP_S", 0.0)
     recorder = Recorder(db_path, SessionInfo(name="slow writer"))
-    os.kill(recorder._process.pid, signal.SIGSTOP)  # it writes nothing until close has returned
-    for seq in range(1, 5001):
-        recorder.frame(frame(seq))
-    stats = recorder.close()
-    os.kill(recorder._process.pid, signal.SIGCONT)
+    with writer_paused(recorder):  # it writes nothing until close has returned
+        for seq in range(1, 5001):
+            recorder.frame(frame(seq))
+        stats = recorder.close()
     assert (recorder.status, stats.final, stats.frames_seen, stats.frames_dropped) == ("finishing", False, 5000, 0)
     assert stats.frames_recorded + stats.queue_depth_frames == 5000 and stats.queue_depth_frames > 0
     assert "still writing" in stats.error
@@ -289,12 +297,11 @@ def test_decode_finishes_a_session_left_partly_decoded(db_path, monkeypatch):
 
 def test_a_full_queue_drops_frames_but_never_an_engine_loss(db_path):
     recorder = Recorder(db_path, SessionInfo(name="losses"), queue_size=2)
-    os.kill(recorder._process.pid, signal.SIGSTOP)  # the queue fills
-    for i in range(1000):
-        recorder.frame(frame(2 * i + 1))
-        recorder.engine_lost(EngineLoss(2 * i + 2, time.time_ns(), i, "gone"))
-    assert wait_for(lambda: recorder.statistics().frames_seen == 1000)
-    os.kill(recorder._process.pid, signal.SIGCONT)
+    with writer_paused(recorder):
+        for i in range(1000):
+            recorder.frame(frame(2 * i + 1))
+            recorder.engine_lost(EngineLoss(2 * i + 2, time.time_ns(), i, "gone"))
+        assert wait_for(lambda: recorder.statistics().frames_seen == 1000)
     stats = recorder.close()
     assert stats.frames_dropped >= 998
     db = sqlite_utils.Database(db_path)
