@@ -3,24 +3,48 @@
 #   scripts/test.sh           the full suite, real vLLM included (what CI runs)
 #   scripts/test.sh --fast    skip the real-vLLM tests (and their set-up) and the soak
 # Extra arguments go to pytest.
+#
+# The full suite runs in two parts. While scripts/setup-vllm.sh installs the peers, the tests that need
+# no vLLM run beside it, in one process. Then the real-vLLM tests run on both cores, one test file to a
+# worker (pytest-xdist), so that the peers a file's tests share stay in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 # The HTML report is checked in headless Chromium (Debian's package).
-if ! command -v chromium >/dev/null; then
+chromium_installed() {
+  command -v chromium >/dev/null && return
   if [ "$(id -u)" = 0 ]; then
     timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null
   else
     echo "[test] chromium missing (apt-get install chromium): the browser test will be skipped" >&2
   fi
-fi
+}
 # Every run shows where its time went and why anything was skipped.
 REPORT=(--durations=15 -rs)
+# One part of the suite; a part that the extra arguments leave empty (pytest's exit 5) has not failed.
+part() { "$VENV/bin/python" -m pytest "${REPORT[@]}" "$@" || { code=$?; [ "$code" = 5 ] || return "$code"; }; }
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec "$VENV/bin/python" -m pytest -m "not real_vllm and not soak" "${REPORT[@]}" "$@"
+  chromium_installed
+  part -m "not real_vllm and not soak" "$@"
+  exit
 fi
-bash scripts/setup-vllm.sh
+setup_log=$(mktemp)
+# The set-up in a process group of its own, stopped by its ID if this script ends first (interrupted).
+setsid bash scripts/setup-vllm.sh >"$setup_log" 2>&1 &
+setup=$!
+trap 'kill -- -"$setup" 2>/dev/null; rm -f "$setup_log"' EXIT
+chromium_installed
+status=0
+part -m "not real_vllm" "$@" || status=$?
+if ! wait "$setup"; then
+  cat "$setup_log" >&2
+  echo "[test] scripts/setup-vllm.sh failed: the real-vLLM tests cannot run" >&2
+  exit 1
+fi
+cat "$setup_log" >&2
 # With the peers installed, a real-vLLM test that cannot find them fails instead of skipping.
 export REPLAY_PROXY_REQUIRE_VLLM=1
-exec "$VENV/bin/python" -m pytest "${REPORT[@]}" "$@"
+real=0
+part -m real_vllm -n 2 --dist loadfile "$@" || real=$?
+exit $((status ? status : real))
