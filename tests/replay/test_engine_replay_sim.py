@@ -163,8 +163,11 @@ def test_a_session_recorded_with_its_coordinator_replays_without_it(tmp_path):
 def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
     report, outcome, db = replay(tmp_path, recorded, engines=2, ready_timeout=10)
     [finding] = report.findings
-    assert finding.code == "peer_not_reached" and "engine 1 connected" in finding.message
+    assert "engine 1 connected" in finding.message
     assert exit_code(report.findings) is ExitCode.REPLAY_FAILED
-    sent = sqlite_utils.Database(db).execute(
-        "SELECT COUNT(*) FROM frames WHERE session_id = 2 AND channel = 'input' AND direction = 'to_engine'").fetchone()
-    assert sent == (0,)
+    sent = dict(sqlite_utils.Database(db).execute(
+        "SELECT channel, COUNT(*) FROM frames WHERE session_id = 2 AND direction = 'to_engine' GROUP BY channel"))
+    assert "input" not in sent
+    # Whichever engine says HELLO first: engine 0 is sent its INIT (the link reached the peer), engine 1
+    # is refused before anything is sent (seen both ways on a busy machine).
+    assert finding.code == ("replay_failed" if sent.get("handshake") else "peer_not_reached")
