@@ -46,5 +46,6 @@ cat "$setup_log" >&2
 # With the peers installed, a real-vLLM test that cannot find them fails instead of skipping.
 export REPLAY_PROXY_REQUIRE_VLLM=1
 real=0
-part -m real_vllm -n 2 --dist loadfile "$@" || real=$?
+# In the order collected (tests/conftest.py puts the longest files first), not xdist's by test count.
+part -m real_vllm -n 2 --dist loadfile --no-loadscope-reorder "$@" || real=$?
 exit $((status ? status : real))

@@ -51,13 +51,23 @@ def pytest_addoption(parser):
                      help="also run the tests of every release (release_matrix), installing each on demand")
 
 
+# The test files whose real peers take the longest (in this order, about 10, 5, 4 and 4 minutes of one
+# worker), run first so that both workers stay busy to the end (scripts/test.sh: xdist, a file a worker).
+LONGEST_FIRST = ("test_matrix_vllm.py", "test_dp_vllm.py", "test_record_vllm.py", "test_replay_engine_vllm.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The release matrix only when asked for; real-vLLM tests skip when the peers are not installed,
-    unless scripts/test.sh said they are."""
+    """The longest real-vLLM files first; the release matrix only when asked for; real-vLLM tests skip
+    when the peers are not installed, unless scripts/test.sh said they are."""
     import os
 
     from tests.real.peers import installed
 
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every other test keeps its place
     if not config.getoption("--release-matrix"):
         matrix = [item for item in items if "release_matrix" in item.keywords]
         config.hook.pytest_deselected(items=matrix)

@@ -86,9 +86,13 @@ def test_python_readers_with_vllms_own_decoder():
 
 def replay_vllm_rs(tmp_path, release, edit):
     """The recording of ``release`` (its engine's traffic), changed by ``edit(db)``, replayed against vllm-rs
-    ``release``: (result, finding codes, report)."""
+    ``release``: (result, finding codes, report). At ten times the recorded pace: what the reader accepts is
+    the question, not when (the recorded engines stalled 12 s at their first logprobs request,
+    docs/real-vllm.md). Unpaced is slower: a reader that rejects leaves every request in flight until the
+    finish wait ends."""
     http, rpc = peers.free_port(), peers.free_port()
-    result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}",
+    result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--pace", "10",
+                                      "--upstream", f"tcp://127.0.0.1:{rpc}",
                                       "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
                                       peers.command(peers.rust_frontend_argv(http, rpc, release)), edit=edit,
                                       recording=peers.recording_of(release))
