@@ -30,6 +30,9 @@ from replay_proxy.releases import ReleaseError, cache_dir
 
 INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
 MODEL_S = 300  # the tiny model, at most (seconds measured)
+# How long a replay waits for a real peer to be ready, by default: one is ready in 25-40 s on an idle
+# machine here; a busy one takes longer (the matrix commands' --ready-timeout).
+READY_S = 240
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SETUP = SCRIPTS / "setup-vllm.sh"
 MODEL_BUILDER = releases.INTERPRETER_RELEASE  # its venv builds the tiny model (torch, transformers, tokenizers)

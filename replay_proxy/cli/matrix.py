@@ -10,11 +10,14 @@ import typer
 
 from replay_proxy.cli.common import app, err, fail, out
 from replay_proxy.errors import ExitCode
+from replay_proxy.peers import READY_S
 from replay_proxy.wire.messages import Side
 
 DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
 DEFAULT_ENGINES = "0.27.0..0.32.0"
 RECORDINGS_HELP = "The recordings of what each release sends (default: the project's recordings/)."
+ReadyTimeout = Annotated[float, typer.Option(
+    help="Seconds each replay waits for its real peer to be ready (more on a busy machine).")]
 
 
 @app.command()
@@ -32,6 +35,7 @@ def matrix(
         help="Write matrix.json, junit.xml (a testcase per cell), matrix.html (heat map) and matrix.md here, and "
              "keep each replay (its report, the peer's log, its database) under replays/.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
+    ready_timeout: ReadyTimeout = READY_S,
 ) -> None:
     """Which frontend release works with which engine release: every cell predicted from the schemas
     and the readers' rules, and observed by replaying real peers (docs/matrix.md).
@@ -45,6 +49,7 @@ def matrix(
     try:
         done = run(frontends, engines, predict_only=predict_only, observe=observe or [],
                    recordings=recordings or RECORDINGS, db=db, workdir=report_dir and report_dir / "replays",
+                   ready_s=ready_timeout,
                    command="replay-proxy matrix " + " ".join(sys.argv[2:]),
                    progress=lambda line: err.print(line, highlight=False))
     except MatrixError as exc:
@@ -68,6 +73,7 @@ def can_i_deploy(
     report_dir: Annotated[Path | None, typer.Option(
         help="--verify: keep each replay (its report, the peer's log, its database) here, where the evidence "
              "points (default: a temporary folder).")] = None,
+    ready_timeout: ReadyTimeout = READY_S,
 ) -> None:
     """Will this frontend work with that engine, and in which order to upgrade?
 
@@ -89,7 +95,7 @@ def can_i_deploy(
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS,
-                    workdir=report_dir)
+                    workdir=report_dir, ready_s=ready_timeout)
     print_answer(result, out)
     raise typer.Exit(int(result.cell.verdict.exit_code))
 
@@ -101,6 +107,7 @@ def bisect(
     against: Annotated[Side, typer.Option(help="The side that changes across the releases.")],
     releases: Annotated[str, typer.Option(help="The range to search, A..B (oldest first).")],
     frontend_kind: Annotated[str, typer.Option(help="--against frontend: vllm-rs or vllm.")] = "vllm-rs",
+    ready_timeout: ReadyTimeout = READY_S,
 ) -> None:
     """Name the first release of a range whose replay of a session regresses against the recording.
 
@@ -121,7 +128,7 @@ def bisect(
     if not db.is_file():
         raise fail(f"no recording database at {db}")
     try:
-        first, tried = search(db, session, against, releases, frontend_kind=frontend_kind,
+        first, tried = search(db, session, against, releases, frontend_kind=frontend_kind, ready_s=ready_timeout,
                               progress=lambda line: err.print(line, highlight=False))
     except MatrixError as exc:
         raise fail(str(exc)) from None

@@ -26,6 +26,7 @@ from replay_proxy.matrix import database
 from replay_proxy.matrix.observe import replay
 from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.run import build
+from replay_proxy.peers import READY_S
 from replay_proxy.releases import ReleaseError
 from replay_proxy.wire.messages import Side
 from replay_proxy.wire.schema import release_key, shipped_releases
@@ -48,10 +49,11 @@ class Answer(msgspec.Struct):
 
 
 def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
-            recordings: Path = RECORDINGS, workdir: Path | None = None) -> tuple[Cell, str]:
-    """The cell and where its verdict comes from (``workdir``: where a verification keeps its replays)."""
+            recordings: Path = RECORDINGS, workdir: Path | None = None, ready_s: float = READY_S) -> tuple[Cell, str]:
+    """The cell and where its verdict comes from (``workdir`` and ``ready_s``: where a verification keeps its
+    replays, and how long each waits for its peer)."""
     if verify:
-        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir)
+        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s)
         if db is not None:
             database.save(db, [cell], f"can-i-deploy --frontend {frontend} --engine vllm=={engine} --verify",
                           cell.observed.seconds or 0)
@@ -65,10 +67,11 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
 
 def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
                  current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS,
-                 workdir: Path | None = None) -> Answer:
+                 workdir: Path | None = None, ready_s: float = READY_S) -> Answer:
     """Whether ``frontend`` works with ``engine``, and the upgrade order from ``current`` (default: both
     sides at the older of the two releases) that keeps every step working."""
-    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings, workdir=workdir)
+    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings, workdir=workdir,
+                           ready_s=ready_s)
     if cell.verdict is Verdict.BREAKS:
         return Answer(cell, source, [f"no upgrade order helps: {frontend} x engine {engine} itself breaks",
                                      *_alternatives(frontend, engine, db, recordings)])
@@ -118,9 +121,10 @@ class Tried(msgspec.Struct):
 
 
 def bisect(db: Path, session: str, against: Side, releases: str, *, frontend_kind: str = "vllm-rs",
-           workdir: Path | None = None, progress=lambda line: None) -> tuple[str | None, list[Tried]]:
+           workdir: Path | None = None, ready_s: float = READY_S,
+           progress=lambda line: None) -> tuple[str | None, list[Tried]]:
     """The first release of ``releases`` on side ``against`` whose replay of ``session`` regresses (None:
-    none does), and the releases tried, in the order tried."""
+    none does), and the releases tried, in the order tried; each replay waits ``ready_s`` for its peer."""
     order = releases_in(releases)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-bisect-"))
     tried: dict[str, Tried] = {}
@@ -130,7 +134,8 @@ def bisect(db: Path, session: str, against: Side, releases: str, *, frontend_kin
         if release not in tried:
             try:
                 peer = {"engine": release} if against is Side.ENGINE else {"frontend": Frontend(frontend_kind, release)}
-                code, report, why = replay(against.reads, (db, session), workdir / release, **peer)  # type: ignore[arg-type]
+                code, report, why = replay(against.reads, (db, session), workdir / release, ready_s=ready_s,
+                                           **peer)  # type: ignore[arg-type]
             except ReleaseError as exc:
                 raise MatrixError(f"cannot bisect over {release}: {exc}") from None
             tried[release] = _tried(release, code, report, why)

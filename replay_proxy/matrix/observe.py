@@ -12,7 +12,7 @@
 
 Each replay is the project's own ``replay`` command in a process of its own,
 on a copy of the recording, bounded by its ready and finish timeouts and by
-``LEG_S``; its peer is started and stopped by PID there. The replay of F's
+``leg_s``; its peer is started and stopped by PID there. The replay of F's
 requests depends only on what F sent, so frontends whose recordings send the
 same messages (request ids, timestamps and addresses aside) share it.
 """
@@ -39,8 +39,8 @@ from replay_proxy.wire.messages import Direction, WireDecoder
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.wire.values import to_json
 
-READY_S, FINISH_S = 240, 60  # each replay's waits for its peer (a real engine is ready in 25-40 s here)
-LEG_S = READY_S + FINISH_S + 120  # one replay, at most, set-up and comparison included
+# A replay's wait for its peer to finish, and what it may take beyond its waits (set-up, comparison).
+FINISH_S, SLACK_S = 60, 120
 # What a replay's failure finding means for the cell. A verdict rests on the protocol only: a failure is
 # a break when what the peer said shows the link broke (rules.json: link_broke_patterns; a decode error
 # naming a struct, a rejected registration), else the cell is unknown, the reason quoted (the peer could
@@ -57,9 +57,9 @@ class Leg:
     """One replay of one direction, run once and shared by the cells it stands for."""
 
     def __init__(self, direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-                 frontend: Frontend | None = None):
+                 frontend: Frontend | None = None, ready_s: float = peers.READY_S):
         self.direction, self.recording, self.workdir = direction, recording, workdir
-        self.engine, self.frontend = engine, frontend
+        self.engine, self.frontend, self.ready_s = engine, frontend, ready_s
         self.result: Judgement | None = None
 
     def run(self) -> Judgement:
@@ -74,7 +74,7 @@ class Leg:
 
     def _run(self) -> Judgement:
         code, report, report_path = replay(self.direction, self.recording, self.workdir, engine=self.engine,
-                                           frontend=self.frontend)
+                                           frontend=self.frontend, ready_s=self.ready_s)
         if report is None:
             return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
         db = self.workdir / "replay.db"
@@ -139,10 +139,10 @@ def failure_evidence(direction: Direction, findings: list[dict], source: str) ->
 
 
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-           frontend: Frontend | None = None) -> tuple[int, dict | None, str]:
+           frontend: Frontend | None = None, ready_s: float = peers.READY_S) -> tuple[int, dict | None, str]:
     """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
-    (direction to-engine) or frontend ``frontend``, installed first if need be: (exit code, its report,
-    the report's path) or (exit code, None, why there is no report)."""
+    (direction to-engine) or frontend ``frontend``, installed first if need be, waiting ``ready_s`` for it to
+    be ready: (exit code, its report, the report's path) or (exit code, None, why there is no report)."""
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "replay.db"
     shutil.copy(recording[0], db)
@@ -158,11 +158,12 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
                   "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch)]
     argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", recording[1], *target,
-            "--ready-timeout", str(READY_S), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
+            "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
+    leg_s = ready_s + FINISH_S + SLACK_S
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=LEG_S)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=leg_s)
     except subprocess.TimeoutExpired:
-        return -1, None, f"the replay took over {LEG_S} s"
+        return -1, None, f"the replay took over {leg_s:g} s"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report = workdir / "report.json"
@@ -185,10 +186,10 @@ def sends(recording: tuple[Path, str], release: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def legs_of(cells: list[tuple[Frontend, str]], recordings: Path,
-            workdir: Path) -> dict[tuple[Frontend, str], tuple[Leg, Leg] | None]:
+def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path,
+            ready_s: float = peers.READY_S) -> dict[tuple[Frontend, str], tuple[Leg, Leg] | None]:
     """The two legs of each cell (None: a recording is missing), engine legs shared between frontends
-    that send the same."""
+    that send the same; each waits ``ready_s`` for its peer."""
     engine_legs: dict[tuple[str, str], Leg] = {}
     legs: dict[tuple[Frontend, str], tuple[Leg, Leg] | None] = {}
     for frontend, engine in cells:
@@ -199,9 +200,11 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path,
         key = (sends(sent, frontend.release), engine)
         if key not in engine_legs:
             engine_legs[key] = Leg(Direction.TO_ENGINE, sent,
-                                   workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"), engine=engine)
+                                   workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"), engine=engine,
+                                   ready_s=ready_s)
         legs[(frontend, engine)] = (engine_legs[key], Leg(
-            Direction.TO_FRONTEND, got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend))
+            Direction.TO_FRONTEND, got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend,
+            ready_s=ready_s))
     return legs
 
 

@@ -14,20 +14,22 @@ from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_in, parse_build, releases_in
 from replay_proxy.matrix.observe import judge, legs_of
 from replay_proxy.matrix.predict import predict
+from replay_proxy.peers import READY_S
 
 WORKERS = 2  # replays at once: each real peer pair needs a core to start in its 25-40 s
 
 
 def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Callable[[Frontend, str], bool] = True,
           recordings: Path = RECORDINGS, workdir: Path | None = None, workers: int = WORKERS,
-          progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
-    """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate)."""
+          ready_s: float = READY_S, progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
+    """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate),
+    each replay waiting ``ready_s`` for its peer."""
     cells = [Cell(str(f), e, predict(f, e, recordings)) for f in frontends for e in engines]
     wanted = [(f, e) for f in frontends for e in engines if (observe(f, e) if callable(observe) else observe)]
     if not wanted:
         return cells
     workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-matrix-"))
-    legs = legs_of(wanted, recordings, workdir)
+    legs = legs_of(wanted, recordings, workdir, ready_s)
     unique = list({id(leg): leg for pair in legs.values() if pair for leg in pair}.values())
     progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time), work in {workdir}")
     started = time.monotonic()
@@ -59,7 +61,8 @@ class MatrixRun(msgspec.Struct):
 
 def run(frontends: str, engines: str, *, predict_only: bool = False, observe: list[str] = (),
         recordings: Path = RECORDINGS, db: Path | None = None, workdir: Path | None = None,
-        command: str = "replay-proxy matrix", progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
+        ready_s: float = READY_S, command: str = "replay-proxy matrix",
+        progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
     """``replay-proxy matrix``: the cells of ``frontends`` x ``engines`` (their specs, as ``frontends_in`` and
     ``releases_in`` read them), predicted, and observed unless ``predict_only``: every cell, or only the
     ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept in ``workdir``
@@ -69,7 +72,8 @@ def run(frontends: str, engines: str, *, predict_only: bool = False, observe: li
     chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
     wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \
         (lambda f, e: (f, e) in chosen) if chosen else True
-    cells = build(builds, releases, observe=wanted, recordings=recordings, workdir=workdir, progress=progress)
+    cells = build(builds, releases, observe=wanted, recordings=recordings, workdir=workdir, ready_s=ready_s,
+                  progress=progress)
     seconds = time.monotonic() - started
     if db is not None:
         database.save(db, cells, command, seconds)
