@@ -29,7 +29,10 @@ ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
-READY_TIMEOUT_S = 240
+# How long a real peer may take to be ready: 25-60 s on this machine alone, over 300 s with a second suite
+# beside it on its two cores (seen); one replay, at most, is that and its finish and set-up besides.
+READY_TIMEOUT_S = 600
+REPLAY_S = READY_TIMEOUT_S + 180
 
 
 def installed() -> bool:
@@ -185,8 +188,8 @@ def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORD
         edit(db)
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
-         *target, "--ready-timeout", "240", "--finish-timeout", "60", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=420)
+         *target, "--ready-timeout", str(READY_TIMEOUT_S), "--finish-timeout", "60", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=3 * REPLAY_S)  # a candidate and its noise runs, one by one
     return result, json.loads((tmp_path / "report.json").read_text())
 
 

@@ -29,9 +29,6 @@ pytestmark = pytest.mark.real_vllm
 RECORDING = Path(__file__).resolve().parents[2] / "recordings" / "vllm-0.32.0-python.db"
 
 
-# A DP=2 bring-up (two engines, and with the Python frontend two API servers and a coordinator) took
-# over 300 s with two suites sharing this machine's two cores (seen); about 100 s on its own.
-BRING_UP_S = 600
 GREEDY = "r.temperature = 0 AND r.request_id NOT IN (SELECT request_id FROM aborts)"
 
 
@@ -133,7 +130,7 @@ def check_recording(db, api_servers, coordinator_relayed=False):
     assert registrations == {(e, c) for e in (0, 1) for c in range(api_servers)}
 
 
-def wait_for_api_servers(log: Path, count: int, timeout: float = BRING_UP_S) -> None:
+def wait_for_api_servers(log: Path, count: int, timeout: float = peers.READY_TIMEOUT_S) -> None:
     """HTTP answers once one API server is up; wait until each has made its start-up calls and serves."""
     started = re.compile(r"\(ApiServer_(\d+) pid=\d+\).*Starting vLLM server on")
     deadline = time.monotonic() + timeout
@@ -149,7 +146,7 @@ def test_python_frontend_two_api_servers_two_engines_and_its_coordinator(tmp_pat
     http, children = bring_up(tmp_path, lambda h, u: peers.python_frontend(tmp_path, h, u, dp=2), db,
                               peers.MODEL, "--record-coordinator")
     try:
-        peers.wait_http_ready(http, children, timeout=BRING_UP_S)
+        peers.wait_http_ready(http, children)
         wait_for_api_servers(tmp_path / "frontend.log", 2)
         got = run_pairs(http, recorded_prompts())
     finally:
@@ -177,7 +174,7 @@ def test_vllm_rs_two_engines_and_a_vanished_one(tmp_path, recorded):
     prompts = recorded_prompts()
     http, children = bring_up(tmp_path, lambda h, u: peers.rust_frontend(tmp_path, h, u, dp=2), db_path)
     try:
-        peers.wait_http_ready(http, children, timeout=BRING_UP_S)
+        peers.wait_http_ready(http, children)
         # vllm-rs routes to the engine with the fewest requests in flight (ties: engine 0). A request
         # held open on engine 0 sends the first one to engine 1, every time; then engine 0 is free.
         with holding_engine_0(http):
@@ -212,7 +209,7 @@ def test_a_fatal_engine_error_is_recorded_and_the_proxy_exits_cleanly(tmp_path):
                                                                             model=peers.MOE_MODEL),
                               db_path, model=peers.MOE_MODEL)
     try:
-        peers.wait_http_ready(http, children, timeout=BRING_UP_S)
+        peers.wait_http_ready(http, children)
         body = {"model": str(peers.MOE_MODEL), "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
         with pytest.raises(OSError):  # the frontend answers 500, or drops the connection
             peers.post(http, "/v1/completions", body)
