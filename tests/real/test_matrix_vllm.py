@@ -21,6 +21,7 @@ from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
 CLI = [sys.executable, "-m", "replay_proxy"]
+READY = ("--ready-timeout", str(peers.READY_TIMEOUT_S))  # each replay's, as for every real peer of the suite
 # (frontend, engine, verdict, what the real reader said): one break per direction of reading, one that works.
 CELLS = [("vllm-rs:0.30.0", "0.32.0", "breaks", "EngineCoreOutputs: array had incorrect length"),
          ("vllm:0.31.0", "0.28.0", "breaks", "missing required field `supports_lora`"),
@@ -33,7 +34,7 @@ def observed(tmp_path_factory):
     result = subprocess.run(
         [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0,vllm-rs:0.32.0,vllm:0.31.0", "--engines", "0.28.0,0.31.0,0.32.0",
          *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--db", str(out / "matrix.db"),
-         "--report-dir", str(out)], capture_output=True, text=True, timeout=1800)
+         "--report-dir", str(out), *READY], capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return out, {(c["frontend"], c["engine"]): c for c in json.loads((out / "matrix.json").read_text())}
 
@@ -46,6 +47,20 @@ def test_observed_cells_agree_with_their_predictions(observed, frontend, engine,
     messages = " ".join(e["message"] for e in cell["observed"]["evidence"])
     assert said is None or said in messages, messages
     assert len(cells) == 9 and sum(c["observed"] is not None for c in cells.values()) == 3
+
+
+def test_a_peer_not_ready_within_the_ready_timeout_makes_the_cell_unknown_never_breaks(tmp_path):
+    result = subprocess.run([*CLI, "matrix", "--frontends", "vllm-rs:0.32.0", "--engines", "0.31.0", "--observe",
+                             "vllm-rs:0.32.0@0.31.0", "--ready-timeout", "1", "--report-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=peers.REPLAY_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [cell] = json.loads((tmp_path / "matrix.json").read_text())
+    # The engine (ready in 25 s at best) was not ready in 1 s: that leg is unknown and says why. The Rust
+    # frontend is up in about a second: its leg works, or on a busy machine is unknown too; neither breaks.
+    evidence = {e["direction"]: e for e in cell["observed"]["evidence"]}
+    assert (cell["observed"]["verdict"], evidence["to_engine"]["rule"]) == ("unknown", "peer_not_reached")
+    assert evidence["to_engine"]["message"].startswith("the engine side was not ready after 1 s")
+    assert evidence["to_frontend"]["verdict"] in ("works", "unknown")
 
 
 def live_pair(tmp_path, frontend: str, engine: str) -> tuple[str, dict]:
@@ -84,7 +99,8 @@ def test_can_i_deploy_answers_from_the_observation_and_verifies_a_cell_now(obser
     assert known.returncode == 3 and "(observed 20" in known.stdout, known.stdout
     assert "array had incorrect length" in known.stdout
     verified = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0",
-                               "--db", str(db), "--verify"], capture_output=True, text=True, timeout=900)
+                               "--db", str(db), "--verify", *READY], capture_output=True, text=True,
+                              timeout=2 * peers.REPLAY_S)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "vllm:0.31.0 with engine 0.32.0: works (verified now: observed by real peers)" in verified.stdout
     row = sqlite_utils.Database(db)["matrix_cells"].get(("vllm:0.31.0", "0.32.0"))
@@ -107,7 +123,8 @@ def cache_whose_model(tmp_path, spoil) -> dict:
 
 def verify(env, report_dir) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0", "--verify",
-                           "--report-dir", str(report_dir)], capture_output=True, text=True, timeout=900, env=env)
+                           "--report-dir", str(report_dir), *READY], capture_output=True, text=True,
+                          timeout=2 * peers.REPLAY_S, env=env)
 
 
 def test_verify_with_a_file_missing_is_unknown_before_any_replay(tmp_path):
@@ -131,14 +148,16 @@ def test_verify_with_a_peer_that_cannot_run_is_unknown_with_its_reason_and_evide
     assert "breaks" not in result.stdout
 
 
-def test_bisect_names_the_first_python_frontend_that_rejects_an_older_engines_registration(tmp_path):
-    db = tmp_path / "engine-0.28.0.db"
-    shutil.copy(peers.RECORDINGS / "vllm-0.28.0-python.db", db)
-    result = subprocess.run([*CLI, "bisect", "--db", str(db), "--session", "python-frontend", "--against", "frontend",
-                             "--frontend-kind", "vllm", "--releases", "0.28.0,0.31.0,0.32.0"],
-                            capture_output=True, text=True, timeout=2400)
+def test_bisect_names_the_first_rust_frontend_that_rejects_an_older_engines_registration(tmp_path):
+    # Rust frontends, whose replays take seconds (a Python frontend's start takes about 25 s of CPU): the same
+    # search, the same break in the other reader (a registration key older engines do not send).
+    db = tmp_path / "engine-0.27.0.db"
+    shutil.copy(peers.RECORDINGS / "vllm-0.27.0-vllm-rs.db", db)
+    result = subprocess.run([*CLI, "bisect", "--db", str(db), "--session", "vllm-rs-frontend", "--against", "frontend",
+                             "--frontend-kind", "vllm-rs", "--releases", "0.27.0,0.30.0,0.31.0", *READY],
+                            capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
     assert result.returncode == 6, result.stdout + result.stderr  # the deciding replay could not run: F exited
-    # The newest first, then halving: 0.28.0 reads its own engine, 0.31.0 is the first of these that does not.
-    assert "first regressing release: 0.31.0: regression replay_failed" in result.stdout
-    assert "supports_lora" in result.stdout
-    assert "tried, in order: 0.32.0, 0.28.0, 0.31.0" in result.stdout
+    # The newest first, then halving: 0.27.0 reads its own engine, 0.30.0 is the first of these that does not.
+    assert "first regressing release: 0.30.0: regression replay_failed" in result.stdout
+    assert "missing field `supports_lora`" in result.stdout
+    assert "tried, in order: 0.31.0, 0.27.0, 0.30.0" in result.stdout
