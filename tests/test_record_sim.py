@@ -196,9 +196,10 @@ async def test_engine_core_dead_is_forwarded_and_recorded(session_factory, db_pa
     assert stats.engines_dead == 1  # one engine, whose death reached both API servers
     db = sqlite_utils.Database(db_path)
     assert db.execute("SELECT COUNT(*) FROM frames WHERE kind = 'ENGINE_CORE_DEAD'").fetchone()[0] == 2
-    # then, as a real engine does, it exits: its connection may drop before the recording ends
+    # then, as a real engine does, it exits: its connection may drop before the recording ends, and on a busy
+    # machine before the relay has read the second socket's ENGINE_CORE_DEAD (sockets are read apart)
     events = [r["event"] for r in db.query("SELECT event FROM engine_events ORDER BY seq")]
-    assert events in (["ENGINE_CORE_DEAD"] * 2, ["ENGINE_CORE_DEAD"] * 2 + ["lost"])
+    assert sorted(events) in (["ENGINE_CORE_DEAD"] * 2, ["ENGINE_CORE_DEAD"] * 2 + ["lost"])
 
 
 async def test_the_engine_may_start_before_the_frontend(nursery, db_path):
