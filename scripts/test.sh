@@ -4,9 +4,9 @@
 #   scripts/test.sh --fast    skip the real-vLLM tests (and their set-up) and the soak
 # Extra arguments go to pytest.
 #
-# The full suite runs in two parts. While scripts/setup-vllm.sh installs the peers, the tests that need
-# no vLLM run beside it, in one process. Then the real-vLLM tests run on both cores, one test file to a
-# worker (pytest-xdist), so that the peers a file's tests share stay in one process.
+# The full suite runs in two parts, each on both cores (pytest-xdist). While scripts/setup-vllm.sh installs
+# the peers, the tests that need no vLLM run beside it, a test at a time to each worker. Then the
+# real-vLLM tests run, one test file to a worker, so that the peers a file's tests share stay in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -26,7 +26,7 @@ part() { "$VENV/bin/python" -m pytest "${REPORT[@]}" "$@" || { code=$?; [ "$code
 if [ "${1:-}" = "--fast" ]; then
   shift
   chromium_installed
-  part -m "not real_vllm and not soak" "$@"
+  part -m "not real_vllm and not soak" -n 2 "$@"
   exit
 fi
 setup_log=$(mktemp)
@@ -36,7 +36,7 @@ setup=$!
 trap 'kill -- -"$setup" 2>/dev/null || true; rm -f "$setup_log"' EXIT  # (set -e holds in a trap too)
 chromium_installed
 status=0
-part -m "not real_vllm" "$@" || status=$?
+part -m "not real_vllm" -n 2 "$@" || status=$?
 if ! wait "$setup"; then
   cat "$setup_log" >&2
   echo "[test] scripts/setup-vllm.sh failed: the real-vLLM tests cannot run" >&2
