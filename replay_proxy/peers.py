@@ -42,10 +42,9 @@ PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 # The model runs in the EngineCore process (the "uni" executor) instead of a worker process of its own: one
 # vLLM import fewer per engine start (about 14 s of CPU on two cores). vLLM's CPU platform allows it only
 # with V1 multiprocessing off, which a headless engine reads nowhere else (the in-process LLMEngine does).
-ONE_PROCESS_ENGINE = (["env", "VLLM_ENABLE_V1_MULTIPROCESSING=0"], ["--distributed-executor-backend", "uni"])
+ONE_PROCESS_ENGINE = ("VLLM_ENABLE_V1_MULTIPROCESSING=0", ["--distributed-executor-backend", "uni"])
 ENV_KEYS = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-            "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TORCHDYNAMO_DISABLE", "TMPDIR", "VLLM_CACHE_ROOT",
-            "VLLM_RPC_BASE_PATH")
+            "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TORCHDYNAMO_DISABLE", "TMPDIR", "VLLM_RPC_BASE_PATH")
 
 
 class Frontend(msgspec.Struct, frozen=True, order=True):
@@ -151,8 +150,8 @@ SCRATCH: list[Path] = []  # every scratch folder made here: removed at exit if n
 
 
 def scratch_dir() -> Path:
-    """A fresh folder for one vLLM process's files and IPC sockets (vLLM leaves gloo files, sockets and a
-    compile cache of up to 150 MB). Short on purpose: IPC socket paths must fit in 107 bytes (sun_path)."""
+    """A fresh folder for one vLLM process's files and IPC sockets (vLLM leaves gloo files and sockets, and
+    torch its compile cache). Short on purpose: IPC socket paths must fit in 107 bytes (sun_path)."""
     path = Path(tempfile.mkdtemp(prefix="vllm-", dir="/tmp"))
     SCRATCH.append(path)
     return path
@@ -172,7 +171,7 @@ def vllm_env(scratch: Path | None = None, **extra: str) -> dict[str, str]:
         **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "VLLM_HOST_IP": "127.0.0.1", "TORCHDYNAMO_DISABLE": "1", "TMPDIR": str(scratch),
-        "VLLM_CACHE_ROOT": str(scratch / "cache"), "VLLM_RPC_BASE_PATH": str(scratch), **extra,
+        "VLLM_RPC_BASE_PATH": str(scratch), **extra,
     }
 
 
@@ -183,12 +182,19 @@ def command(argv: list[str], scratch: Path | None = None, **extra: str) -> str:
     return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
 
 
+def vllm_cli(release: str, *settings: str) -> list[str]:
+    """``release``'s ``vllm`` command (with ``settings``, NAME=VALUE), keeping what vLLM caches between runs in
+    its venv, as a user's ``~/.cache/vllm``: at a start with no cache vLLM inspects the model's class in a Python
+    process of its own, which imports torch and vLLM (about 8 s of CPU here)."""
+    return ["env", f"VLLM_CACHE_ROOT={venv(release) / 'vllm-cache'}", *settings, str(venv(release) / "bin" / "vllm")]
+
+
 def engine_argv(rpc_port: int, release: str, dp: int = 1, start_rank: int = 0, local: int = 1,
                 model_dir: Path | None = None) -> list[str]:
     """A headless engine of ``release`` dialling the handshake at ``rpc_port``."""
     rank = ["--data-parallel-start-rank", str(start_rank)] if start_rank else []
-    env, executor = ONE_PROCESS_ENGINE
-    return [*env, str(venv(release) / "bin" / "vllm"), "serve", str(model_dir or model()), "--headless",
+    setting, executor = ONE_PROCESS_ENGINE
+    return [*vllm_cli(release, setting), "serve", str(model_dir or model()), "--headless",
             "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY,
             *executor]
@@ -203,5 +209,4 @@ def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1
     if frontend.kind == "vllm-rs":
         binary = cache_dir() / "bin" / f"vllm-rs-{frontend.release}"
         return [str(binary), "serve", str(model_dir or model()), *where, "--max-model-len", "256"]
-    return [str(venv(frontend.release) / "bin" / "vllm"), "serve", str(model_dir or model()), *where,
-            *COMMON, *PYTHON_ONLY]
+    return [*vllm_cli(frontend.release), "serve", str(model_dir or model()), *where, *COMMON, *PYTHON_ONLY]
