@@ -133,7 +133,7 @@ def ready_engine(release: str) -> None:
     """Everything engine ``release`` needs to start (installed on demand), checked."""
     install_engine(release)
     install_model()
-    missing(venv(release) / "bin" / "vllm", *(model() / f for f in MODEL_FILES))
+    missing(vllm_program(release), *(model() / f for f in MODEL_FILES))
 
 
 def ready_frontend(frontend: Frontend) -> None:
@@ -143,7 +143,7 @@ def ready_frontend(frontend: Frontend) -> None:
     else:
         install_engine(frontend.release)
     install_model()
-    missing(Path(frontend_argv(frontend, 0, 0)[0]), *(model() / f for f in MODEL_FILES))
+    missing(program(frontend), *(model() / f for f in MODEL_FILES))
 
 
 SCRATCH: list[Path] = []  # every scratch folder made here: removed at exit if no one removed it before
@@ -182,11 +182,23 @@ def command(argv: list[str], scratch: Path | None = None, **extra: str) -> str:
     return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
 
 
+def program(frontend: Frontend) -> Path:
+    """The executable ``frontend`` runs: its release's vllm-rs binary, or its venv's ``vllm``."""
+    if frontend.kind == "vllm-rs":
+        return cache_dir() / "bin" / f"vllm-rs-{frontend.release}"
+    return vllm_program(frontend.release)
+
+
+def vllm_program(release: str) -> Path:
+    """The ``vllm`` command of ``release``'s venv: its engine and its Python frontend."""
+    return venv(release) / "bin" / "vllm"
+
+
 def vllm_cli(release: str, *settings: str) -> list[str]:
     """``release``'s ``vllm`` command (with ``settings``, NAME=VALUE), keeping what vLLM caches between runs in
     its venv, as a user's ``~/.cache/vllm``: at a start with no cache vLLM inspects the model's class in a Python
     process of its own, which imports torch and vLLM (about 8 s of CPU here)."""
-    return ["env", f"VLLM_CACHE_ROOT={venv(release) / 'vllm-cache'}", *settings, str(venv(release) / "bin" / "vllm")]
+    return ["env", f"VLLM_CACHE_ROOT={venv(release) / 'vllm-cache'}", *settings, str(vllm_program(release))]
 
 
 def engine_argv(rpc_port: int, release: str, dp: int = 1, start_rank: int = 0, local: int = 1,
@@ -207,6 +219,5 @@ def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1
              "--data-parallel-rpc-port", str(rpc_port), "--data-parallel-size", str(dp),
              "--data-parallel-size-local", "0"]
     if frontend.kind == "vllm-rs":
-        binary = cache_dir() / "bin" / f"vllm-rs-{frontend.release}"
-        return [str(binary), "serve", str(model_dir or model()), *where, "--max-model-len", "256"]
+        return [str(program(frontend)), "serve", str(model_dir or model()), *where, "--max-model-len", "256"]
     return [*vllm_cli(frontend.release), "serve", str(model_dir or model()), *where, *COMMON, *PYTHON_ONLY]
