@@ -24,6 +24,7 @@ class WriterStart(msgspec.Struct, frozen=True):
     progress_address: str  # the recorder binds it
     parent_pid: int  # the proxy, given (it may be gone before the writer looks): another parent means it died
     hold_frames: int  # waiting frames beyond this are kept undecoded (half the recorder's queue)
+    sockets_folder: str  # where the two addresses' files are: the writer removes it if it ends last
     max_bytes: int | None = None  # a cap on the database file
 
 

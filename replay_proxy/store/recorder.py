@@ -155,7 +155,7 @@ class Recorder:
         self._mine.setsockopt(zmq.IDENTITY, RELAY)
         self._mine.connect(self.capture)
         start = WriterStart(str(self.db_path), self.session_id, tap, progress, parent_pid=os.getpid(),
-                            hold_frames=max(1, queue_size // 2), max_bytes=max_db_bytes)
+                            hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", msgspec.json.encode(start).decode()],
             stdin=subprocess.DEVNULL,
@@ -299,13 +299,15 @@ class Recorder:
             # linger=0 would throw away) while this process lives.
             self._tap.close(linger=TAP_LINGER_MS)
         code = self._process.poll()
-        shutil.rmtree(self._folder, ignore_errors=True)
         if code is None:
+            # The sockets' folder stays for the writer, which removes it when it ends: the tap may not have
+            # connected yet (ZMQ reconnects every 100 ms), and it could not once the socket's file was gone.
             self.status = "finishing"  # the writer is still at it, in the background
             live = self.statistics()
             return msgspec.structs.replace(live, final=False, error=(
                 f"the writer (PID {self._process.pid}) is still writing {live.queue_depth_frames:,} frames; "
                 "it ends the session itself"))
+        shutil.rmtree(self._folder, ignore_errors=True)
         db = open_database(self.db_path)
         if code != 0:  # the writer died: the session is ended here, by what is kept
             kept = db.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "

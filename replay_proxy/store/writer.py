@@ -32,6 +32,7 @@ bounds the queue with it and shows it on the status line.
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import sys
 import time
@@ -259,6 +260,7 @@ class WriterLoop:
         self.progress_socket.setsockopt(zmq.LINGER, 5000)
         self.progress_socket.connect(start.progress_address)
         self.parent, self.hold_frames = start.parent_pid, start.hold_frames
+        self.sockets_folder = start.sockets_folder
         self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes)
         self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
         self.held_bytes = self.held_frames = 0
@@ -279,6 +281,7 @@ class WriterLoop:
         self.tap.close(linger=0)
         self.progress_socket.close()
         self.context.term()
+        shutil.rmtree(self.sockets_folder, ignore_errors=True)  # the recorder leaves it to a writer still at it
 
     def _report(self) -> None:
         self.progress_socket.send(encode_progress(self.writer.progress()))
