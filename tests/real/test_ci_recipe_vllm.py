@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from replay_proxy import peers
+from replay_proxy.processes import free_port
 from replay_proxy.releases import cache_dir
 
 pytestmark = pytest.mark.real_vllm
@@ -47,8 +48,9 @@ def run_job(workspace: Path, **overrides: str) -> dict[str, subprocess.Completed
 
 def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tmp_path):
     peers.install_engine("0.28.0")  # what the build step would have built
+    # A port of its own: the recipe's fixed one is taken when a second suite runs this test beside it (seen).
     results = run_job(tmp_path, ENGINE_VLLM=str(peers.venv("0.28.0") / "bin" / "vllm"), ENGINE_RELEASE="0.28.0",
-                      FRONTEND="vllm==0.27.0")
+                      FRONTEND="vllm==0.27.0", ENGINE_PORT=str(free_port()))
     assert list(results) == ["install", "can-i-deploy", "replay"]
     deploy = results["can-i-deploy"]
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
