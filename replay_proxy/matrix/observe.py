@@ -170,9 +170,8 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
     if not report.exists():  # it did not get as far as its report: its own output says why
         output = workdir / "replay.log"
         output.write_text(done.stdout + done.stderr)
-        said = [line for line in done.stderr.splitlines() if any(c.isalnum() for c in line)]
-        return done.returncode, None, f"the replay ended with {done.returncode}: {(said or ['no output'])[-1].strip()} " \
-                                      f"(its output: {output})"
+        said = [line.strip() for line in done.stderr.splitlines() if any(c.isalnum() for c in line)] or ["no output"]
+        return done.returncode, None, f"the replay ended with {done.returncode}: {said[-1]} (its output: {output})"
     return done.returncode, json.loads(report.read_text()), str(report)
 
 

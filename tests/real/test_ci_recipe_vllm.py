@@ -49,7 +49,7 @@ def run_job(workspace: Path, **overrides: str) -> dict[str, subprocess.Completed
 def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tmp_path):
     peers.install_engine("0.28.0")  # what the build step would have built
     # A port of its own: the recipe's fixed one is taken when a second suite runs this test beside it (seen).
-    results = run_job(tmp_path, ENGINE_VLLM=str(peers.venv("0.28.0") / "bin" / "vllm"), ENGINE_RELEASE="0.28.0",
+    results = run_job(tmp_path, ENGINE_VLLM=str(peers.vllm_program("0.28.0")), ENGINE_RELEASE="0.28.0",
                       FRONTEND="vllm==0.27.0", ENGINE_PORT=str(free_port()))
     assert list(results) == ["install", "can-i-deploy", "replay"]
     deploy = results["can-i-deploy"]
