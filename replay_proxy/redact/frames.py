@@ -1,0 +1,478 @@
+"""Redacting captured frames: the wire values walked with the release's schema and the policy, re-encoded.
+
+Sans-IO: ``Redactor.frames`` takes frames in seq order and gives back their
+redacted copies, which the writer then tabulates like any others, so what the
+tables say is what ``raw`` holds and what a replay sends.
+
+Token ids are redacted in the context of their request: its prompt, then
+its outputs in order (``tokens.py``). An output can reach the redactor before
+its request's ADD (the two cross the proxy on different links, copied by
+different forwarders): such outputs wait, and every output after them, until
+the ADD comes, or ``WAIT_FRAMES`` later (or at the end) go on with a context
+drawn from the request id alone, counted as ``outputs_without_prompt``.
+
+Whatever cannot be walked (a frame that does not decode, a value of another
+kind than its schema says, a field or aux frame the policy does not reach) is
+blanked and counted: default deny.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from replay_proxy.redact.policy import Action, Policy
+from replay_proxy.redact.tokens import Key, RedactionError, TokenMap
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss
+from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
+from replay_proxy.wire.schema import Field, schema_for
+from replay_proxy.wire.values import RAW_VIEW, Ext, decode_msgpack, kind_of
+
+WAIT_FRAMES = 10_000  # outputs waiting for their request's ADD, at most
+ENDED_KEPT = 4_096  # contexts of ended requests kept for outputs that follow their end (an ABORT's last step)
+_encode = msgspec.msgpack.Encoder().encode
+
+# Token fields whose context is a position of their request: the others are token lists of no position.
+_PROMPT, _OUTPUT = ("EngineCoreRequest", "prompt_token_ids"), ("EngineCoreOutput", "new_token_ids")
+_OUTPUT_CANDIDATES, _PROMPT_CANDIDATES = ("LogprobsLists", "logprob_token_ids"), ("LogprobsTensors", "logprob_token_ids")
+_STOP_TOKENS = ("_eos_token_id", "_all_stop_token_ids", "stop_token_ids")
+
+
+class Hasher:
+    """Keyed, deterministic hashes of text: equal stays equal under one key."""
+
+    def __init__(self, key: Key):
+        self._key = key.subkey(b"hash")
+        self._known: dict[str, str] = {}
+
+    def text(self, text: str) -> str:
+        hashed = self._known.get(text)
+        if hashed is None:
+            if len(self._known) > 100_000:  # request ids come back every step; this only spares work
+                self._known.clear()
+            digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), key=self._key, digest_size=12)
+            hashed = self._known[text] = f"h-{digest.hexdigest()}"
+        return hashed
+
+
+class Context:
+    """One request's place in the token chain."""
+
+    __slots__ = ("state", "fixed", "prompt_states", "prompt_rows", "output_states")
+
+    def __init__(self, state: bytes, fixed: frozenset[int], keep_prompt_states: bool = False):
+        self.state, self.fixed = state, fixed
+        self.prompt_states: list[bytes] | None = [] if keep_prompt_states else None  # for prompt logprobs
+        self.prompt_rows = 0  # prompt logprob rows seen (they come in chunks)
+        self.output_states: list[bytes] = []  # the contexts of the last output's tokens
+
+
+class Redactor:
+    """Redacts one session's frames (see the module's docstring)."""
+
+    def __init__(self, key: Key, policy: Policy, vocab_size: int, vllm_version: str | None = None):
+        self.tokens = TokenMap(key, vocab_size)
+        self.policy = policy
+        self.hasher, self._noise_key = Hasher(key), key.subkey(b"noise")
+        self.schema, _ = schema_for(vllm_version)
+        self.live: dict[str, Context] = {}
+        self.ended: collections.OrderedDict[str, Context] = collections.OrderedDict()
+        self.calls: dict[tuple, Any] = {}  # (engine, API server, call id) -> the method called
+        self.waiting: collections.deque[CapturedFrame] = collections.deque()
+        self.blanked: collections.Counter[str] = collections.Counter()  # what default deny blanked, by where
+        self.dropped: collections.Counter[str] = collections.Counter()  # what the policy dropped, by field
+        self.outputs_without_prompt = 0
+        self._current: Context | None = None  # the request whose fields are being walked
+        self._payload: list[bytes] = []  # the frame's body and aux frames, as redacted so far
+        self._visited: set[int] = set()  # aux frames a walked field reached
+        self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
+
+    # --- the stream ---------------------------------------------------------------------------
+
+    def frames(self, items: Iterable[CapturedFrame | EngineLoss]) -> list[CapturedFrame | EngineLoss]:
+        """The redacted copies of ``items`` (and of earlier outputs that were waiting), in seq order."""
+        out: list[CapturedFrame | EngineLoss] = []
+        for item in sorted(items, key=lambda numbered: numbered.seq):
+            if isinstance(item, EngineLoss):
+                out.append(item)
+            elif _is_outputs(item):
+                self.waiting.append(item)
+            else:
+                out.append(self._redact(item))
+            self._release(out, force=len(self.waiting) > WAIT_FRAMES)
+        return out
+
+    def flush(self) -> list[CapturedFrame]:
+        """The end: outputs still waiting for their request go on without it."""
+        out: list[CapturedFrame] = []
+        self._release(out, force=True)
+        return out
+
+    def _release(self, out: list, force: bool) -> None:
+        while self.waiting:
+            frame = self.waiting[0]
+            redacted = self._redact(frame, force=force)
+            if redacted is None:
+                return
+            self.waiting.popleft()
+            out.append(redacted)
+            force = force and len(self.waiting) > WAIT_FRAMES
+
+    # --- one frame ----------------------------------------------------------------------------
+
+    def _redact(self, frame: CapturedFrame, force: bool = False) -> CapturedFrame | None:
+        """The frame's redacted copy; None for outputs of a request whose ADD has not come (unless ``force``)."""
+        try:
+            parts = self._parts(frame, frame.parts, force)
+            if parts is None:
+                return None
+            forwarded = self._parts(frame, frame.forwarded, force) if frame.forwarded else None
+        except (RedactionError, msgspec.DecodeError, ValueError, TypeError, KeyError, IndexError) as exc:
+            self.blanked[f"frame ({type(exc).__name__})"] += 1
+            return msgspec.structs.replace(frame, parts=[b""] * len(frame.parts),
+                                           forwarded=[b""] * len(frame.forwarded) if frame.forwarded else None)
+        return msgspec.structs.replace(frame, parts=parts, forwarded=forwarded)
+
+    def _parts(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
+        channel, first = frame.channel, parts[0] if parts else b""
+        if channel is Channel.HANDSHAKE:
+            value = decode_msgpack(first)
+            if frame.direction is Direction.TO_ENGINE:
+                return self._message("EngineHandshakeMetadata", value, parts, 0)
+            rules = self.policy.handshake.get(value.get("status")) if isinstance(value, dict) else None
+            if rules is None:
+                raise ValueError("not a HELLO or READY")
+            return [_encode({key: self._value("handshake", key, rules.get(key), item) for key, item in value.items()})]
+        if channel is Channel.INPUT and frame.direction is Direction.TO_FRONTEND:  # an engine's registration
+            value = decode_msgpack(first) if first else None
+            if not isinstance(value, dict):
+                return parts if first == b"" else _raise("a registration is a map")
+            version = value.get("vllm_version")
+            if isinstance(version, str):
+                self.schema, _ = schema_for(version)
+            return self._message("EngineCoreReadyResponse", value, parts, 0)
+        if channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT):
+            if parts == [ENGINE_CORE_DEAD]:
+                return parts
+            return self._outputs(frame, parts, force)
+        if frame.direction is Direction.TO_FRONTEND or parts == [b"READY"]:
+            return parts  # subscriptions, and the coordinator's READY: no payload
+        return self._request(frame, parts)
+
+    def _message(self, struct: str, value: Any, parts: list[bytes], body: int) -> list[bytes]:
+        """A frame whose part ``body`` holds ``struct``, the parts after it its aux frames."""
+        self._payload, self._visited = list(parts[body:]), set()
+        redacted = self._struct(struct, value)
+        payload = self._payload
+        for index in range(1, len(payload)):
+            if index not in self._visited:  # an aux frame no kept field refers to
+                payload[index] = b""
+                self.blanked[f"{struct} aux frame"] += 1
+        payload[0] = _encode(redacted)
+        return [*parts[:body], *payload]
+
+    def _request(self, frame: CapturedFrame, parts: list[bytes]) -> list[bytes]:
+        kind = RequestType(parts[0])
+        if kind is RequestType.ADD:
+            return self._message("EngineCoreRequest", decode_msgpack(parts[1]), parts, 1)
+        body = decode_msgpack(parts[1])
+        if kind is RequestType.ABORT:
+            if not (isinstance(body, list) and all(isinstance(rid, str) for rid in body)):
+                raise ValueError("an ABORT is a list of request ids")
+            for rid in body:
+                self._end(rid)
+            return [parts[0], _encode([self.hasher.text(rid) for rid in body]), *([b""] * len(parts[2:]))]
+        if kind is RequestType.UTILITY:
+            client, call_id, method, args = body
+            self.calls[(frame.engine_index, client, call_id)] = method
+            args = self._apply(self.policy.utility_action(method, "args"), args, "utility args")
+            return [parts[0], _encode([client, call_id, method, args]), *([b""] * len(parts[2:]))]
+        if not (isinstance(body, list) and all(type(v) is int or v is None for v in body)):  # START_DP_WAVE
+            raise ValueError("a START_DP_WAVE is numbers")
+        return parts
+
+    def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
+        value = decode_msgpack(parts[0])
+        outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
+        rid_at = self.schema.position("EngineCoreOutput", "request_id")
+        outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
+        for output in outputs if isinstance(outputs, list) else ():
+            rid = output[rid_at] if isinstance(output, list) and len(output) > rid_at else None
+            if isinstance(rid, str) and rid not in self.live and rid not in self.ended:
+                if not force:
+                    return None
+                self.live[rid] = Context(_prf(self.tokens.empty, rid.encode()), frozenset())
+                self.outputs_without_prompt += 1
+        self._client = frame.client_index
+        self._engine = frame.engine_index
+        return self._message("EngineCoreOutputs", value, parts, 0)
+
+    # --- walking values -----------------------------------------------------------------------
+
+    def _struct(self, name: str, value: Any) -> Any:
+        spec = self.schema.structs.get(name)
+        rules = self.policy.structs.get(name, {})
+        if spec is None or not isinstance(value, list if spec.encoding == "array" else dict):
+            self.blanked[f"{name} (not a {spec.encoding if spec else 'known struct'})"] += 1
+            return None
+        enter = _ENTER.get(name)
+        if enter is not None:
+            enter(self, spec, value)
+        if spec.encoding == "array":
+            fields = spec.fields
+            out = [self._field(name, fields[i], rules.get(fields[i].name), item) if i < len(fields)
+                   else self._blank(f"{name}[{i}]") for i, item in enumerate(value)]
+        else:
+            fields = spec.by_name
+            out = {key: self._field(name, fields[key], rules.get(key), item) if key in fields
+                   else self._blank(f"{name}.{key}") for key, item in value.items()}
+        if name == "EngineCoreOutput":
+            self._output_done(spec, value)
+        return out
+
+    def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:
+        if value is None:
+            return None
+        if action is None or ("any" not in field.kinds and kind_of(value) not in field.kinds):
+            return self._blank(f"{owner}.{field.name}")
+        if action == "keep" and field.struct is not None:
+            container = field.type.split("[", 1)[0]
+            if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
+                return [self._struct(field.struct, item) for item in value]
+            if container == "dict" and isinstance(value, dict):
+                return {key: self._struct(field.struct, item) for key, item in value.items()}
+            return self._struct(field.struct, value)
+        if action == "drop":  # an empty value of its kind where the field takes one, else its default
+            empty = _empty(value)
+            dropped = empty if field.struct is None and kind_of(empty) in field.kinds else field.default
+            if dropped != value:
+                self.dropped[f"{owner}.{field.name}"] += 1
+            return dropped
+        if action == "tokens":
+            return self._tokens((owner, field.name), value)
+        if action == "utility":
+            method = self.calls.pop((self._engine, self._client, self._call_id), None)
+            return self._apply(self.policy.utility_action(method, "result"), value, "utility result")
+        if field.tensor and action == "keep":
+            self._visit(value)
+        return self._apply(action, value, f"{owner}.{field.name}")
+
+    def _value(self, owner: str, key: Any, action: Action | None, value: Any) -> Any:
+        """A value with no schema (the handshake's HELLO and READY): by the policy alone."""
+        if action is None:
+            return None if value is None else self._blank(f"{owner}.{key}")
+        return self._apply(action, value, f"{owner}.{key}")
+
+    def _apply(self, action: Action, value: Any, where: str) -> Any:
+        if action == "keep":
+            return value
+        if action == "hash":
+            return self._hashed(value, where)
+        if action == "noise":
+            return self._noised(value, where)
+        if action == "drop":
+            self.dropped[where] += 1
+            return _empty(value)
+        return self._blank(where)  # tokens and utility have a place, only the walk knows it
+
+    def _blank(self, where: str) -> None:
+        self.blanked[where] += 1
+        return None
+
+    # --- hash and noise -----------------------------------------------------------------------
+
+    def _hashed(self, value: Any, where: str) -> Any:
+        """Strings and map keys hashed, numbers kept, opaque bytes blanked."""
+        if isinstance(value, str):
+            return self.hasher.text(value)
+        if isinstance(value, list):
+            return [self._hashed(item, where) for item in value]
+        if isinstance(value, dict):
+            return {self._hashed(k, where): self._hashed(v, where) for k, v in value.items()}
+        if isinstance(value, (bytes, Ext)):
+            return self._blank(f"{where} (bytes)")
+        return value
+
+    def _noised(self, value: Any, where: str) -> Any:
+        """Tensors replaced by keyed noise of their shape and dtype; strings hashed, numbers kept."""
+        tensor = _tensor_bytes(value, self._payload)
+        if tensor is not None:
+            dtype, shape, data = value[0], value[1], tensor
+            noise = _noise(dtype, data, hashlib.blake2b(data, key=self._noise_key, digest_size=16).digest())
+            return self._put(value, noise)
+        if isinstance(value, list):
+            return [self._noised(item, where) for item in value]
+        if isinstance(value, dict):
+            return {k if isinstance(k, str) else self._hashed(k, where): self._noised(v, where)
+                    for k, v in value.items()}
+        if isinstance(value, str):
+            return self.hasher.text(value)
+        if isinstance(value, (bytes, Ext)):
+            return self._blank(f"{where} (bytes)")
+        return value
+
+    def _put(self, tensor: list, data: bytes) -> list:
+        """``tensor`` holding ``data`` instead, where it held its bytes (inline, or its aux frame)."""
+        if isinstance(tensor[2], Ext):
+            return [tensor[0], tensor[1], Ext(RAW_VIEW, data)]
+        self._payload[tensor[2]] = data
+        self._visited.add(tensor[2])
+        return tensor
+
+    def _visit(self, value: Any) -> None:
+        if isinstance(value, list) and len(value) == 3 and type(value[2]) is int:
+            self._visited.add(value[2])
+
+    # --- tokens -------------------------------------------------------------------------------
+
+    def _tokens(self, where: tuple[str, str], value: Any) -> Any:
+        context = self._current
+        fixed = context.fixed if context is not None else frozenset()
+        tokens = self.tokens
+        if where == _PROMPT and context is not None and isinstance(value, list):
+            mapped, context.state = tokens.chain(tokens.empty, value, fixed, context.prompt_states)
+            return mapped
+        if where == _OUTPUT and context is not None and isinstance(value, list):
+            context.output_states = []
+            mapped, context.state = tokens.chain(context.state, value, fixed, context.output_states)
+            return mapped
+        tensor = _tensor_bytes(value, self._payload)
+        if tensor is not None:  # candidates (logprobs), a row per position, or a token tensor of no position
+            import numpy as np  # here: most frames have no tensor, and a command's start should not wait for it
+
+            array = np.frombuffer(tensor, dtype=_dtype(value[0])).reshape(value[1] if value[1] else -1)
+            rows = array.reshape(len(array), -1) if array.ndim else array.reshape(1, 1)
+            states = self._candidate_states(where, len(rows))
+            mapped = np.array([tokens.at(state, row.tolist(), fixed) for state, row in zip(states, rows)],
+                              dtype=array.dtype)
+            return self._put(value, mapped.tobytes())
+        if isinstance(value, dict):  # logit_bias
+            return dict(zip(self._tokens(where, list(value)), value.values()))
+        if isinstance(value, list) and value and isinstance(value[0], list):  # bad words' token ids
+            return [self._tokens(where, item) for item in value]
+        if isinstance(value, list):
+            return tokens.at(tokens.empty, value, fixed)
+        return tokens.at(tokens.empty, [value], fixed)[0]
+
+    def _candidate_states(self, where: tuple[str, str], rows: int) -> list[bytes]:
+        """The context of each row of a logprobs tensor (the tokens that one row's candidates follow)."""
+        context, empty = self._current, self.tokens.empty
+        if context is None:
+            return [empty] * rows
+        if where == _OUTPUT_CANDIDATES:
+            states = context.output_states
+            return [states[i] if i < len(states) else context.state for i in range(rows)]
+        if where == _PROMPT_CANDIDATES:  # row j: the prompt token at j + 1, after the first j + 1
+            first, context.prompt_rows = context.prompt_rows, context.prompt_rows + rows
+            states = context.prompt_states or []
+            return [states[i + 1] if i + 1 < len(states) else context.state for i in range(first, first + rows)]
+        return [empty] * rows
+
+    # --- the requests a walk is in ------------------------------------------------------------
+
+    def _enter_request(self, spec: Any, value: list) -> None:
+        params = _at(value, spec.by_name.get("sampling_params"))
+        fixed: set[int] = set()
+        if isinstance(params, dict):
+            for key in _STOP_TOKENS:
+                stops = params.get(key)
+                fixed.update(t for t in (stops if isinstance(stops, list) else [stops]) if type(t) is int)
+        wants_prompt_logprobs = isinstance(params, dict) and params.get("prompt_logprobs") is not None
+        self._current = Context(self.tokens.empty, frozenset(fixed), wants_prompt_logprobs)
+        rid = _at(value, spec.by_name.get("request_id"))
+        if isinstance(rid, str):
+            self.live[rid] = self._current
+
+    def _enter_output(self, spec: Any, value: list) -> None:
+        rid = _at(value, spec.by_name.get("request_id"))
+        self._current = self.live.get(rid) or self.ended.get(rid) if isinstance(rid, str) else None
+
+    def _output_done(self, spec: Any, value: list) -> None:
+        rid = _at(value, spec.by_name.get("request_id"))
+        if _at(value, spec.by_name.get("finish_reason")) is not None and isinstance(rid, str):
+            self._end(rid)
+        self._current = None
+
+    def _enter_outputs(self, spec: Any, value: list) -> None:
+        utility = _at(value, spec.by_name.get("utility_output"))
+        self._call_id = utility[0] if isinstance(utility, list) and utility else None
+
+    def _end(self, rid: str) -> None:
+        context = self.live.pop(rid, None)
+        if context is not None:
+            self.ended[rid] = context
+            if len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+
+
+_ENTER = {"EngineCoreRequest": Redactor._enter_request, "EngineCoreOutput": Redactor._enter_output,
+          "EngineCoreOutputs": Redactor._enter_outputs}
+
+
+def _is_outputs(frame: CapturedFrame) -> bool:
+    return frame.channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT) and frame.parts != [ENGINE_CORE_DEAD]
+
+
+def _at(value: list, field: Field | None) -> Any:
+    return value[field.position] if field is not None and field.position < len(value) else None
+
+
+def _raise(message: str) -> Any:
+    raise ValueError(message)
+
+
+def _prf(key: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, key=key, digest_size=16).digest()
+
+
+def _empty(value: Any) -> Any:
+    """A value of the same kind that says nothing."""
+    return type(value)() if isinstance(value, (list, dict, str, bytes, int, float, bool)) else None
+
+
+# numpy's names for vLLM's tensor dtypes (torch names and numpy ``dtype.str``)
+_TORCH = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+          "int8": "|i1", "uint8": "|u1", "bool": "|b1", "bfloat16": "<u2"}
+
+
+def _dtype(name: str) -> Any:
+    import numpy as np
+
+    return np.dtype(_TORCH.get(name, name))
+
+
+def _tensor_bytes(value: Any, payload: list[bytes]) -> bytes | None:
+    """The bytes of a tensor ``[dtype, shape, data]`` (inline, or in its aux frame), or None if it is none."""
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and isinstance(value[1], list)):
+        return None
+    data = value[2]
+    if isinstance(data, Ext) and data.code == RAW_VIEW:
+        return data.data
+    if type(data) is int and 0 < data < len(payload):
+        return payload[data]
+    return None
+
+
+def _noise(dtype: str, data: bytes, seed: bytes) -> bytes:
+    """Pseudo-random values drawn from ``seed``, as many and of the same dtype as ``data`` holds."""
+    import numpy as np
+
+    generator = np.random.Generator(np.random.PCG64(int.from_bytes(seed, "little")))
+    if dtype == "bfloat16":  # the top half of a float32
+        return (generator.standard_normal(len(data) // 2).astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+    try:
+        kind = _dtype(dtype)
+    except TypeError:
+        return generator.bytes(len(data))
+    count = len(data) // kind.itemsize
+    if kind.kind == "f":
+        return generator.standard_normal(count).astype(kind).tobytes()
+    if kind.kind == "b":
+        return (generator.random(count) < 0.5).tobytes()
+    original = np.frombuffer(data[:count * kind.itemsize], dtype=kind)
+    low, high = (int(original.min()), int(original.max())) if count else (0, 0)
+    return generator.integers(low, high, size=count, endpoint=True).astype(kind).tobytes()

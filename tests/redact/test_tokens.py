@@ -1,0 +1,66 @@
+"""The token mapping's promises, over generated sequences: lengths, shared prefixes, partings, fixed points."""
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_proxy.redact.tokens import Key, RedactionError, TokenMap
+
+VOCAB = 64  # small: collisions and fixed points come up often
+MAP = TokenMap(Key(b"k" * 32), VOCAB)
+tokens = st.lists(st.integers(0, VOCAB - 1), max_size=40)
+
+
+def redacted(sequence, fixed=frozenset(), token_map=MAP):
+    return token_map.chain(token_map.empty, sequence, fixed)[0]
+
+
+@settings(max_examples=300)
+@given(tokens, tokens, tokens)
+def test_equal_prefixes_stay_equal_and_sequences_part_where_they_parted(prefix, a, b):
+    left, right = redacted(prefix + a), redacted(prefix + b)
+    assert len(left) == len(prefix + a) and len(right) == len(prefix + b)
+    assert left[:len(prefix)] == right[:len(prefix)]
+    common = next((i for i, (x, y) in enumerate(zip(prefix + a, prefix + b)) if x != y), None)
+    if common is not None:
+        assert left[:common] == right[:common] and left[common] != right[common]
+
+
+@settings(max_examples=200)
+@given(tokens, st.frozensets(st.integers(0, VOCAB - 1), max_size=5))
+def test_fixed_points_stay_and_nothing_else_becomes_one(sequence, fixed):
+    for original, mapped in zip(sequence, redacted(sequence, fixed)):
+        assert (original in fixed) == (mapped in fixed)
+        if original in fixed:
+            assert mapped == original
+
+
+@given(tokens, st.frozensets(st.integers(0, VOCAB - 1), max_size=5))
+def test_each_context_maps_the_vocabulary_one_to_one(prefix, fixed):
+    _, state = MAP.chain(MAP.empty, prefix, fixed)
+    assert sorted(MAP.at(state, list(range(VOCAB)), fixed)) == list(range(VOCAB))
+
+
+def test_one_token_in_many_contexts_becomes_many_tokens():
+    """No substitution table: token 7 after each of 64 different tokens lands on most of the vocabulary."""
+    landed = collections.Counter(redacted([p, 7])[1] for p in range(VOCAB))
+    assert len(landed) > VOCAB // 2
+
+
+def test_the_key_chooses_the_mapping_and_one_key_always_gives_the_same():
+    sequence = list(range(30))
+    assert redacted(sequence) == redacted(sequence, token_map=TokenMap(Key(b"k" * 32), VOCAB))
+    assert redacted(sequence) != redacted(sequence, token_map=TokenMap(Key(b"j" * 32), VOCAB))
+
+
+@pytest.mark.parametrize("bad", [[VOCAB], [-1], [1.5], ["3"]])
+def test_a_token_outside_the_vocabulary_is_refused_by_name(bad):
+    with pytest.raises(RedactionError, match="not in a vocabulary of 64"):
+        redacted([1, *bad])
+
+
+def test_a_short_key_is_refused():
+    with pytest.raises(RedactionError, match="needs 16 or more"):
+        Key(b"short")
