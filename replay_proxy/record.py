@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.text import Text
 
 from replay_proxy.net.relay import Relay
+from replay_proxy.redact.settings import RedactionSettings
 from replay_proxy.store.recorder import OnFull, Recorder, RecorderStats, SessionInfo
 
 STATUS_EVERY_S = 0.25
@@ -38,11 +39,12 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 async def record(listen: str, upstream: str, db: Path, *, session: str,
                  on_full: OnFull = OnFull.DROP, record_coordinator: bool = False, max_db_mb: float | None = None,
+                 redaction: RedactionSettings | None = None,
                  console: Console | None = None) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM; return the finished recorder and its final statistics."""
     console = console or Console(stderr=True)
     recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full,
-                        max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None)
+                        max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None, redaction=redaction)
     relay = Relay(listen, upstream, recorder, record_coordinator=record_coordinator)
     status, error = "complete", None
     try:

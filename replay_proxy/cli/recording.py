@@ -38,6 +38,13 @@ def record(
     fail_on_drift: Annotated[bool, typer.Option(
         help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
              "(the drift alarms, in the drift_alarms table).")] = False,
+    redact_key: Annotated[Path | None, typer.Option(
+        help="Redact every frame with the key in this file before anything is written (forwarding is untouched); "
+             "see README: Redaction.")] = None,
+    redact_policy: Annotated[Path | None, typer.Option(
+        help="--redact-key: a JSON redaction policy laid over the shipped one.")] = None,
+    vocab_size: Annotated[int | None, typer.Option(
+        min=2, help="--redact-key: the model's vocabulary size (vocab_size in its config.json).")] = None,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.
 
@@ -48,10 +55,11 @@ def record(
     from replay_proxy.record import record as run_record, status_line
 
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
+    redaction = redaction_settings(redact_key, redact_policy, vocab_size, "--redact-key") if redact_key else None
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
                                                       record_coordinator=record_coordinator, max_db_mb=max_db_mb,
-                                                      console=err))
+                                                      redaction=redaction, console=err))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     err.print(status_line(stats, 0))
@@ -67,6 +75,57 @@ def record(
         err.print(f"{stats.drift_alarms} drift alarm(s): replay-proxy query --db {db} --preset drift")
         if fail_on_drift:
             raise typer.Exit(int(ExitCode.SCHEMA_BREAKING))
+
+
+def redaction_settings(key: Path, policy: Path | None, vocab_size: int | None, option: str) -> RedactionSettings:
+    """The redaction options, checked: a key or policy that cannot be used is a usage error."""
+    from replay_proxy.redact.settings import Redaction, RedactionSettings
+
+    if vocab_size is None:
+        raise fail(f"{option} needs --vocab-size: no release's handshake carries the vocabulary size "
+                   f"(it is vocab_size in the model's config.json)", ExitCode.USAGE)
+    settings = RedactionSettings(str(key), vocab_size, str(policy) if policy else None)
+    try:
+        Redaction(settings)
+    except ReplayProxyError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    return settings
+
+
+@app.command()
+def redact(
+    db: Annotated[Path, typer.Option(help="The recording to redact (it is only read).")],
+    out: Annotated[Path, typer.Option(help="The new SQLite file for the redacted copies (must not exist).")],
+    key_file: Annotated[Path, typer.Option(help="The redaction key: a file of 16 bytes or more.")],
+    session: Annotated[list[str] | None, typer.Option(help="A session to redact: name or id (repeatable; "
+                                                           "default: every session).")] = None,
+    policy: Annotated[Path | None, typer.Option(help="A JSON redaction policy laid over the shipped one.")] = None,
+    vocab_size: Annotated[int | None, typer.Option(
+        min=2, help="The model's vocabulary size (vocab_size in its config.json).")] = None,
+) -> None:
+    """Write redacted copies of a recording's sessions into a new file, safe to hand to CI.
+
+    Token ids are pseudonymized with a keyed, prefix-preserving mapping (lengths and shared prefixes
+    stay); ids and names are keyed hashes; stop strings, schemas and transfer parameters are dropped;
+    tensors become keyed noise; anything the policy does not name is blanked (README: Redaction).
+
+    Example: replay-proxy redact --db staging.db --out ci.db --key-file redaction.key --vocab-size 512
+    """
+    from replay_proxy.redact.settings import Redaction
+    from replay_proxy.store.copy import redact_database
+
+    if not db.exists():
+        raise fail(f"{db} does not exist", ExitCode.USAGE)
+    if out.resolve() == db.resolve():
+        raise fail("--out is --db: redact writes a new file, never in place", ExitCode.USAGE)
+    redaction = Redaction(redaction_settings(key_file, policy, vocab_size, "redact"))
+    try:
+        copied = redact_database(db, out, redaction, session)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
+    for name, session_id, frames in copied:
+        err.print(f"session {name!r}: {frames:,} frames redacted -> {out} (id {session_id})")
+    err.print(f"key {redaction.key.fingerprint}, policy {redaction.policy.digest}")
 
 
 @app.command()

@@ -20,6 +20,7 @@ class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     # A trailing EngineCoreOutputs field, as 0.32.0 appended weight_version: Python readers skip it, vllm-rs
     # rejects it (an extra element in each EngineCoreOutput, vllm-rs skips too: readers.json).
     append_outputs_field: bool = False
+    appended_value: int | str = 0  # what that trailing field carries
     finish_reason: str | None = None  # report this finish reason instead of the true one
     token_offset: int = 0  # shift every generated token id
     die_after_requests: int | None = None  # send ENGINE_CORE_DEAD after this many ADDs

@@ -207,7 +207,7 @@ class SimEngine:
     async def _send(self, client: int, named: dict) -> None:
         named = {"engine_index": self.index, "timestamp": trio.current_time(), **named}
         if self.drift.append_outputs_field:
-            named["$extra"] = 0
+            named["$extra"] = self.drift.appended_value
         await self.outputs[client].send([encode(struct_value(self.schema, "EngineCoreOutputs", named))])
 
 

@@ -166,20 +166,21 @@ class SimFrontend:
         return [f.name for f in self.schema.structs[struct].fields]
 
     async def add(self, request_id: str, prompt: list[int], *, engine: int = 0, client: int = 0,
-                  **sampling) -> None:
+                  request: dict | None = None, **sampling) -> None:
+        """ADD a request; ``request``: more EngineCoreRequest fields (a LoRA, a cache salt, trace headers)."""
         params = dict(sampling)
         if self.drift.rename_sampling_key and self.drift.rename_sampling_key[0] in params:
             old, new = self.drift.rename_sampling_key
             params[new] = params.pop(old)
         if self.drift.add_sampling_key:
             params[self.drift.add_sampling_key] = 1
-        request = struct_value(self.schema, "EngineCoreRequest", {
+        body = struct_value(self.schema, "EngineCoreRequest", {
             "request_id": request_id, "prompt_token_ids": prompt, "mm_features": None,
             "sampling_params": struct_value(self.schema, "SamplingParams", params),
             "pooling_params": None, "arrival_time": time.time(), "lora_request": None,
-            "cache_salt": None, "data_parallel_rank": None, "client_index": client,
+            "cache_salt": None, "data_parallel_rank": None, "client_index": client, **(request or {}),
         })
-        await self._send(engine, client, RequestType.ADD, request)
+        await self._send(engine, client, RequestType.ADD, body)
         if self.coordinator and not self.waves_started:  # wake the other (paused) engines
             self.waves_started += 1
             await self._publish.send([RequestType.START_DP_WAVE.value, encode([0, engine])])

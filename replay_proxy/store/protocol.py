@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+from replay_proxy.redact.settings import RedactionSettings
 from replay_proxy.wire.capture import encode_entries
 
 
@@ -26,6 +27,7 @@ class WriterStart(msgspec.Struct, frozen=True):
     hold_frames: int  # waiting frames beyond this are kept undecoded (half the recorder's queue)
     sockets_folder: str  # where the two addresses' files are: the writer removes it if it ends last
     max_bytes: int | None = None  # a cap on the database file
+    redaction: RedactionSettings | None = None  # redact every frame before it is written or kept
 
 
 class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -46,6 +46,7 @@ import zmq
 from replay_proxy import __version__
 from replay_proxy.clock import utc_now
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, batch_message, decode_progress, stop_message
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import (
@@ -114,17 +115,18 @@ class Recorder:
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
                  queue_size: int = 100_000, max_db_bytes: int | None = None,
-                 context: zmq.Context | None = None):
+                 redaction: RedactionSettings | None = None, context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._frames_seen = self._frames_dropped = self._bytes_seen = 0
         self._frames_sent = 0  # passed on to the writer
         self._queue_size = queue_size
         self._block = OnFull(on_full) is OnFull.BLOCK
+        row = {**msgspec.to_builtins(session), "started_at": utc_now(), "status": "recording",
+               "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0}
+        if redaction is not None:  # loaded here too: a bad key or policy fails before anything starts
+            row = Redaction(redaction).session_row(row)
         db = open_database(self.db_path)
-        self.session_id = db["sessions"].insert({
-            **msgspec.to_builtins(session), "started_at": utc_now(), "status": "recording",
-            "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0,
-        }).last_pk
+        self.session_id = db["sessions"].insert(row).last_pk
         db.close()
         context = context or zmq.Context.instance()
         self._folder = tempfile.mkdtemp(prefix="replay-proxy-")
@@ -155,7 +157,8 @@ class Recorder:
         self._mine.setsockopt(zmq.IDENTITY, RELAY)
         self._mine.connect(self.capture)
         start = WriterStart(str(self.db_path), self.session_id, tap, progress, parent_pid=os.getpid(),
-                            hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes)
+                            hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes,
+                            redaction=redaction)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "replay_proxy.store.writer", msgspec.json.encode(start).decode()],
             stdin=subprocess.DEVNULL,

@@ -79,6 +79,7 @@ class Session(msgspec.Struct):
     registrations: list[dict[str, Any]]  # engine 0's first, whatever the start order
     requests: list[Request]
     utility: list[dict[str, Any]]  # calls beside their results, in call order
+    redacted: bool = False  # its tokens are pseudonyms (``replay-proxy redact``, ``record --redact-key``)
 
     @property
     def label(self) -> str:
@@ -160,7 +161,8 @@ def load_session(db_path: Path, session: str) -> Session:
         inputs=[f for f in frames if f.kind in INPUT_KINDS], outputs=[f for f in frames if f.kind in OUTPUT_KINDS],
         registrations=registrations, requests=_requests(db, sid, aborted),
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
-                              "WHERE session_id = ? ORDER BY called_ns", [sid])))
+                              "WHERE session_id = ? ORDER BY called_ns", [sid])),
+        redacted=row.get("redaction_key") is not None)
 
 
 def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:

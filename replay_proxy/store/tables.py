@@ -41,6 +41,9 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "schema_release": str, "schema_exact": int, "proxy_version": str, "frames_seen": int,
         "frames_recorded": int, "frames_dropped": int, "frames_undecoded": int, "bytes_seen": int,
         "engines_dead": int, "error": str,
+        # A redacted session: its policy's digest and its key's fingerprint (never the key), and what
+        # the redaction blanked (default deny) and dropped (the policy), as JSON counts.
+        "redaction_policy": str, "redaction_key": str, "redaction_counts": str,
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,

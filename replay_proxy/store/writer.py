@@ -42,10 +42,12 @@ import msgspec
 import zmq
 
 from replay_proxy.clock import utc_now
+from replay_proxy.redact.settings import Redaction, redaction_counts
 from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, encode_progress, header
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
-from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
+from replay_proxy.wire.capture import (
+    RELAY, CapturedFrame, EngineLoss, decode_entries, encode_entries, engine_loss_entry, relay_entry)
 from replay_proxy.wire.messages import Kind, WireDecoder
 from replay_proxy.wire.schema import release_key
 
@@ -62,10 +64,12 @@ class Writer:
     """One session's writer: decodes, or keeps and later decodes, the tap's messages.
 
     It picks up where the session's database stands, so it also finishes a session left partly
-    decoded (``replay-proxy decode``).
+    decoded (``replay-proxy decode``). With ``redaction``, every frame is redacted as it comes, before
+    it is written or kept: nothing unredacted reaches the file (what is kept is kept redacted).
     """
 
-    def __init__(self, db_path: str, session_id: int, *, max_bytes: int | None = None):
+    def __init__(self, db_path: str, session_id: int, *, max_bytes: int | None = None,
+                 redaction: Redaction | None = None):
         self.session_id = session_id
         self.connection = sqlite3.connect(db_path, timeout=30)
         self.connection.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints
@@ -82,6 +86,7 @@ class Writer:
             "SELECT vllm_version, COALESCE(frames_recorded, 0) FROM sessions WHERE id = ?", (session_id,)).fetchone()
         self.decoder = WireDecoder()
         self.decoder.learn_version(version)  # a session decoded before in part: its registration is past
+        self.redactor = redaction.redactor(version) if redaction is not None else None
         self.request_numbers = dict(self.connection.execute(
             "SELECT request_id, number FROM request_ids WHERE session_id = ?", (session_id,)))
         first, last, undecoded = self.connection.execute(
@@ -159,8 +164,14 @@ class Writer:
 
     def write(self, messages: list[Entries]) -> None:
         """Decode the tap's messages and write them, in one transaction."""
-        frames = sum(count for count, _ in messages)
-        rows, added = self._tabulate(item for _, entries in messages for item in decode_entries(entries))
+        self.write_frames([item for _, entries in messages for item in decode_entries(entries)])
+
+    def write_frames(self, captured: list[CapturedFrame | EngineLoss]) -> None:
+        """Tabulate and write captured frames, in one transaction (redacted first, if redacting)."""
+        if self.redactor is not None:
+            captured = self.redactor.frames(captured)
+        frames = sum(type(item) is CapturedFrame for item in captured)
+        rows, added = self._tabulate(captured)
         if self._commit(rows):
             self.frames_written += frames
             self.requests += added
@@ -169,6 +180,8 @@ class Writer:
 
     def keep(self, messages: list[Entries]) -> None:
         """Keep the tap's messages as they came, numbering them, about ``DECODE_FRAMES`` x 10 a transaction."""
+        if self.redactor is not None:
+            messages = self._redacted(messages)
         while messages:
             rows, frames, taken = Rows(), 0, 0
             for count, entries in messages:
@@ -183,6 +196,14 @@ class Writer:
                 self.frames_undecoded += frames
             else:
                 self.frames_failed += frames
+
+    def _redacted(self, messages: list[Entries]) -> list[Entries]:
+        """The tap's messages redacted, as entries again (each frame and loss the relay's own)."""
+        captured = self.redactor.frames([item for _, entries in messages for item in decode_entries(entries)])
+        entries = [[RELAY, *(relay_entry(item) if type(item) is CapturedFrame else engine_loss_entry(item))]
+                   for item in captured]
+        frames = sum(type(item) is CapturedFrame for item in captured)
+        return [(frames, encode_entries(entries))] if entries else []
 
     @property
     def behind(self) -> bool:
@@ -219,6 +240,8 @@ class Writer:
 
     def finish(self, stop: Stop | None = None) -> None:
         """Write the session's totals (and, given how it ended, its end) and close the database."""
+        if self.redactor is not None:  # outputs that waited for their request's ADD to the end
+            self.write_frames(self.redactor.flush())
         decoder = self.decoder
         end = {} if stop is None else {"status": stop.status, "frames_seen": stop.frames_seen,
                                        "bytes_seen": stop.bytes_seen,
@@ -230,6 +253,8 @@ class Writer:
         values = {"vllm_version": decoder.vllm_version, "schema_release": decoder.schema.release,
                   "schema_exact": int(decoder.schema_exact), "frames_recorded": self.frames_written,
                   "frames_undecoded": self.frames_undecoded, "engines_dead": len(self.dead), **end}
+        if self.redactor is not None:
+            values["redaction_counts"] = redaction_counts(self.redactor)
         assignments = ", ".join(f"{k} = ?" for k in values)
         with self.connection:
             self.connection.execute(f"UPDATE sessions SET {assignments}, error = COALESCE(?, error) WHERE id = ?",
@@ -261,7 +286,8 @@ class WriterLoop:
         self.progress_socket.connect(start.progress_address)
         self.parent, self.hold_frames = start.parent_pid, start.hold_frames
         self.sockets_folder = start.sockets_folder
-        self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes)
+        self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes,
+                             redaction=Redaction(start.redaction) if start.redaction else None)
         self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
         self.held_bytes = self.held_frames = 0
         self.stop: Stop | None = None

@@ -1,0 +1,92 @@
+"""``replay-proxy redact``: a recording's sessions, redacted, into a new file.
+
+Never in place: SQLite leaves deleted data in freed pages and in its WAL, so
+the redacted copy is a new database. Each session's frames go, in seq order,
+through the ``Redactor`` and the recorder's own writer, so the copy's tables
+are made from its redacted frames exactly as a recording's are from its own.
+The source is only read: what it kept undecoded is read as it was kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.redact.settings import Redaction
+from replay_proxy.store.tables import TABLES, open_database
+from replay_proxy.store.writer import DECODE_FRAMES, Writer
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
+from replay_proxy.wire.messages import Channel, Direction
+
+_parts = msgspec.msgpack.Decoder(list[bytes]).decode
+# What the writer recomputes from the redacted frames, or what says how the source was redacted.
+_RECOMPUTED = {"id", "vllm_version", "schema_release", "schema_exact", "frames_recorded", "frames_undecoded",
+               "engines_dead", "baseline_session_id", "redaction_policy", "redaction_key", "redaction_counts"}
+
+
+class CopyError(ReplayProxyError):
+    """A copy that would overwrite something, or of nothing."""
+
+
+def redact_database(source: Path, out: Path, redaction: Redaction, sessions: list[str] | None = None
+                    ) -> list[tuple[str, int, int]]:
+    """Redacted copies of ``sessions`` (names or ids; all by default) in the new file ``out``:
+    (name, id in ``out``, frames) of each."""
+    if out.exists() and out.stat().st_size:
+        raise CopyError(f"{out} exists: redact writes a new file (never over one, so nothing unredacted stays)")
+    with contextlib.closing(sqlite3.connect(source)) as db:
+        db.row_factory = sqlite3.Row
+        rows = [dict(r) for r in db.execute("SELECT * FROM sessions ORDER BY id")]
+        if sessions:
+            wanted = set(sessions)
+            rows = [r for r in rows if r["name"] in wanted or str(r["id"]) in wanted]
+            missing = wanted - {r["name"] for r in rows} - {str(r["id"]) for r in rows}
+            if missing:
+                raise CopyError(f"no session {', '.join(sorted(missing))} in {source}")
+        if not rows:
+            raise CopyError(f"{source} holds no session")
+        new_ids: dict[int, int] = {}  # a source session's id -> its copy's: a replay's baseline follows its copy
+        return [_copy(db, row, out, redaction, new_ids) for row in rows]
+
+
+def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, new_ids: dict[int, int]
+          ) -> tuple[str, int, int]:
+    """One session, redacted, into ``out``: (its name, its id there, its frames)."""
+    values = {k: v for k, v in row.items() if k in TABLES["sessions"][0] and k not in _RECOMPUTED}
+    values["vllm_version"] = row["vllm_version"]  # the writer names the frames with it from the start
+    values["baseline_session_id"] = new_ids.get(row["baseline_session_id"])
+    with contextlib.closing(open_database(out)) as target:
+        session_id = new_ids[row["id"]] = target["sessions"].insert(redaction.session_row(values)).last_pk
+    writer = Writer(str(out), session_id, redaction=redaction)
+    chunk: list[CapturedFrame | EngineLoss] = []
+    for item in _recorded(db, row["id"]):
+        chunk.append(item)
+        if len(chunk) >= DECODE_FRAMES:
+            writer.write_frames(chunk)
+            chunk = []
+    writer.write_frames(chunk)
+    frames = writer.frames_written
+    writer.finish()
+    return row["name"], session_id, frames
+
+
+def _recorded(db: sqlite3.Connection, session_id: int) -> Iterator[CapturedFrame | EngineLoss]:
+    """A session's frames as they were captured, and its engines' losses, in seq order; then what it kept
+    undecoded (a writer keeps the newest frames, so those come after the decoded ones)."""
+    frames = (CapturedFrame(seq, ts_ns, Channel(channel), Direction(direction), engine, client, _parts(raw),
+                            _parts(forwarded) if forwarded else None)
+              for seq, ts_ns, channel, direction, engine, client, raw, forwarded in db.execute(
+                  "SELECT seq, ts_ns, channel, direction, engine_index, client_index, raw, forwarded_raw "
+                  "FROM frames WHERE session_id = ? ORDER BY seq", [session_id]))
+    losses = (EngineLoss(seq, ts_ns, engine, detail) for seq, ts_ns, engine, detail in db.execute(
+        "SELECT seq, ts_ns, engine_index, detail FROM engine_events WHERE session_id = ? AND event = 'lost' "
+        "ORDER BY seq", [session_id]))
+    yield from heapq.merge(frames, losses, key=lambda item: item.seq)
+    for (entries,) in db.execute("SELECT batch FROM undecoded WHERE session_id = ? ORDER BY number", [session_id]):
+        yield from sorted(decode_entries(entries), key=lambda item: item.seq)
