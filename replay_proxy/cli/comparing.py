@@ -75,6 +75,9 @@ def replay(
     baseline_cmd: Annotated[str | None, typer.Option(
         help="--noise-runs: start the baseline build (the one the recording was made with) with this command.")]
         = None,
+    hold_lengths: Annotated[bool, typer.Option(help=(
+        "--against engine: each request asks for exactly its recorded number of output tokens, so the "
+        "replay's load has the recorded shape even when its tokens differ (a redacted recording)."))] = False,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
 ) -> None:
     """Replay a recorded session against a new engine or frontend build and report what changed.
@@ -93,12 +96,15 @@ def replay(
         raise fail("--against frontend needs --upstream (its handshake) and --http (its API)", ExitCode.USAGE)
     if noise_runs and not baseline_cmd:
         raise fail("--noise-runs needs --baseline-cmd (the build the recording was made with)", ExitCode.USAGE)
+    if hold_lengths and against is not Side.ENGINE:
+        raise fail("--hold-lengths is for --against engine (a frontend asks for what its clients ask)",
+                   ExitCode.USAGE)
     peer = PeerUnderTest(side=against, address=listen if against is Side.ENGINE else upstream, http=http,
                          command=engine_cmd if against is Side.ENGINE else frontend_cmd)
     try:
         options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout,
                                 rules=rules_option(rules), noise_runs=noise_runs, baseline_command=baseline_cmd,
-                                report_dir=report_dir)
+                                report_dir=report_dir, hold_lengths=hold_lengths)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     err.print(f"replaying {session!r} against the {against} at {peer.address}")

@@ -15,24 +15,50 @@ from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.store.session import Session, decode_and_load, match_requests
 from replay_proxy.wire.schema import Schema, schema_lines
 
+HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-lengths`` sets in every ADD
+
 
 def build_report(title: str, baseline: Session, candidate: Session, rules: Rules,
-                 noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False) -> Report:
+                 noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False,
+                 held_lengths: bool = False) -> Report:
     """The one place where two sessions become a report.
 
     ``noise``: more runs of the baseline build. ``replayed_noise``: they are replays, like the candidate,
     while the baseline is a recording made under other conditions (the real peers sharing the machine):
     their first run is then the baseline for timing, and the others measure run-to-run variation.
+    ``held_lengths``: the candidate's requests (and the noise runs') asked for their recorded lengths
+    (``replay --hold-lengths``), so max_tokens and min_tokens are theirs, not the recording's.
+
+    A redacted recording's tokens are pseudonyms an engine never produces: against an engine, behaviour
+    is judged against the baseline build's replay of it (the first noise run), or not at all.
     """
-    keys = rules.match_sampling_keys
+    held = HELD_KEYS if held_lengths else frozenset()
+    keys = [k for k in rules.match_sampling_keys if k not in held]
     matching = match_requests(baseline, candidate, keys)
     shapes = observed_shapes(baseline), observed_shapes(candidate)
     timing, variation = (noise[0], noise[1:]) if replayed_noise and noise else (baseline, noise)
     timing_matching = matching if timing is baseline else match_requests(timing, candidate, keys)
+    judged, judged_noise, judged_matching = baseline, noise, matching
+    pseudonyms = baseline.redacted and not frontend_under_test
+    if pseudonyms and noise:
+        judged, judged_noise, judged_matching = noise[0], noise[1:], match_requests(noise[0], candidate, keys)
     findings = [*schema_findings(baseline, candidate, shapes, rules),
-                *sampling_findings(matching.pairs, candidate, rules),
-                *behaviour_findings(baseline, candidate, matching, rules, noise, frontend_under_test),
+                *sampling_findings(matching.pairs, candidate, rules, held),
+                *(behaviour_findings(judged, candidate, judged_matching, rules, judged_noise, frontend_under_test)
+                  if judged is not baseline or not pseudonyms else []),
                 *performance_findings(timing, candidate, timing_matching, rules, variation)]
+    if pseudonyms:
+        findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
+            f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
+            f"utility results are judged against {judged.label}, the baseline build replayed with them"
+            if judged is not baseline else
+            "the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
+            "utility results are not judged (--noise-runs with --baseline-cmd judges them against the baseline "
+            "build)"), field="redacted_recording"))
+    if held:
+        findings.append(Finding("behaviour", Severity.INFO, "lengths_held",
+                                "each request asked for its recorded number of tokens (--hold-lengths)",
+                                field="lengths_held"))
     if timing is not baseline:
         findings.append(Finding("performance", Severity.INFO, "timing_baseline",
                                 f"latency is compared with {timing.label}, the baseline build replayed as the "

@@ -16,11 +16,13 @@ from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Request, Session
 
 
-def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, rules: Rules) -> list[Finding]:
+def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, rules: Rules,
+                      set_by_replay: frozenset[str] = frozenset()) -> list[Finding]:
     """How each SamplingParams key travels in the candidate's requests.
 
     Keys the candidate's engine release does not know are found in every
-    request; the other comparisons need a matched baseline request.
+    request; the other comparisons need a matched baseline request. ``set_by_replay``: keys the
+    replay itself set (``--hold-lengths``), not compared.
     """
     defaults = candidate.schema.sampling_defaults
     by_frontend = set(rules.frontend_handled_sampling_keys)
@@ -35,7 +37,7 @@ def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, 
         orders_differ += [k for k in new if k in old] != [k for k in old if k in new]
         for key in dict.fromkeys([*old, *new]):
             before, after = old.get(key, defaults.get(key)), new.get(key, defaults.get(key))
-            if key not in defaults:
+            if key not in defaults or key in set_by_replay:
                 continue
             if _same(before, after):
                 by_key[key].append("default sent" if key not in old else "default omitted" if key not in new

@@ -41,6 +41,7 @@ from replay_proxy.store.session import RecordedFrame, Session
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, engine_index
 from replay_proxy.wire.messages import Channel, Direction, Kind
+from replay_proxy.wire.values import decode_msgpack
 
 SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unrecorded ones
 
@@ -61,6 +62,7 @@ class FrontendPlayer(Player):
         self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
                                    if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
         self._pending_aborts = [f for f in session.inputs if f.kind is Kind.ABORT]
+        self._recorded_lengths = {r.request_id: (len(r.tokens), r.finish_reason) for r in session.requests}
 
     def tally(self) -> Tally:
         """Requests sent, requests finished, requests recorded, tokens received."""
@@ -205,12 +207,28 @@ class FrontendPlayer(Player):
 
     async def _send(self, frame: RecordedFrame) -> None:
         client = frame.client_index or 0
-        await self.inputs[client].send([engine_identity(frame.engine_index), *frame.parts])
-        self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, frame.parts)
+        parts = self._held(frame) if self.options.hold_lengths and frame.kind is Kind.ADD else frame.parts
+        await self.inputs[client].send([engine_identity(frame.engine_index), *parts])
+        self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, parts)
         self.outcome.sent += 1
         if frame.kind is Kind.ADD and isinstance(frame.decoded, dict):
             self._sent_requests.add(frame.decoded["request_id"])
             await self._release_aborts()
+
+    def _held(self, frame: RecordedFrame) -> list[bytes]:
+        """An ADD asking for exactly the tokens its request produced when recorded (``--hold-lengths``):
+        max_tokens that many, and min_tokens too, one less where it ended on a stop token (EOS or a
+        stop token stays possible there, so a faithful engine ends as recorded)."""
+        recorded = self._recorded_lengths.get(frame.decoded.get("request_id"))
+        if not recorded or not recorded[0]:
+            return frame.parts  # no output recorded: nothing to hold it to
+        tokens, finish = recorded
+        body = decode_msgpack(frame.parts[1])
+        params = body[self.session.schema.position("EngineCoreRequest", "sampling_params")]
+        if not isinstance(params, dict):
+            return frame.parts
+        params.update(max_tokens=tokens, min_tokens=tokens - 1 if finish == "stop" else tokens)
+        return [frame.parts[0], encode(body), *frame.parts[2:]]
 
     async def _wait_finished(self) -> None:
         """Wait (bounded) for every request to finish or be aborted and every call to be answered."""

@@ -73,6 +73,7 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     noise_runs: int = 0  # replays against the baseline build first: what varies between them is noise
     baseline_command: str | None = None  # starts the baseline build (the one the recording was made with)
     report_dir: Path | None = None  # the peers' logs (and, for the command, the reports); default: a temporary one
+    hold_lengths: bool = False  # against an engine: each request asks for exactly its recorded number of tokens
 
     def __post_init__(self) -> None:
         pace_factor(self.pace)

@@ -65,7 +65,8 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     if failure:
         return _failed(title, recording.name, name, failure), None
     report = build_report(title, recording, decode_and_load(db, str(session_id)),
-                          options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True)
+                          options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
+                          held_lengths=options.hold_lengths)
     report.findings += outcome.findings
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome

@@ -10,13 +10,19 @@ import pytest
 import sqlite_utils
 import trio
 
+from replay_proxy.compare.findings import Severity
+from replay_proxy.processes import free_port
 from replay_proxy.redact.settings import Redaction, RedactionSettings
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
+from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.drift import EngineDrift
 from replay_proxy.sim.engine import VOCAB, token_at
 from replay_proxy.store.copy import redact_database
 from replay_proxy.wire.handshake import engine_identity
+from replay_proxy.wire.messages import Side
 from tests.conftest import RecordedSession
 from tests.redact.leaks import common_prefix, leaks, shape, tokens_of
+from tests.replay.test_engine_replay_sim import engines_command
 
 STOP = "a secret stop string"
 SCHEMA = '{"type": "object", "properties": {"acme_secret_field": {"type": "string"}}}'
@@ -175,6 +181,23 @@ def test_a_frame_that_does_not_decode_is_forwarded_as_it_was_and_recorded_blank(
     [frame] = database.query("SELECT raw, kind FROM frames WHERE kind = 'UNKNOWN'")
     assert msgspec.msgpack.decode(frame["raw"]) == [b"", b""]
     assert json.loads(database["sessions"].get(1)["redaction_counts"])["blanked"] == {"frame (ValueError)": 1}
+
+
+def test_a_redacted_session_replays_against_an_engine_with_its_lengths_held(tmp_path, key_file):
+    source, db = tmp_path / "staging.db", tmp_path / "ci.db"
+    trio.run(lambda: record(source, name="baseline"))
+    redact_database(source, db, Redaction(settings(key_file)))
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen))
+    options = ReplayOptions(pace="fast", ready_timeout_s=20, finish_timeout_s=10, report_dir=tmp_path,
+                            hold_lengths=True)
+    report, outcome = replay_session(db, "baseline", peer, options)
+    codes = {f.code for f in report.findings}
+    assert {"redacted_recording", "lengths_held"} <= codes
+    assert [f for f in report.findings if f.severity >= Severity.WARNING and f.category != "performance"] == []
+    recorded, replayed = (shape(db, 1)["outputs"], shape(db, 2)["outputs"])
+    # Each asked for its own length; the aborted one (last) ends where its ABORT lands, as recorded.
+    assert [tokens for tokens, _ in replayed[:3]] == [tokens for tokens, _ in recorded[:3]]
 
 
 @pytest.mark.parametrize("arguments, error", [
