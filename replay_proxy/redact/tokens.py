@@ -4,9 +4,10 @@ The token at position i of a sequence becomes ``pi_i(t)``, where ``pi_i`` is a
 bijection of the vocabulary chosen by the key and the original tokens before
 position i (Crypto-PAn's idea, for token ids instead of address bits):
 
-* the context is a chain of keyed BLAKE2b (the standard library's PRF):
-  ``state_0`` comes from the key alone, ``state_{i+1} = BLAKE2b(key=state_i, t_i)``;
-  equal prefixes give equal states, across requests and sessions with one key;
+* the context is keyed BLAKE2b (the standard library's PRF) of the tokens
+  before position i, fed to one running hash a token at a time:
+  ``state_i = BLAKE2b(key, t_0 .. t_{i-1})``; equal prefixes give equal
+  states, across requests and sessions with one key;
 * ``pi(t) = P[(t + shift) mod V]``: a shift drawn from the state (a one-time pad
   on the vocabulary, one per context) then ``P``, a secret permutation of the
   vocabulary drawn from the key, so the difference of two tokens that follow one
@@ -27,11 +28,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 from replay_proxy.errors import ReplayProxyError
 
 MIN_KEY_BYTES = 16
-_DIGEST = 16  # bytes of each chained state
+_DIGEST = 16  # bytes of each context's state
+Prefix = Any  # a running keyed BLAKE2b: the tokens of a context so far
 
 
 class RedactionError(ReplayProxyError):
@@ -74,20 +77,23 @@ class TokenMap:
         if vocab_size < 2:
             raise RedactionError(f"a vocabulary of {vocab_size} tokens cannot be redacted")
         self.vocab_size = vocab_size
-        self.empty = _prf(key.subkey(b"tokens"), b"context", vocab_size.to_bytes(8, "little"), _DIGEST)
+        self._root = hashlib.blake2b(vocab_size.to_bytes(8, "little"), key=key.subkey(b"tokens"), person=b"context",
+                                     digest_size=_DIGEST)
+        self.empty = self._root.digest()  # the context of the first token, and of token lists of no position
         order = key.subkey(b"token-order")
-        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", t.to_bytes(4, "little"), 8))
+        self._bytes = [t.to_bytes(4, "little") for t in range(vocab_size)]  # what the chain hashes, made once
+        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", self._bytes[t], 8))
 
     def _refuse(self, tokens: Iterable[int]) -> None:
         bad = next((t for t in tokens if not (type(t) is int and 0 <= t < self.vocab_size)), tokens)
         raise RedactionError(f"token {bad!r} is not in a vocabulary of {self.vocab_size} (--vocab-size)")
 
-    def _map(self, shifted: Iterable[tuple[int, int]], fixed: Collection[int]) -> list[int]:
-        """(shift, token) pairs: each token through its context's bijection."""
+    def _map(self, shifts: list[int], tokens: list[int], fixed: Collection[int]) -> list[int]:
+        """Each token through its context's bijection (the shift drawn from its context)."""
         size, permutation = self.vocab_size, self.permutation
         mapped = []
         append = mapped.append
-        for shift, token in shifted:
+        for shift, token in zip(shifts, tokens):
             if token in fixed:
                 append(token)
                 continue
@@ -97,31 +103,58 @@ class TokenMap:
             append(out)
         return mapped
 
-    def chain(self, state: bytes, tokens: list[int], fixed: Collection[int],
-              states: list[bytes] | None = None) -> tuple[list[int], bytes]:
-        """``tokens`` as they follow the context ``state``: (their redacted ids, the state after them).
-
-        ``states``, if given, gets the state before each token (the context its logprobs were drawn in)."""
-        blake2b, to_int = hashlib.blake2b, int.from_bytes
-        shifts = []
+    def _check(self, tokens: list[int]) -> None:
         try:
             if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
                 raise ValueError
-            for token in tokens:
-                if states is not None:
-                    states.append(state)
-                shifts.append(to_int(state[:8], "little"))
-                state = blake2b(token.to_bytes(4, "little"), key=state, digest_size=_DIGEST).digest()
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError):
             self._refuse(tokens)
-        return self._map(zip(shifts, tokens), fixed), state
+
+    def start(self, salt: bytes = b"") -> Prefix:
+        """A context before any token (``salt``: one that no sequence of tokens reaches)."""
+        prefix = self._root.copy()
+        if salt:
+            prefix.update(b"\xff\xff\xff\xff" + salt)  # no token's 4 bytes start so: vocabularies are smaller
+        return prefix
+
+    def chain(self, prefix: Prefix, tokens: list[int], fixed: Collection[int],
+              states: list[bytes] | None = None) -> list[int]:
+        """``tokens`` as they follow the context ``prefix``, which they extend: their redacted ids.
+
+        ``states``, if given, gets the state before each token (the context its logprobs were drawn in)."""
+        self._check(tokens)
+        as_bytes, update, copy, to_int = self._bytes, prefix.update, prefix.copy, int.from_bytes
+        before = []  # the state before each token
+        shifts = []
+        try:
+            for token in tokens:
+                state = copy().digest()
+                before.append(state)
+                shifts.append(to_int(state[:8], "little"))
+                update(as_bytes[token])  # in the vocabulary: checked; not an int: refused here
+        except TypeError:
+            self._refuse(tokens)
+        if states is not None:
+            states.extend(before)
+        return self._map(shifts, tokens, fixed)
+
+    def next(self, prefix: Prefix, token: int, fixed: Collection[int], states: list[bytes]) -> int:
+        """``chain`` of one token (a busy engine's output, each step): the same, with less around it."""
+        if type(token) is not int or not 0 <= token < self.vocab_size:
+            self._refuse([token])
+        state = prefix.copy().digest()
+        states.append(state)
+        prefix.update(self._bytes[token])
+        return token if token in fixed else self._map([int.from_bytes(state[:8], "little")], [token], fixed)[0]
+
+    @staticmethod
+    def state(prefix: Prefix) -> bytes:
+        """The context ``prefix`` stands for, as the bijection of its next token is drawn from it."""
+        return prefix.copy().digest()
 
     def at(self, state: bytes, tokens: list[int], fixed: Collection[int]) -> list[int]:
         """Each of ``tokens`` as a candidate in the one context ``state`` (logprobs, token lists)."""
-        try:
-            if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size or not all(type(t) is int for t in tokens)):
-                raise ValueError
-        except (ValueError, TypeError):
+        self._check(tokens)
+        if not all(type(t) is int for t in tokens):
             self._refuse(tokens)
-        shift = int.from_bytes(state[:8], "little")
-        return self._map(((shift, token) for token in tokens), fixed)
+        return self._map([int.from_bytes(state[:8], "little")] * len(tokens), tokens, fixed)

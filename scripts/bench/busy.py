@@ -12,6 +12,7 @@ every count is checked against what the peers sent.
 
     .venv/bin/python scripts/bench/busy.py [--rate 2000] [--outputs 32] [--seconds 600] [--json]
     .venv/bin/python scripts/bench/busy.py --frames 200000 --outputs 4 --rate 20000   # the suite's soak
+    .venv/bin/python scripts/bench/busy.py --seconds 60 --redact-key redaction.key   # record --redact-key
 
 Prints one JSON object (on one line with --json: what the soak test reads).
 """
@@ -42,6 +43,8 @@ from replay_proxy.wire.schema import load_schema  # noqa: E402
 SCHEMA = load_schema("0.32.0")
 IDENTITY = engine_identity(0)
 DISTINCT_STEPS = 64  # the engine cycles through this many encoded steps
+REQUEST_IDS = 4096  # the outputs cycle through this many request ids, which the ADDs name in turn
+VOCAB = 1000  # the token ids the peers send are below it
 
 
 def socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
@@ -59,8 +62,12 @@ def step(k: int, outputs: int) -> bytes:
     return encode(struct_value(SCHEMA, "EngineCoreOutputs", {
         "engine_index": 0, "timestamp": 1000.0 + k / 100, "scheduler_stats": stats,
         "outputs": [struct_value(SCHEMA, "EngineCoreOutput", {
-            "request_id": f"cmpl-{(k * outputs + i) % 4096:032x}-0", "new_token_ids": [100 + (k + i) % 800]})
+            "request_id": request_id(k * outputs + i), "new_token_ids": [100 + (k + i) % 800]})
             for i in range(outputs)]}))
+
+
+def request_id(n: int) -> str:
+    return f"cmpl-{n % REQUEST_IDS:032x}-0"
 
 
 def paced(rate: float, count: int):
@@ -89,7 +96,7 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
     received = 0
     for i in paced(rate, steps):
         inputs.send_multipart([IDENTITY, b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
-            "request_id": f"add-{i}", "prompt_token_ids": [1, 2, 3], "mm_features": None,
+            "request_id": request_id(i), "prompt_token_ids": [1, 2, 3], "mm_features": None,
             "sampling_params": {"temperature": 0.0, "max_tokens": 16}, "pooling_params": None,
             "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None}))])
         while outputs.poll(0):
@@ -154,6 +161,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--on-full", choices=["drop", "block"], default="drop", help="record's --on-full")
     parser.add_argument("--db", type=Path, help="record into this file and keep it (default: a temporary one)")
+    parser.add_argument("--redact-key", type=Path, help="record's --redact-key: redact every frame as it is written")
     args = parser.parse_args()
     steps = args.frames or int(args.rate * args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-busy-"))
@@ -164,7 +172,8 @@ def main() -> None:
                   name="busy frontend")
     proxy = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen}",
                    "--upstream", f"tcp://127.0.0.1:{upstream}", "--db", str(db), "--session", "busy",
-                   "--on-full", args.on_full],
+                   "--on-full", args.on_full,
+                   *(["--redact-key", str(args.redact_key), "--vocab-size", str(VOCAB)] if args.redact_key else [])],
                   logs / "proxy.log", name="replay-proxy record")
     children = [front, proxy]
     try:
