@@ -32,3 +32,26 @@ def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tm
     ids = [r["request_id"] for r in sqlite_utils.Database(source).query("SELECT request_id FROM requests")]
     assert leaks(tmp_path / "ci.db", prompts + [o for o in outputs if len(o) >= 8], ids) == []
     assert redacted.execute("SELECT COUNT(*) FROM frames WHERE decode_error IS NOT NULL").fetchone()[0] == 0
+
+
+def test_the_fast_path_for_busy_outputs_redacts_them_as_the_walk_does(tmp_path, monkeypatch):
+    """Each shipped recording's outputs, redacted with the fast path (frames.PlainOutput) and without it:
+    the same bytes."""
+    from replay_proxy.redact import frames
+
+    key = tmp_path / "redaction.key"
+    key.write_bytes(b"a key for the recordings' test!!")
+    redaction = Redaction(RedactionSettings(str(key), VOCAB))
+    taken = []
+    of = frames.PlainOutput.of
+    monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: taken.append(schema) or of(schema, policy))
+    for recording in RECORDINGS:
+        redact_database(recording, tmp_path / f"fast-{recording.name}", redaction)
+    monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: None)
+    for recording in RECORDINGS:
+        redact_database(recording, tmp_path / f"walked-{recording.name}", redaction)
+        raw = [sqlite_utils.Database(tmp_path / f"{way}-{recording.name}").execute(
+            "SELECT seq, raw FROM frames ORDER BY seq").fetchall() for way in ("fast", "walked")]
+        assert raw[0] == raw[1], recording.name
+    assert len(taken) == len(RECORDINGS)  # each took the fast path where it could:
+    assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release
