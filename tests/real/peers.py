@@ -47,9 +47,9 @@ def real_child(argv: list[str], log: Path, name: str, **env: str) -> Child:
 
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
-                    release: str = "0.32.0", **env: str) -> Child:
-    return real_child(python_frontend_argv(http_port, rpc_port, dp, model, release), logs / "frontend.log",
-                      f"vllm {release} frontend", **env)
+                    release: str = "0.32.0", flags: tuple[str, ...] = (), **env: str) -> Child:
+    return real_child([*python_frontend_argv(http_port, rpc_port, dp, model, release), *flags],
+                      logs / "frontend.log", f"vllm {release} frontend", **env)
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
@@ -58,13 +58,14 @@ def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.3
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
-                    name: str = "engine", model: Path = MODEL, release: str = "0.32.0", **env: str) -> Child:
-    return real_child(real.engine_argv(rpc_port, release, dp, start_rank, local, model), logs / f"{name}.log",
-                      f"{name} {release}", **env)
+                    name: str = "engine", model: Path = MODEL, release: str = "0.32.0", flags: tuple[str, ...] = (),
+                    **env: str) -> Child:
+    return real_child([*real.engine_argv(rpc_port, release, dp, start_rank, local, model), *flags],
+                      logs / f"{name}.log", f"{name} {release}", **env)
 
 
-def engine_command(rpc_port: int, release: str = "0.32.0", **extra: str) -> str:
-    return command(real.engine_argv(rpc_port, release), **extra)
+def engine_command(rpc_port: int, release: str = "0.32.0", flags: tuple[str, ...] = (), **extra: str) -> str:
+    return command([*real.engine_argv(rpc_port, release), *flags], **extra)
 
 
 def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,

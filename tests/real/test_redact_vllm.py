@@ -3,15 +3,16 @@
 One run of the real Python frontend and a 0.32.0 engine (prefix caching on, as vLLM has it by default)
 through two recorders in a chain: the one next to the frontend records as it is, the one next to the
 engine redacts as it records. The workload: a three-turn chat whose turns share their prefix,
-completions with a stop string, logprobs and n=2, a structured-output request, a client abort.
+completions with a stop string, logprobs and n=2, a structured-output request, a request of prompt
+embeddings (both sides run with --enable-prompt-embeds), a client abort.
 """
 
+import base64
 import json
 import shutil
 import sqlite3
 import subprocess
 import sys
-import urllib.error
 
 import pytest
 import sqlite_utils
@@ -19,7 +20,7 @@ import sqlite_utils
 from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.copy import redact_database
 from tests.real import peers
-from tests.redact.leaks import leaks, shape, tokens_of
+from tests.redact.leaks import file_bytes, leaks, shape, tokens_of
 
 pytestmark = pytest.mark.real_vllm
 
@@ -29,10 +30,25 @@ STOP = "acme secret stop"
 SCHEMA_PROPERTY = "acme_secret_property"
 WORDS = "the quick brown fox jumps over the lazy dog while seven wise owls watch from the old oak tree"
 SYSTEM = " ".join([WORDS] * 4)  # more than one 128-token block: what prefix caching can share between turns
+EMBEDS = ("--enable-prompt-embeds",)  # the frontend's and every engine's
+EMBED_ROWS = 6
 
 
-def workload(http: int) -> dict:
-    """The requests; what each answered (a structured-output request this CPU build refuses says why)."""
+def prompt_embeds() -> tuple[str, bytes]:
+    """A seeded (EMBED_ROWS, hidden size) float32 tensor, as the completions API takes it (base64 of
+    torch.save), and its raw bytes (as they go on the wire), made by the vLLM environment's torch."""
+    code = ("import base64, io, sys, torch; torch.manual_seed(7); "
+            f"t = torch.randn({EMBED_ROWS}, int(sys.argv[1]), dtype=torch.float32); b = io.BytesIO(); "
+            "torch.save(t, b); print(base64.b64encode(b.getvalue()).decode()); "
+            "print(base64.b64encode(t.numpy().tobytes()).decode())")
+    hidden = json.loads((peers.MODEL / "config.json").read_text())["hidden_size"]
+    saved, raw = subprocess.run([str(peers.VENV / "bin" / "python"), "-c", code, str(hidden)], capture_output=True,
+                                text=True, check=True, timeout=120).stdout.split()
+    return saved, base64.b64decode(raw)
+
+
+def workload(http: int, embeds: str) -> dict:
+    """The requests; what each answered."""
     model, seen = str(peers.MODEL), {}
     messages = [{"role": "user", "content": SYSTEM}]
     for turn in range(3):  # each turn's prompt is the last one's, its answer and a new question
@@ -46,13 +62,13 @@ def workload(http: int) -> dict:
                                                             "max_tokens": 4, "logprobs": 2, **GREEDY})["choices"]
     seen["n=2"] = peers.post(http, "/v1/completions", {"model": model, "prompt": "the old oak", "max_tokens": 4,
                                                        "n": 2, "temperature": 0.8, "seed": 7})["choices"]
+    seen["embeds"] = peers.post(http, "/v1/completions", {"model": model, "prompt_embeds": embeds, "max_tokens": 4,
+                                                          **GREEDY})["choices"]
     schema = {"type": "object", "properties": {SCHEMA_PROPERTY: {"type": "string"}}}
-    try:
-        seen["structured"] = peers.post(http, "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "json please"}], "max_tokens": 8,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "acme", "schema": schema}}})
-    except urllib.error.HTTPError as exc:
-        seen["structured"] = f"HTTP {exc.code}: {exc.read()[:200]!r}"
+    # Greedy: replayed under its grammar, the request ends where it did (sampled, it might not).
+    seen["structured"] = peers.post(http, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "json please"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "acme", "schema": schema}}, **GREEDY})
     peers.stream(http, "/v1/completions", {"model": model, "prompt": WORDS, "max_tokens": 200, **GREEDY},
                  stop_after=2)  # the client goes away: the frontend aborts the request
     return seen
@@ -60,38 +76,47 @@ def workload(http: int) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """(the plain recording, the one redacted as recorded, the key file, what the user saw)."""
+    """(the plain recording, the one redacted as recorded, the key file, what the user saw, the prompt
+    embeddings' raw bytes)."""
     folder = tmp_path_factory.mktemp("redact-vllm")
     key = folder / "redaction.key"
     key.write_bytes(b"the real tier's redaction key, 32+ bytes")
     plain, redacted = folder / "staging.db", folder / "redacted-live.db"
     http, upstream, middle, listen = (peers.free_port() for _ in range(4))
-    children = [peers.python_frontend(folder, http, upstream)]
+    embeds, embeds_raw = prompt_embeds()
+    children = [peers.python_frontend(folder, http, upstream, flags=EMBEDS)]
     try:
         children.append(peers.proxy(folder, middle, upstream, plain, "chat"))
         children.append(peers.proxy(folder, listen, middle, redacted, "chat", "--redact-key", str(key),
                                     "--vocab-size", str(VOCAB)))
-        children.append(peers.headless_engine(folder, listen))
+        children.append(peers.headless_engine(folder, listen, flags=EMBEDS))
         peers.wait_http_ready(http, children)
-        seen = workload(http)
+        seen = workload(http, embeds)
     finally:
         for child in reversed(children):
             child.stop()
     for recorder in children[1:3]:
         assert recorder.process.returncode == 0, recorder.log_tail()
-    return plain, redacted, key, seen
+    return plain, redacted, key, seen, embeds_raw
 
 
 def test_a_rich_real_session_redacted_as_recorded_and_after_keeps_its_shape_and_nothing_else(recorded, tmp_path):
-    plain, redacted, key, seen = recorded
-    assert seen["turn 3"] and len(seen["n=2"]) == 2
+    plain, redacted, key, seen, embeds_raw = recorded
+    assert seen["turn 3"] and len(seen["n=2"]) == 2 and seen["embeds"][0]["finish_reason"] == "length"
+    assert isinstance(json.loads(seen["structured"]["choices"][0]["message"]["content"]), dict)  # served
     after = tmp_path / "redacted-after.db"
     redact_database(plain, after, Redaction(RedactionSettings(str(key), VOCAB)))
     prompts, outputs = tokens_of(plain, 1)
     assert max(map(len, prompts)) > 128  # the turns share at least one whole block
     ids = [r for (r,) in sqlite3.connect(plain).execute("SELECT request_id FROM requests")]
+    long_prompts, texts = [p for p in prompts if len(p) >= 8], [*ids, STOP, SCHEMA_PROPERTY]
+    embeds_window = embeds_raw[64:128]  # 16 floats of the tensor, as sent
+    # What the scan looks for is there to find in the plain recording (outputs come a few tokens a frame).
+    assert len(leaks(plain, long_prompts, texts)) == len(long_prompts) + len(texts)
+    assert embeds_window in file_bytes(plain)
     for db in (redacted, after):
-        assert leaks(db, prompts + [o for o in outputs if len(o) >= 8], [*ids, STOP, SCHEMA_PROPERTY]) == []
+        assert leaks(db, long_prompts + [o for o in outputs if len(o) >= 8], texts) == []
+        assert embeds_window not in file_bytes(db)  # noised
         assert shape(db, 1) == shape(plain, 1)  # lengths, finish reasons, every pair's common prefix
         row = sqlite_utils.Database(db)["sessions"].get(1)
         assert "blanked" not in json.loads(row["redaction_counts"])  # every field vLLM sent has its action
@@ -107,7 +132,7 @@ def replay_against_engine(db, tmp_path):
     listen = peers.free_port()
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "chat", "--against", "engine",
-         "--listen", f"tcp://127.0.0.1:{listen}", "--engine-cmd", peers.engine_command(listen), "--hold-lengths",
+         "--listen", f"tcp://127.0.0.1:{listen}", "--engine-cmd", peers.engine_command(listen, flags=EMBEDS), "--hold-lengths",
          "--ready-timeout", str(peers.READY_TIMEOUT_S), "--finish-timeout", "60", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=peers.REPLAY_S)
     connection = sqlite3.connect(db)
@@ -121,7 +146,7 @@ def replay_against_engine(db, tmp_path):
 
 
 def test_prefix_cache_hits_agree_between_the_plain_and_the_redacted_replay(recorded, tmp_path):
-    plain, _, key, _ = recorded
+    plain, _, key, _, _ = recorded
     copy, redacted = tmp_path / "plain.db", tmp_path / "redacted.db"
     shutil.copy(plain, copy)
     redact_database(plain, redacted, Redaction(RedactionSettings(str(key), VOCAB)))

@@ -46,7 +46,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def shape(db: Path, session_id: int) -> dict:
     """What redaction keeps: each request's prompt and output lengths and finish, and every pair's common prefix."""
     connection = sqlite3.connect(db)
-    prompts = [json.loads(p) for (p,) in connection.execute(
+    prompts = [json.loads(p or "[]") for (p,) in connection.execute(  # [] for prompt embeddings
         "SELECT prompt_token_ids FROM requests WHERE session_id = ? ORDER BY seq", [session_id])]
     timeline = connection.execute("SELECT tokens, finish_reason FROM request_timeline t JOIN requests r "
                                   "ON r.session_id = t.session_id AND r.request_id = t.request_id "
@@ -64,7 +64,7 @@ def tokens_of(db: Path, session_id: int) -> tuple[list[list[int]], list[list[int
     prompts, outputs = [], []
     for rid, prompt in connection.execute("SELECT request_id, prompt_token_ids FROM requests WHERE session_id = ? "
                                           "ORDER BY seq", [session_id]):
-        prompts.append(json.loads(prompt))
+        prompts.append(json.loads(prompt or "[]"))  # [] for prompt embeddings
         outputs.append([t for (tokens,) in connection.execute(
             "SELECT new_token_ids FROM outputs WHERE session_id = ? AND request_id = ? ORDER BY seq, position",
             [session_id, rid]) for t in json.loads(tokens)])
