@@ -104,19 +104,21 @@ def test_an_abort_lands_at_its_recorded_progress_on_an_engine_faster_than_the_re
 
 
 def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_numbers(tmp_path, recorded):
-    # The recording says the frontend aborted after 4 tokens; say 600 instead: the request (500 tokens)
-    # finishes first, so the ABORT goes after the finish, 100 tokens short of the recorded point.
-    def abort_after_600(db):
-        db.execute("UPDATE output_rows SET num_new_tokens = 150 WHERE num_new_tokens = 1 AND request = "
+    # The recording says the frontend aborted after 4 tokens or so (its race); say 150 times as many: the
+    # request (500 tokens) finishes first, so the ABORT goes after the finish, short of the recorded point.
+    [recorded_at] = landings(recorded)
+    def abort_later(db):
+        db.execute("UPDATE output_rows SET num_new_tokens = 150 * num_new_tokens WHERE request = "
                    "(SELECT number FROM request_ids WHERE request_id = 'long')")
         db.conn.commit()
-    report, _, db = replay(tmp_path, recorded, edit=abort_after_600)
+    report, _, db = replay(tmp_path, recorded, edit=abort_later)
+    later = 150 * recorded_at  # at least 600
     [off] = [f for f in report.findings if f.code == "abort_progress"]
-    assert off.severity == Severity.WARNING and (off.baseline, off.candidate) == (600, 500)
-    assert "600" in off.message and "500" in off.message
+    assert off.severity == Severity.WARNING and (off.baseline, off.candidate) == (later, 500)
+    assert str(later) in off.message and "500" in off.message
     stored = sqlite_utils.Database(db).execute(
         "SELECT severity, baseline, candidate FROM findings WHERE code = 'abort_progress'").fetchall()
-    assert stored == [("warning", "600", "500")]
+    assert stored == [("warning", str(later), "500")]
 
 
 @pytest.mark.parametrize("drift, code, expected", [
