@@ -92,6 +92,7 @@ class Redactor:
         self._visited: set[int] = set()  # aux frames a walked field reached
         self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
         self._plain: dict[str, PlainOutput | None] = {}  # by release
+        self._kept: dict[tuple[str, str], tuple | None] = {}  # by release and struct: see _unchanged
 
     # --- the stream ---------------------------------------------------------------------------
 
@@ -216,6 +217,8 @@ class Redactor:
     # --- walking values -----------------------------------------------------------------------
 
     def _struct(self, name: str, value: Any) -> Any:
+        if name not in _ENTER and self._unchanged(name, value):
+            return value
         spec = self.schema.structs.get(name)
         rules = self.policy.structs.get(name, {})
         if spec is None or not isinstance(value, list if spec.encoding == "array" else dict):
@@ -236,6 +239,31 @@ class Redactor:
         if name == "EngineCoreOutput":
             self._output_done(spec, value)
         return out
+
+    def _unchanged(self, name: str, value: Any) -> bool:
+        """Whether the walk would give ``value`` back as it is (``tests/redact``: the two agree): every
+        field set is one the policy keeps, of a kind its schema takes, and holds no tensor, or is such a
+        struct itself (a busy engine's scheduler stats, each step)."""
+        kept = self._kept.get((self.schema.release, name), _UNSET)
+        if kept is _UNSET:
+            kept = self._kept[self.schema.release, name] = _kept_fields(self.schema, self.policy, name)
+        if kept is None or type(value) is not kept[0]:
+            return False
+        fields = kept[1]
+        for key, item in value.items() if type(value) is dict else enumerate(value):
+            if item is None:
+                continue
+            field = fields.get(key)
+            if field is None:
+                return False
+            kinds, struct, container, hashed = field
+            if kind_of(item) not in kinds and "any" not in kinds:
+                return False
+            if struct is not None and (item if container else not self._unchanged(struct, item)):
+                return False  # (a list or map of structs is walked unless it is empty)
+            if hashed and (item if type(item) in (list, dict) else type(item) not in (int, float, bool)):
+                return False  # (hashing keeps numbers and empty lists and maps as they are)
+        return True
 
     def _plain_outputs(self, outputs: Any) -> list | None:
         """A busy engine's outputs, redacted as the walk would (``tests/redact``: the two agree) but faster:
@@ -261,19 +289,19 @@ class Redactor:
             if context is None:
                 return None
             contexts.append(context)
-        text, chain, one = self.hasher.text, self.tokens.chain, self.tokens.next
+        # (an output's logprobs would need its tokens' contexts: these have none, so none are kept)
+        text, chain, one = self.hasher.text, self.tokens.chain, self.tokens.one
         redacted = []
         for value, context in zip(outputs, contexts):
             out = list(value)
-            out[rid_at] = text(value[rid_at])
-            tokens = value[tokens_at]
-            context.output_states = states = []
-            out[tokens_at] = [one(context.prefix, tokens[0], context.fixed, states)] if len(tokens) == 1 else \
-                chain(context.prefix, tokens, context.fixed, states)
-            if type(value[stop_at]) is str:
-                out[stop_at] = text(value[stop_at])
-            if value[finish_at] is not None:
-                self._end(value[rid_at])
+            rid, tokens = out[rid_at], out[tokens_at]
+            out[rid_at] = text(rid)
+            out[tokens_at] = [one(context.prefix, tokens[0], context.fixed)] if len(tokens) == 1 else \
+                chain(context.prefix, tokens, context.fixed)
+            if type(out[stop_at]) is str:
+                out[stop_at] = text(out[stop_at])
+            if out[finish_at] is not None:
+                self._end(rid)
             redacted.append(out)
         return redacted
 
@@ -482,6 +510,21 @@ _UNSET = object()
 
 _ENTER = {"EngineCoreRequest": Redactor._enter_request, "EngineCoreOutput": Redactor._enter_output,
           "EngineCoreOutputs": Redactor._enter_outputs}
+
+
+def _kept_fields(schema: Any, policy: Policy, name: str) -> tuple[type, dict] | None:
+    """For ``Redactor._unchanged``: the struct's encoding, and by name (map) or position (array) each field
+    the policy keeps or hashes: (its kinds, its struct, whether that is a list or map of them, hashed)."""
+    spec = schema.structs.get(name)
+    if spec is None:
+        return None
+    rules = policy.structs.get(name, {})
+    fields = {field.name if spec.encoding == "map" else field.position:
+              (field.kinds, field.struct, field.type.split("[", 1)[0] in ("list", "set", "frozenset", "tuple", "dict"),
+               rules[field.name] == "hash")
+              for field in spec.fields if rules.get(field.name) in ("keep", "hash") and not field.tensor
+              and not (field.struct and rules[field.name] == "hash")}
+    return (dict if spec.encoding == "map" else list), fields
 
 
 def _is_outputs(frame: CapturedFrame) -> bool:

@@ -123,12 +123,12 @@ class TokenMap:
 
         ``states``, if given, gets the state before each token (the context its logprobs were drawn in)."""
         self._check(tokens)
-        as_bytes, update, copy, to_int = self._bytes, prefix.update, prefix.copy, int.from_bytes
+        as_bytes, update, digest, to_int = self._bytes, prefix.update, prefix.digest, int.from_bytes
         before = []  # the state before each token
         shifts = []
         try:
             for token in tokens:
-                state = copy().digest()
+                state = digest()  # (digest() leaves the running hash as it is)
                 before.append(state)
                 shifts.append(to_int(state[:8], "little"))
                 update(as_bytes[token])  # in the vocabulary: checked; not an int: refused here
@@ -138,19 +138,25 @@ class TokenMap:
             states.extend(before)
         return self._map(shifts, tokens, fixed)
 
-    def next(self, prefix: Prefix, token: int, fixed: Collection[int], states: list[bytes]) -> int:
-        """``chain`` of one token (a busy engine's output, each step): the same, with less around it."""
+    def one(self, prefix: Prefix, token: int, fixed: Collection[int]) -> int:
+        """``chain`` of one token whose context nothing else needs (a busy engine's output, each step): the
+        same, with less around it."""
         if type(token) is not int or not 0 <= token < self.vocab_size:
             self._refuse([token])
-        state = prefix.copy().digest()
-        states.append(state)
+        shift = int.from_bytes(prefix.digest()[:8], "little")
         prefix.update(self._bytes[token])
-        return token if token in fixed else self._map([int.from_bytes(state[:8], "little")], [token], fixed)[0]
+        if token in fixed:
+            return token
+        size, permutation = self.vocab_size, self.permutation
+        out = permutation[(token + shift) % size]
+        while out in fixed:
+            out = permutation[(out + shift) % size]
+        return out
 
     @staticmethod
     def state(prefix: Prefix) -> bytes:
         """The context ``prefix`` stands for, as the bijection of its next token is drawn from it."""
-        return prefix.copy().digest()
+        return prefix.digest()
 
     def at(self, state: bytes, tokens: list[int], fixed: Collection[int]) -> list[int]:
         """Each of ``tokens`` as a candidate in the one context ``state`` (logprobs, token lists)."""

@@ -1,6 +1,8 @@
 """What the recorder and its writer process say to each other, as msgspec Structs.
 
-* ``WriterStart``: how the recorder starts the writer (its one command-line argument, JSON).
+* ``WriterStart``: how the recorder starts the writer (its one command-line argument, JSON);
+  ``RedactorStart``: how it starts the redactor process, which sits between the two when recording
+  with ``--redact-key`` (``store/redactor.py``) and passes the same messages on, redacted.
 * Recorder to writer, on the tap socket: a ``Batch`` (this header, then the tap's entries as a
   second part, so the writer counts a message without decoding its frames), or the ``Stop``
   that follows the last one. Both are one msgpack union, told apart by their tag.
@@ -27,7 +29,14 @@ class WriterStart(msgspec.Struct, frozen=True):
     hold_frames: int  # waiting frames beyond this are kept undecoded (half the recorder's queue)
     sockets_folder: str  # where the two addresses' files are: the writer removes it if it ends last
     max_bytes: int | None = None  # a cap on the database file
-    redaction: RedactionSettings | None = None  # redact every frame before it is written or kept
+    upstream_pid: int | None = None  # the redactor process, if any: the proxy gone, its Stop may still come
+
+
+class RedactorStart(msgspec.Struct, frozen=True):
+    tap_address: str  # the redactor binds it; the recorder's tap connects
+    writer_address: str  # the writer's tap address: the redactor connects
+    parent_pid: int  # the proxy, as for the writer
+    redaction: RedactionSettings
 
 
 class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -43,6 +52,7 @@ class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     error: str | None
     frames_seen: int
     bytes_seen: int
+    redaction_counts: str | None = None  # what the redactor blanked and dropped (it adds them on its way)
 
 
 class Progress(msgspec.Struct, frozen=True, array_like=True):

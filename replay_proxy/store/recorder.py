@@ -47,7 +47,8 @@ from replay_proxy import __version__
 from replay_proxy.clock import utc_now
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact.settings import Redaction, RedactionSettings
-from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, batch_message, decode_progress, stop_message
+from replay_proxy.store.protocol import (
+    Batch, Progress, RedactorStart, Stop, WriterStart, batch_message, decode_progress, stop_message)
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import (
     FLUSH_MS, RELAY, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry)
@@ -71,6 +72,15 @@ START_TIMEOUT_S = 60.0
 # round-trip p99, whatever its priority: docs/performance.md.)
 STOP = [b""]  # from the relay's thread to the tap, after its last entry
 _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it
+
+
+def _start(module: str, start: WriterStart | RedactorStart) -> subprocess.Popen:
+    """One of the recorder's processes, started with its ``start`` (JSON, its one argument), SCHED_IDLE."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, msgspec.json.encode(start).decode()], stdin=subprocess.DEVNULL,
+        start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut its work short
+    os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+    return process
 
 
 class OnFull(enum.StrEnum):
@@ -156,14 +166,14 @@ class Recorder:
         self._mine.setsockopt(zmq.SNDHWM, 0)
         self._mine.setsockopt(zmq.IDENTITY, RELAY)
         self._mine.connect(self.capture)
-        start = WriterStart(str(self.db_path), self.session_id, tap, progress, parent_pid=os.getpid(),
-                            hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes,
-                            redaction=redaction)
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "replay_proxy.store.writer", msgspec.json.encode(start).decode()],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True)  # SIGINT/SIGTERM for the proxy's group must not cut the writer short
-        os.sched_setscheduler(self._process.pid, os.SCHED_IDLE, os.sched_param(0))
+        # Redacting, the tap's messages go through the redactor process on their way to the writer.
+        writer_tap = tap if redaction is None else f"ipc://{self._folder}/redacted"
+        self._redactor = None if redaction is None else _start(
+            "replay_proxy.store.redactor", RedactorStart(tap, writer_tap, os.getpid(), redaction))
+        self._process = _start("replay_proxy.store.writer", WriterStart(
+            str(self.db_path), self.session_id, writer_tap, progress, parent_pid=os.getpid(),
+            hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes,
+            upstream_pid=self._redactor.pid if self._redactor else None))
         # Its start (imports, opening the database) takes a CPU for a while: have it done before
         # the relay opens, not while the first frames pass.
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -175,6 +185,7 @@ class Recorder:
         self.status = "recording"
 
     def _give_up_starting(self) -> None:
+        self._kill_redactor()
         self._process.kill()
         for sock in (self._tap, self._collector, self._mine, self._progress_socket):
             sock.close(linger=0)
@@ -265,6 +276,15 @@ class Recorder:
         self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
         if self._writer_lost is None and (code := self._process.poll()) is not None:
             self._writer_lost = f"the writer process exited with {code} while recording"
+        if self._writer_lost is None and self._redactor is not None and (code := self._redactor.poll()) not in (
+                None, 0):  # (0: it passed the Stop on)
+            self._writer_lost = f"the redactor process exited with {code} while recording"
+
+    def _kill_redactor(self) -> None:
+        """What the redactor holds cannot reach a writer that is gone (or one it outlived)."""
+        if self._redactor is not None and self._redactor.poll() is None:
+            self._redactor.kill()
+            self._redactor.wait(5)
 
     def statistics(self) -> RecorderStats:
         """The counts so far: what is neither written nor dropped is queued."""
@@ -302,6 +322,8 @@ class Recorder:
             # linger=0 would throw away) while this process lives.
             self._tap.close(linger=TAP_LINGER_MS)
         code = self._process.poll()
+        if code is not None:
+            self._kill_redactor()
         if code is None:
             # The sockets' folder stays for the writer, which removes it when it ends: the tap may not have
             # connected yet (ZMQ reconnects every 100 ms), and it could not once the socket's file was gone.

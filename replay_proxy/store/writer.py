@@ -23,7 +23,10 @@ status and final counts, after its last frame. If the proxy dies without
 STOP, the writer notices it has another parent than ``parent`` (the proxy's
 PID, given, not read at start: the proxy may already be gone by then),
 finishes what it has and marks the session ``interrupted``, with the count of
-frames seen that the tap's last message carried.
+frames seen that the tap's last message carried. Recording redacted, the
+messages come through the redactor process (``store/redactor.py``), which
+may still be passing STOP on when the proxy has gone: the writer waits for
+it while that process runs.
 
 After every step it reports its ``Progress`` to the recorder's tap, which
 bounds the queue with it and shows it on the status line.
@@ -46,8 +49,7 @@ from replay_proxy.redact.settings import Redaction, redaction_counts
 from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart, encode_progress, header
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.tables import TABLES
-from replay_proxy.wire.capture import (
-    RELAY, CapturedFrame, EngineLoss, decode_entries, encode_entries, engine_loss_entry, relay_entry)
+from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Kind, WireDecoder
 from replay_proxy.wire.schema import release_key
 
@@ -64,8 +66,9 @@ class Writer:
     """One session's writer: decodes, or keeps and later decodes, the tap's messages.
 
     It picks up where the session's database stands, so it also finishes a session left partly
-    decoded (``replay-proxy decode``). With ``redaction``, every frame is redacted as it comes, before
-    it is written or kept: nothing unredacted reaches the file (what is kept is kept redacted).
+    decoded (``replay-proxy decode``). With ``redaction`` (``replay-proxy redact``), every frame is
+    redacted before it is written; a recording is redacted before it reaches the writer
+    (``store/redactor.py``).
     """
 
     def __init__(self, db_path: str, session_id: int, *, max_bytes: int | None = None,
@@ -180,8 +183,6 @@ class Writer:
 
     def keep(self, messages: list[Entries]) -> None:
         """Keep the tap's messages as they came, numbering them, about ``DECODE_FRAMES`` x 10 a transaction."""
-        if self.redactor is not None:
-            messages = self._redacted(messages)
         while messages:
             rows, frames, taken = Rows(), 0, 0
             for count, entries in messages:
@@ -196,14 +197,6 @@ class Writer:
                 self.frames_undecoded += frames
             else:
                 self.frames_failed += frames
-
-    def _redacted(self, messages: list[Entries]) -> list[Entries]:
-        """The tap's messages redacted, as entries again (each frame and loss the relay's own)."""
-        captured = self.redactor.frames([item for _, entries in messages for item in decode_entries(entries)])
-        entries = [[RELAY, *(relay_entry(item) if type(item) is CapturedFrame else engine_loss_entry(item))]
-                   for item in captured]
-        frames = sum(type(item) is CapturedFrame for item in captured)
-        return [(frames, encode_entries(entries))] if entries else []
 
     @property
     def behind(self) -> bool:
@@ -255,6 +248,8 @@ class Writer:
                   "frames_undecoded": self.frames_undecoded, "engines_dead": len(self.dead), **end}
         if self.redactor is not None:
             values["redaction_counts"] = redaction_counts(self.redactor)
+        elif stop is not None and stop.redaction_counts is not None:  # redacted by the redactor process
+            values["redaction_counts"] = stop.redaction_counts
         assignments = ", ".join(f"{k} = ?" for k in values)
         with self.connection:
             self.connection.execute(f"UPDATE sessions SET {assignments}, error = COALESCE(?, error) WHERE id = ?",
@@ -284,10 +279,9 @@ class WriterLoop:
         self.progress_socket.setsockopt(zmq.CONFLATE, 1)
         self.progress_socket.setsockopt(zmq.LINGER, 5000)
         self.progress_socket.connect(start.progress_address)
-        self.parent, self.hold_frames = start.parent_pid, start.hold_frames
+        self.parent, self.upstream, self.hold_frames = start.parent_pid, start.upstream_pid, start.hold_frames
         self.sockets_folder = start.sockets_folder
-        self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes,
-                             redaction=Redaction(start.redaction) if start.redaction else None)
+        self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes)
         self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
         self.held_bytes = self.held_frames = 0
         self.stop: Stop | None = None
@@ -301,7 +295,8 @@ class WriterLoop:
         while self._step():
             if self.stop is None and time.monotonic() - self.parent_checked >= PARENT_CHECK_S:
                 self.parent_checked = time.monotonic()
-                self.parent_gone = os.getppid() != self.parent  # died without Stop: finish what came, say so
+                # Died without Stop (or a redactor still passes it on): finish what came, say so.
+                self.parent_gone = os.getppid() != self.parent and not _running(self.upstream)
             self._report()
         self.writer.finish(self.stop)
         self.tap.close(linger=0)
@@ -360,6 +355,16 @@ class WriterLoop:
         else:
             self.tap.poll(PARENT_CHECK_S * 1000)
         return True
+
+
+def _running(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

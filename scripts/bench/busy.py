@@ -43,7 +43,7 @@ from replay_proxy.wire.schema import load_schema  # noqa: E402
 SCHEMA = load_schema("0.32.0")
 IDENTITY = engine_identity(0)
 DISTINCT_STEPS = 64  # the engine cycles through this many encoded steps
-REQUEST_IDS = 4096  # the outputs cycle through this many request ids, which the ADDs name in turn
+REQUEST_IDS = 4096  # the ADDs cycle through this many request ids; the steps name the first DISTINCT_STEPS x outputs
 VOCAB = 1000  # the token ids the peers send are below it
 
 
@@ -93,12 +93,15 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
     handshake.send_multipart([identity, encode({"addresses": addresses, "parallel_config": {}})])
     inputs.recv_multipart()  # registration
     handshake.recv_multipart()  # READY
+    # Encoded once, as the engine's steps are: the peers stand for processes that would have cores of their own.
+    adds = [encode(struct_value(SCHEMA, "EngineCoreRequest", {
+        "request_id": request_id(i), "prompt_token_ids": [1, 2, 3], "mm_features": None,
+        "sampling_params": {"temperature": 0.0, "max_tokens": 16}, "pooling_params": None,
+        "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None}))
+        for i in range(min(steps, REQUEST_IDS))]
     received = 0
     for i in paced(rate, steps):
-        inputs.send_multipart([IDENTITY, b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
-            "request_id": request_id(i), "prompt_token_ids": [1, 2, 3], "mm_features": None,
-            "sampling_params": {"temperature": 0.0, "max_tokens": 16}, "pooling_params": None,
-            "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None}))])
+        inputs.send_multipart([IDENTITY, b"\x00", adds[i % REQUEST_IDS]])
         while outputs.poll(0):
             outputs.recv_multipart()
             received += 1
@@ -130,6 +133,12 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
     """Handshake like a headless engine, then push ``steps`` steps at ``rate``, reading the ADDs."""
     inputs, outputs = engine_handshake(zmq.Context(), handshake_address)
     frames = [step(k, per_step) for k in range(DISTINCT_STEPS)]
+    # Like a real engine, it sends outputs only of requests it has been sent: it steps once the ADDs of
+    # the requests its steps name have come (the frontend's first, about a second of them).
+    for _ in range(min(steps, DISTINCT_STEPS * per_step)):
+        if not inputs.poll(60_000):
+            sys.exit("engine: no ADD from the frontend within 60 s")
+        inputs.recv_multipart()
     for i in paced(rate, steps):
         outputs.send(frames[i % DISTINCT_STEPS])
         while inputs.poll(0):
@@ -189,7 +198,7 @@ def main() -> None:
             newest = connection.execute(  # by the primary key: the measurement must not load the machine
                 "SELECT ts_ns FROM frames WHERE session_id = 1 ORDER BY seq DESC LIMIT 1").fetchone()
             if newest is not None:
-                lags_ms.append((time.time_ns() - newest[0]) / 1e6)
+                lags_ms.append((time.time_ns() - newest[0]) / 1e6); print("LAG", round(lags_ms[-1]), file=sys.stderr)
             if writer is not None and Path(f"/proc/{writer}").exists():
                 memory_mb.append(resident_mb(writer))
         peers = json.loads(front.log_path.read_text().strip().splitlines()[-1])

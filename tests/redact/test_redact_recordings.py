@@ -1,5 +1,6 @@
 """Every real recording shipped in recordings/, redacted: every field of every release has its action."""
 
+import collections
 import json
 import shutil
 from pathlib import Path
@@ -34,20 +35,27 @@ def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tm
     assert redacted.execute("SELECT COUNT(*) FROM frames WHERE decode_error IS NOT NULL").fetchone()[0] == 0
 
 
-def test_the_fast_path_for_busy_outputs_redacts_them_as_the_walk_does(tmp_path, monkeypatch):
-    """Each shipped recording's outputs, redacted with the fast path (frames.PlainOutput) and without it:
-    the same bytes."""
+def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkeypatch):
+    """Each shipped recording redacted with the fast paths (frames.PlainOutput for outputs, and structs
+    given back unchanged without a walk) and without them: the same bytes."""
     from replay_proxy.redact import frames
 
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
     redaction = Redaction(RedactionSettings(str(key), VOCAB))
-    taken = []
-    of = frames.PlainOutput.of
+    taken, unchanged = [], collections.Counter()
+    of, really_unchanged = frames.PlainOutput.of, frames.Redactor._unchanged
+
+    def counted(redactor, name, value):
+        kept = really_unchanged(redactor, name, value)
+        unchanged[name] += kept
+        return kept
     monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: taken.append(schema) or of(schema, policy))
+    monkeypatch.setattr(frames.Redactor, "_unchanged", counted)
     for recording in RECORDINGS:
         redact_database(recording, tmp_path / f"fast-{recording.name}", redaction)
     monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: None)
+    monkeypatch.setattr(frames.Redactor, "_unchanged", lambda redactor, name, value: False)
     for recording in RECORDINGS:
         redact_database(recording, tmp_path / f"walked-{recording.name}", redaction)
         raw = [sqlite_utils.Database(tmp_path / f"{way}-{recording.name}").execute(
@@ -55,3 +63,4 @@ def test_the_fast_path_for_busy_outputs_redacts_them_as_the_walk_does(tmp_path, 
         assert raw[0] == raw[1], recording.name
     assert len(taken) == len(RECORDINGS)  # each took the fast path where it could:
     assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release
+    assert unchanged["SchedulerStats"] > 0 and unchanged["SamplingParams"] > 0  # kept without a walk
