@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import operator
 from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
+from replay_proxy.redact import _outputs
 from replay_proxy.redact.policy import Action, Policy
 from replay_proxy.redact.tokens import Key, Prefix, RedactionError, TokenMap
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
@@ -48,15 +48,15 @@ class Hasher:
 
     def __init__(self, key: Key):
         self._key = key.subkey(b"hash")
-        self._known: dict[str, str] = {}
+        self.known: dict[str, str] = {}  # what was hashed lately
 
     def text(self, text: str) -> str:
-        hashed = self._known.get(text)
+        hashed = self.known.get(text)
         if hashed is None:
-            if len(self._known) > 100_000:  # request ids come back every step; this only spares work
-                self._known.clear()
+            if len(self.known) > 100_000:  # request ids come back every step; this only spares work
+                self.known.clear()
             digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), key=self._key, digest_size=12)
-            hashed = self._known[text] = f"h-{digest.hexdigest()}"
+            hashed = self.known[text] = f"h-{digest.hexdigest()}"
         return hashed
 
 
@@ -274,35 +274,16 @@ class Redactor:
             plain = self._plain[self.schema.release] = PlainOutput.of(self.schema, self.policy)
         if plain is None or type(outputs) is not list:
             return None
-        length, (rid_at, tokens_at, finish_at, stop_at, nans_at) = plain.length, plain.columns
-        nil, nils = operator.itemgetter(*plain.nil), (None,) * len(plain.nil)
-        live, ended = self.live, self.ended
-        contexts = []
-        for value in outputs:
-            if type(value) is not list or len(value) != length or nil(value) != nils:
-                return None
-            rid, finish, stop = value[rid_at], value[finish_at], value[stop_at]
-            if type(rid) is not str or type(value[tokens_at]) is not list or type(value[nans_at]) is not int \
-                    or not (finish is None or type(finish) is int) or not (stop is None or type(stop) in (int, str)):
-                return None
-            context = live.get(rid) or ended.get(rid)
-            if context is None:
-                return None
-            contexts.append(context)
-        # (an output's logprobs would need its tokens' contexts: these have none, so none are kept)
-        text, chain, one = self.hasher.text, self.tokens.chain, self.tokens.one
-        redacted = []
-        for value, context in zip(outputs, contexts):
-            out = list(value)
-            rid, tokens = out[rid_at], out[tokens_at]
-            out[rid_at] = text(rid)
-            out[tokens_at] = [one(context.prefix, tokens[0], context.fixed)] if len(tokens) == 1 else \
-                chain(context.prefix, tokens, context.fixed)
-            if type(out[stop_at]) is str:
-                out[stop_at] = text(out[stop_at])
-            if out[finish_at] is not None:
-                self._end(rid)
-            redacted.append(out)
+        # In C (_outputs.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
+        # its tokens' contexts: these have none, so none are kept.)
+        redacted = _outputs.redact(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
+                                   self.hasher.text, self.hasher.known, self.tokens.permutation,
+                                   self.tokens.token_bytes)
+        if redacted is not None:
+            rid_at, finish_at = plain.columns[0], plain.columns[2]
+            for value in outputs:
+                if value[finish_at] is not None:
+                    self._end(value[rid_at])
         return redacted
 
     def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:

@@ -81,8 +81,8 @@ class TokenMap:
                                      digest_size=_DIGEST)
         self.empty = self._root.digest()  # the context of the first token, and of token lists of no position
         order = key.subkey(b"token-order")
-        self._bytes = [t.to_bytes(4, "little") for t in range(vocab_size)]  # what the chain hashes, made once
-        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", self._bytes[t], 8))
+        self.token_bytes = [t.to_bytes(4, "little") for t in range(vocab_size)]  # what the chain hashes, made once
+        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", self.token_bytes[t], 8))
 
     def _refuse(self, tokens: Iterable[int]) -> None:
         bad = next((t for t in tokens if not (type(t) is int and 0 <= t < self.vocab_size)), tokens)
@@ -123,7 +123,7 @@ class TokenMap:
 
         ``states``, if given, gets the state before each token (the context its logprobs were drawn in)."""
         self._check(tokens)
-        as_bytes, update, digest, to_int = self._bytes, prefix.update, prefix.digest, int.from_bytes
+        as_bytes, update, digest, to_int = self.token_bytes, prefix.update, prefix.digest, int.from_bytes
         before = []  # the state before each token
         shifts = []
         try:
@@ -137,21 +137,6 @@ class TokenMap:
         if states is not None:
             states.extend(before)
         return self._map(shifts, tokens, fixed)
-
-    def one(self, prefix: Prefix, token: int, fixed: Collection[int]) -> int:
-        """``chain`` of one token whose context nothing else needs (a busy engine's output, each step): the
-        same, with less around it."""
-        if type(token) is not int or not 0 <= token < self.vocab_size:
-            self._refuse([token])
-        shift = int.from_bytes(prefix.digest()[:8], "little")
-        prefix.update(self._bytes[token])
-        if token in fixed:
-            return token
-        size, permutation = self.vocab_size, self.permutation
-        out = permutation[(token + shift) % size]
-        while out in fixed:
-            out = permutation[(out + shift) % size]
-        return out
 
     @staticmethod
     def state(prefix: Prefix) -> bytes:

@@ -1,0 +1,202 @@
+/* A busy engine's outputs, redacted: the loop of Redactor._plain_outputs (frames.py), in C.
+ *
+ * At 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few
+ * microseconds an output, most of it not the hashing) was the redactor's largest
+ * cost. This does the same per output: a copy of the output's list with its
+ * request id hashed (from the hasher's cache, else by calling it), each token
+ * mapped in its context (the running keyed BLAKE2b, Python's own hashlib object:
+ * its digest gives the shift, then the token's bytes extend it), the stop reason
+ * hashed if it is text. TokenMap (tokens.py) holds the construction; this only
+ * runs it. Every output is checked first (context_of); if any is not one it
+ * takes, it returns None before touching a context, and the caller walks.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+static PyObject *digest_name, *update_name;
+
+static uint64_t shift_of(PyObject *prefix, int *failed) {
+    PyObject *state = PyObject_CallMethodNoArgs(prefix, digest_name);
+    if (state == NULL || !PyBytes_Check(state) || PyBytes_GET_SIZE(state) < 8) {
+        Py_XDECREF(state);
+        *failed = 1;
+        return 0;
+    }
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(state);
+    uint64_t shift = 0;
+    for (int i = 7; i >= 0; i--)  /* the first 8 bytes, little-endian, as int.from_bytes(state[:8], "little") */
+        shift = (shift << 8) | b[i];
+    Py_DECREF(state);
+    return shift;
+}
+
+/* pi(t) = P[(t + shift) % V], walked along its cycle past the fixed points (TokenMap._map). */
+static PyObject *mapped(PyObject *original, long token, uint64_t shift, PyObject *fixed, PyObject *permutation,
+                        long size) {
+    int is_fixed = PySet_GET_SIZE(fixed) ? PySet_Contains(fixed, original) : 0;
+    if (is_fixed < 0)
+        return NULL;
+    if (is_fixed) {
+        Py_INCREF(original);
+        return original;
+    }
+    uint64_t step = shift % (uint64_t)size;  /* (t + shift) % V, without overflowing 64 bits */
+    PyObject *out = PyList_GET_ITEM(permutation, (Py_ssize_t)(((uint64_t)token + step) % (uint64_t)size));
+    while (PySet_GET_SIZE(fixed) && (is_fixed = PySet_Contains(fixed, out)) != 0) {
+        if (is_fixed < 0)
+            return NULL;
+        out = PyList_GET_ITEM(permutation, (Py_ssize_t)(((uint64_t)PyLong_AsLong(out) + step) % (uint64_t)size));
+    }
+    Py_INCREF(out);
+    return out;
+}
+
+static PyObject *hashed(PyObject *text, PyObject *known, PyObject *hasher) {
+    PyObject *cached = PyDict_GetItemWithError(known, text);
+    if (cached != NULL) {
+        Py_INCREF(cached);
+        return cached;
+    }
+    return PyErr_Occurred() ? NULL : PyObject_CallOneArg(hasher, text);
+}
+
+/* The context of an output that the fast path takes, or NULL (no exception set) if it takes none: a list
+ * of the release's length, nil where the fast path has no column, with a text id of a request known,
+ * a list of ids in the vocabulary, an int NaN count, a finish reason nil or int, a stop reason nil, int
+ * or text. */
+static PyObject *context_of(PyObject *value, Py_ssize_t length, PyObject *nil, Py_ssize_t *at, PyObject *live,
+                            PyObject *ended, long size) {
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) != length)
+        return NULL;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(nil); k++)
+        if (PyList_GET_ITEM(value, PyLong_AsSsize_t(PyTuple_GET_ITEM(nil, k))) != Py_None)
+            return NULL;
+    PyObject *rid = PyList_GET_ITEM(value, at[0]), *tokens = PyList_GET_ITEM(value, at[1]);
+    PyObject *finish = PyList_GET_ITEM(value, at[2]), *stop = PyList_GET_ITEM(value, at[3]);
+    if (!PyUnicode_CheckExact(rid) || !PyList_CheckExact(tokens) || !PyLong_CheckExact(PyList_GET_ITEM(value, at[4]))
+            || !(finish == Py_None || PyLong_CheckExact(finish))
+            || !(stop == Py_None || PyLong_CheckExact(stop) || PyUnicode_CheckExact(stop)))
+        return NULL;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {
+        PyObject *token = PyList_GET_ITEM(tokens, j);
+        if (!PyLong_CheckExact(token))
+            return NULL;
+        int overflow = 0;
+        long t = PyLong_AsLongAndOverflow(token, &overflow);
+        if (overflow || t < 0 || t >= size)
+            return NULL;
+    }
+    PyObject *context = PyDict_GetItemWithError(live, rid);
+    if (context == NULL && !PyErr_Occurred())
+        context = PyDict_GetItemWithError(ended, rid);
+    return context;
+}
+
+/* redact(outputs, length, nil, columns, live, ended, hasher, known, permutation, token_bytes)
+ *   -> the outputs redacted, or None if any is not one the fast path takes (before anything is redacted). */
+static PyObject *redact(PyObject *module, PyObject *args) {
+    PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation, *token_bytes;
+    Py_ssize_t length, at[5];  /* request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits */
+    if (!PyArg_ParseTuple(args, "O!nO!(nnnnn)O!O!OO!O!O!", &PyList_Type, &outputs, &length, &PyTuple_Type, &nil,
+                          &at[0], &at[1], &at[2], &at[3], &at[4], &PyDict_Type, &live, &PyDict_Type, &ended, &hasher,
+                          &PyDict_Type, &known, &PyList_Type, &permutation, &PyList_Type, &token_bytes))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(outputs), rid_at = at[0], tokens_at = at[1], stop_at = at[3];
+    long size = (long)PyList_GET_SIZE(permutation);
+    if (PyList_GET_SIZE(token_bytes) != size) {
+        PyErr_SetString(PyExc_ValueError, "the permutation and the tokens' bytes differ in length");
+        return NULL;
+    }
+    PyObject *prefixes = PyList_New(n), *fixeds = PyList_New(n);  /* each output's context: checked first */
+    if (prefixes == NULL || fixeds == NULL)
+        goto fail_early;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *context = context_of(PyList_GET_ITEM(outputs, i), length, nil, at, live, ended, size);
+        if (context == NULL) {
+            Py_DECREF(prefixes);
+            Py_DECREF(fixeds);
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        PyObject *prefix = PyObject_GetAttrString(context, "prefix"), *fixed = PyObject_GetAttrString(context, "fixed");
+        PyList_SET_ITEM(prefixes, i, prefix);
+        PyList_SET_ITEM(fixeds, i, fixed);
+        if (prefix == NULL || fixed == NULL)
+            goto fail_early;
+        if (!PyAnySet_Check(fixed)) {
+            PyErr_SetString(PyExc_TypeError, "a context's fixed tokens are not a set");
+            goto fail_early;
+        }
+    }
+    PyObject *redacted = PyList_New(n);
+    if (redacted == NULL)
+        goto fail_early;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyList_GET_ITEM(outputs, i), *prefix = PyList_GET_ITEM(prefixes, i);
+        PyObject *fixed = PyList_GET_ITEM(fixeds, i), *tokens = PyList_GET_ITEM(value, tokens_at);
+        PyObject *out = PyList_GetSlice(value, 0, PyList_GET_SIZE(value));
+        if (out == NULL)
+            goto fail;
+        PyList_SET_ITEM(redacted, i, out);
+        PyObject *rid = hashed(PyList_GET_ITEM(value, rid_at), known, hasher);
+        if (rid == NULL)
+            goto fail;
+        PyList_SetItem(out, rid_at, rid);
+        PyObject *stop = PyList_GET_ITEM(value, stop_at);
+        if (PyUnicode_CheckExact(stop)) {
+            PyObject *stop_hashed = hashed(stop, known, hasher);
+            if (stop_hashed == NULL)
+                goto fail;
+            PyList_SetItem(out, stop_at, stop_hashed);
+        }
+        Py_ssize_t count = PyList_GET_SIZE(tokens);
+        PyObject *new_tokens = PyList_New(count);
+        if (new_tokens == NULL)
+            goto fail;
+        PyList_SetItem(out, tokens_at, new_tokens);
+        for (Py_ssize_t j = 0; j < count; j++) {
+            PyObject *original = PyList_GET_ITEM(tokens, j);
+            long token = PyLong_AsLong(original);
+            int failed = 0;
+            uint64_t shift = shift_of(prefix, &failed);
+            if (failed)
+                goto fail;
+            PyObject *done = PyObject_CallMethodOneArg(prefix, update_name, PyList_GET_ITEM(token_bytes, token));
+            if (done == NULL)
+                goto fail;
+            Py_DECREF(done);
+            PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
+            if (pseudonym == NULL)
+                goto fail;
+            PyList_SET_ITEM(new_tokens, j, pseudonym);
+        }
+    }
+    Py_DECREF(prefixes);
+    Py_DECREF(fixeds);
+    return redacted;
+fail:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a context's digest is not bytes");
+    Py_DECREF(redacted);
+fail_early:
+    Py_XDECREF(prefixes);
+    Py_XDECREF(fixeds);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"redact", redact, METH_VARARGS, "A busy engine's outputs, redacted (see the module's comment)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_outputs", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__outputs(void) {
+    digest_name = PyUnicode_InternFromString("digest");
+    update_name = PyUnicode_InternFromString("update");
+    if (digest_name == NULL || update_name == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

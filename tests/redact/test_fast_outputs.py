@@ -1,0 +1,82 @@
+"""The fast path for a busy engine's outputs (frames.PlainOutput, in C: _outputs.c) against the walk.
+
+Generated steps of outputs, one to three tokens each, some of them the requests' stop tokens, stop
+reasons of every kind, finishes, ids out of the vocabulary and outputs of unknown requests. Two redactors
+with one key take the same frames, one with the fast path, one walking: the same bytes, and the same
+contexts after (what is redacted next agrees too).
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_proxy.redact import frames
+from replay_proxy.redact.policy import load_policy
+from replay_proxy.redact.tokens import Key
+from replay_proxy.wire.capture import CapturedFrame
+from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.messages import Channel, Direction
+from replay_proxy.wire.schema import load_schema
+
+VOCAB = 50
+STOP_TOKENS = [0, 1, 2]
+SCHEMA = load_schema("0.32.0")
+KEY = Key(b"the fast path's test key, 32 b.")
+REQUESTS = [f"req-{i}" for i in range(4)]
+
+
+def add(seq: int, rid: str) -> CapturedFrame:
+    body = struct_value(SCHEMA, "EngineCoreRequest", {
+        "request_id": rid, "prompt_token_ids": [5, 6, 7], "mm_features": None,
+        "sampling_params": {"temperature": 0.0, "max_tokens": 8, "_eos_token_id": 0,
+                            "_all_stop_token_ids": STOP_TOKENS},
+        "pooling_params": None, "arrival_time": 1.0, "lora_request": None, "cache_salt": None,
+        "data_parallel_rank": None})
+    return CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x00", encode(body)])
+
+
+output = st.fixed_dictionaries({
+    "request_id": st.sampled_from(REQUESTS + ["unknown"]),
+    "new_token_ids": st.lists(st.integers(0, VOCAB - 1) | st.just(VOCAB + 3), min_size=1, max_size=3),
+    "finish_reason": st.none() | st.integers(0, 2),
+    "stop_reason": st.none() | st.integers(0, VOCAB - 1) | st.sampled_from(["a stop string", "another"]),
+})
+STEPS = st.lists(st.lists(output, min_size=1, max_size=6), min_size=1, max_size=6)
+
+
+def outputs_frame(seq: int, outputs: list[dict]) -> CapturedFrame:
+    body = struct_value(SCHEMA, "EngineCoreOutputs", {
+        "engine_index": 0, "timestamp": 1.0, "outputs": [struct_value(SCHEMA, "EngineCoreOutput", o) for o in outputs]})
+    return CapturedFrame(seq, seq, Channel.OUTPUT, Direction.TO_FRONTEND, 0, 0, [encode(body)])
+
+
+def redactor() -> frames.Redactor:
+    return frames.Redactor(KEY, load_policy(None), VOCAB, "0.32.0")
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_fast_path_redacts_as_the_walk_does(steps):
+    captured = [add(i + 1, rid) for i, rid in enumerate(REQUESTS)]
+    captured += [outputs_frame(len(captured) + k + 1, step) for k, step in enumerate(steps)]
+    fast, walked = redactor(), redactor()
+    walked._plain = {"0.32.0": None}  # no fast path for this release: every output is walked
+    for_fast, for_walk = fast.frames(captured) + fast.flush(), walked.frames(captured) + walked.flush()
+    assert [f.parts for f in for_fast] == [f.parts for f in for_walk]
+    assert dict(fast.blanked) == dict(walked.blanked) and fast.outputs_without_prompt == walked.outputs_without_prompt
+    assert {rid: c.prefix.digest() for rid, c in {**fast.live, **fast.ended}.items()} == \
+        {rid: c.prefix.digest() for rid, c in {**walked.live, **walked.ended}.items()}
+
+
+def test_the_fast_path_is_taken_for_plain_outputs_and_not_for_others():
+    fast = redactor()
+    fast.frames([add(1, "req-0")])
+    value = [struct_value(SCHEMA, "EngineCoreOutput", {"request_id": "req-0", "new_token_ids": [9]})]
+    assert fast._plain_outputs(value) is not None  # one token, of a request known
+    before = fast.live["req-0"].prefix.digest()
+    for other in ([["req-0", [VOCAB], *value[0][2:]]],  # not in the vocabulary
+                  [["unknown", [9], *value[0][2:]]],  # no ADD came
+                  [["req-0", [9], [1, 2], *value[0][3:]]],  # logprobs: walked, for their contexts
+                  [value[0][:-1]]):  # another release's length
+        assert fast._plain_outputs(other) is None
+    assert fast.live["req-0"].prefix.digest() == before  # and nothing was redacted on the way
+
