@@ -167,7 +167,8 @@ class Recorder:
         self._mine.setsockopt(zmq.IDENTITY, RELAY)
         self._mine.connect(self.capture)
         # Redacting, the tap's messages go through the redactor process on their way to the writer.
-        writer_tap = tap if redaction is None else f"ipc://{self._folder}/redacted"
+        self._context = context
+        self._writer_tap = writer_tap = tap if redaction is None else f"ipc://{self._folder}/redacted"
         self._redactor = None if redaction is None else _start(
             "replay_proxy.store.redactor", RedactorStart(tap, writer_tap, os.getpid(), redaction))
         self._process = _start("replay_proxy.store.writer", WriterStart(
@@ -240,10 +241,20 @@ class Recorder:
             if entries:
                 self._send(entries, frames)
             elif stop_by is not None and time.monotonic() >= stop_by:  # everything before STOP is passed on
+                status, error = self._ending
+                self._read_progress(0)  # is everyone still there?
                 if self._writer_lost is None:
-                    status, error = self._ending
                     self._tap.send_multipart(stop_message(Stop(status, error, self._frames_seen, self._bytes_seen)))
+                elif self._process.poll() is None:  # the redactor died: the writer ends with what it passed on
+                    self._stop_writer_directly(Stop("incomplete", self._writer_lost, self._frames_seen,
+                                                    self._bytes_seen))
                 return
+
+    def _stop_writer_directly(self, stop: Stop) -> None:
+        with self._context.socket(zmq.PUSH) as direct:
+            direct.setsockopt(zmq.LINGER, TAP_LINGER_MS)
+            direct.connect(self._writer_tap)
+            direct.send_multipart(stop_message(stop))
 
     def _send(self, entries: list[list[bytes]], frames: int) -> None:
         """Pass entries on, or drop them if the queue has no room (in block mode: wait for room)."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -216,3 +217,33 @@ def test_redact_refuses_what_it_cannot_do_in_one_line(tmp_path, key_file, argume
                            *arguments], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and error in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out.db").exists()
+
+
+def test_a_redactor_that_dies_is_reported_and_counted_and_forwarding_goes_on(tmp_path, key_file):
+    db = tmp_path / "recording.db"
+
+    async def run():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                session = await RecordedSession(nursery, db, redaction=settings(key_file)).start()
+                frontend = session.frontend
+                await frontend.add("before", [1, 2, 3], max_tokens=4, temperature=0.0)
+                await frontend.wait_for(lambda: "before" in frontend.finish_reasons)
+                while session.recorder.statistics().frames_recorded == 0:  # (within the fail_after)
+                    await trio.sleep(0.05)
+                redactor = session.recorder._redactor
+                os.kill(redactor.pid, signal.SIGKILL)
+                await trio.to_thread.run_sync(redactor.wait, 10)
+                await frontend.add("after", [4, 5, 6], max_tokens=4, temperature=0.0)
+                await frontend.wait_for(lambda: "after" in frontend.finish_reasons)
+                nursery.cancel_scope.cancel()
+        return session
+
+    session = trio.run(run)
+    stats = session.recorder.close()
+    assert session.frontend.tokens["after"] == [token_at([4, 5, 6], None, i) for i in range(4)]  # forwarded
+    assert stats.final and stats.error == "the redactor process exited with -9 while recording"
+    assert stats.frames_dropped > 0 and stats.frames_seen == stats.frames_recorded + stats.frames_dropped
+    row = sqlite_utils.Database(db)["sessions"].get(session.recorder.session_id)
+    assert (row["status"], row["error"]) == ("incomplete", stats.error)  # the writer ended it, with what came
+    assert row["frames_recorded"] > 0 and row["frames_dropped"] == stats.frames_dropped
