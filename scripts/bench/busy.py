@@ -14,7 +14,9 @@ every count is checked against what the peers sent.
     .venv/bin/python scripts/bench/busy.py --frames 200000 --outputs 4 --rate 20000   # the suite's soak
     .venv/bin/python scripts/bench/busy.py --seconds 60 --redact-key redaction.key   # record --redact-key
 
-Prints one JSON object (on one line with --json: what the soak test reads).
+Prints one JSON object (on one line with --json: what the soak test reads). With
+``--redact-key``, two runs: the floor (the same, not redacted), then redacting,
+and the redacted run's lag and stop time as ratios to the floor's.
 """
 
 from __future__ import annotations
@@ -146,10 +148,11 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
     time.sleep(30)  # until stopped: an engine that exits would be a lost engine
 
 
-def writer_pid(proxy_pid: int) -> int | None:
+def child_pid(proxy_pid: int, module: str) -> int | None:
+    """The proxy's child process running ``module`` (its writer, its redactor)."""
     children = Path(f"/proc/{proxy_pid}/task/{proxy_pid}/children")
     for pid in children.read_text().split() if children.exists() else []:
-        if "replay_proxy.store.writer" in Path(f"/proc/{pid}/cmdline").read_text():
+        if module in Path(f"/proc/{pid}/cmdline").read_text():
             return int(pid)
     return None
 
@@ -172,9 +175,23 @@ def main() -> None:
     parser.add_argument("--db", type=Path, help="record into this file and keep it (default: a temporary one)")
     parser.add_argument("--redact-key", type=Path, help="record's --redact-key: redact every frame as it is written")
     args = parser.parse_args()
+    if args.redact_key is None:
+        result = run(args, None)
+    else:  # the floor first: the same run, not redacted
+        floor, redacted = run(args, None), run(args, args.redact_key)
+        result = {"floor": floor, "redacted": redacted, **{
+            f"{figure}_ratio": round(redacted[figure] / floor[figure], 2) if floor[figure] else None
+            for figure in ("decode_lag_ms_p50", "decode_lag_ms_max", "stop_s")}}
+    print(json.dumps(result, indent=None if args.json else 1))
+
+
+def run(args: argparse.Namespace, redact_key: Path | None) -> dict:
+    """One run of ``record`` between the busy peers (redacting with ``redact_key``): its figures."""
     steps = args.frames or int(args.rate * args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-busy-"))
     db = args.db or logs / "busy.db"
+    if db.exists():  # --db with --redact-key: the floor's run made it
+        db = db.with_name(f"{db.stem}-redacted{db.suffix}")
     upstream, listen = free_port(), free_port()
     me = [sys.executable, __file__]
     front = Child([*me, "frontend", str(upstream), str(steps), str(args.rate)], logs / "frontend.log",
@@ -182,15 +199,15 @@ def main() -> None:
     proxy = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen}",
                    "--upstream", f"tcp://127.0.0.1:{upstream}", "--db", str(db), "--session", "busy",
                    "--on-full", args.on_full,
-                   *(["--redact-key", str(args.redact_key), "--vocab-size", str(VOCAB)] if args.redact_key else [])],
+                   *(["--redact-key", str(redact_key), "--vocab-size", str(VOCAB)] if redact_key else [])],
                   logs / "proxy.log", name="replay-proxy record")
     children = [front, proxy]
     try:
         proxy.wait_for_log("listening on", timeout=60)
         children.append(Child([*me, "engine", f"tcp://127.0.0.1:{listen}", str(steps), str(args.rate),
                                str(args.outputs)], logs / "engine.log", name="busy engine"))
-        writer = writer_pid(proxy.process.pid)
-        lags_ms, memory_mb = [], []
+        writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}") for m in ("writer", "redactor"))
+        lags_ms, memory_mb, redactor_mb = [], [], []
         connection = sqlite3.connect(db, timeout=30)
         deadline = time.monotonic() + steps / args.rate + 600
         while front.running() and time.monotonic() < deadline:
@@ -198,9 +215,11 @@ def main() -> None:
             newest = connection.execute(  # by the primary key: the measurement must not load the machine
                 "SELECT ts_ns FROM frames WHERE session_id = 1 ORDER BY seq DESC LIMIT 1").fetchone()
             if newest is not None:
-                lags_ms.append((time.time_ns() - newest[0]) / 1e6); print("LAG", round(lags_ms[-1]), file=sys.stderr)
+                lags_ms.append((time.time_ns() - newest[0]) / 1e6)
             if writer is not None and Path(f"/proc/{writer}").exists():
                 memory_mb.append(resident_mb(writer))
+            if redactor is not None and Path(f"/proc/{redactor}").exists():
+                redactor_mb.append(resident_mb(redactor))
         peers = json.loads(front.log_path.read_text().strip().splitlines()[-1])
         stop_started = time.monotonic()
         proxy.process.send_signal(signal.SIGINT)
@@ -228,9 +247,10 @@ def main() -> None:
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,
               "decode_lag_ms_p50": round(sorted(lags_ms)[len(lags_ms) // 2], 1) if lags_ms else None,
-              "writer_rss_mb_max": round(max(memory_mb), 1) if memory_mb else None}
+              "writer_rss_mb_max": round(max(memory_mb), 1) if memory_mb else None,
+              **({"redactor_rss_mb_max": round(max(redactor_mb), 1)} if redactor_mb else {})}
     shutil.rmtree(logs, ignore_errors=True)
-    print(json.dumps(result, indent=None if args.json else 1))
+    return result
 
 
 if __name__ == "__main__":
