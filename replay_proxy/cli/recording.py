@@ -129,6 +129,47 @@ def redact(
 
 
 @app.command()
+def cut(
+    db: Annotated[Path, typer.Option(help="The recording to cut from (it is only read).")],
+    session: Annotated[str, typer.Option(help="The session to cut: name or id.")],
+    out: Annotated[Path, typer.Option(help="The new SQLite file for the cut (must not exist).")],
+    requests: Annotated[list[str] | None, typer.Option(
+        "--requests", help="A request to keep, by id (repeatable).")] = None,
+    where: Annotated[str | None, typer.Option(
+        help="Keep the requests this SQL condition over the requests table holds for, "
+             "e.g. \"max_tokens > 100 AND temperature = 0\".")] = None,
+    from_s: Annotated[float | None, typer.Option("--from", help="Keep requests added this many seconds "
+                                                               "into the session or later.")] = None,
+    to_s: Annotated[float | None, typer.Option("--to", help="... and before this many.")] = None,
+    sample: Annotated[int | None, typer.Option(min=1, help="Then keep this many at random, stratified by finish "
+                                                           "reason and greedy / seeded / random sampling.")] = None,
+    seed: Annotated[int, typer.Option(help="The sample's seed.")] = 0,
+    name: Annotated[str | None, typer.Option(help="The cut session's name (default: the source's, \"(cut)\").")]
+    = None,
+) -> None:
+    """Write some requests of a session, with everything a replay of them needs, into a new file.
+
+    Kept: every handshake, registration and READY, the start-up utility calls and those in the window,
+    the chosen requests' ADDs, ABORTs and outputs (each EngineCoreOutputs rebuilt with only theirs).
+
+    Example: replay-proxy cut --db staging.db --session staging --out ci.db --sample 200 --seed 1
+    """
+    from replay_proxy.store.cut import Selection, cut_database
+
+    if not db.exists():
+        raise fail(f"{db} does not exist", ExitCode.USAGE)
+    if out.resolve() == db.resolve():
+        raise fail("--out is --db: cut writes a new file", ExitCode.USAGE)
+    selection = Selection(requests=requests or None, where=where, from_s=from_s, to_s=to_s, sample=sample,
+                          seed=seed)
+    try:
+        session_id, kept, frames = cut_database(db, out, session, selection, name)
+    except ReplayProxyError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    err.print(f"session {session!r}: {kept:,} requests, {frames:,} frames -> {out} (id {session_id})")
+
+
+@app.command()
 def sessions(
     db: Annotated[Path, typer.Option(help="Recording database.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,

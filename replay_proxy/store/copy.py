@@ -1,4 +1,4 @@
-"""``replay-proxy redact``: a recording's sessions, redacted, into a new file.
+"""``replay-proxy redact``: a recording's sessions, redacted, into a new file (and what ``cut`` shares).
 
 Never in place: SQLite leaves deleted data in freed pages and in its WAL, so
 the redacted copy is a new database. Each session's frames go, in seq order,
@@ -58,14 +58,13 @@ def redact_database(source: Path, out: Path, redaction: Redaction, sessions: lis
 def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, new_ids: dict[int, int]
           ) -> tuple[str, int, int]:
     """One session, redacted, into ``out``: (its name, its id there, its frames)."""
-    values = {k: v for k, v in row.items() if k in TABLES["sessions"][0] and k not in _RECOMPUTED}
-    values["vllm_version"] = row["vllm_version"]  # the writer names the frames with it from the start
+    values = session_row(row)
     values["baseline_session_id"] = new_ids.get(row["baseline_session_id"])
     with contextlib.closing(open_database(out)) as target:
         session_id = new_ids[row["id"]] = target["sessions"].insert(redaction.session_row(values)).last_pk
     writer = Writer(str(out), session_id, redaction=redaction)
     chunk: list[CapturedFrame | EngineLoss] = []
-    for item in _recorded(db, row["id"]):
+    for item in recorded_frames(db, row["id"]):
         chunk.append(item)
         if len(chunk) >= DECODE_FRAMES:
             writer.write_frames(chunk)
@@ -76,14 +75,24 @@ def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, ne
     return row["name"], session_id, frames
 
 
-def _recorded(db: sqlite3.Connection, session_id: int) -> Iterator[CapturedFrame | EngineLoss]:
-    """A session's frames as they were captured, and its engines' losses, in seq order; then what it kept
-    undecoded (a writer keeps the newest frames, so those come after the decoded ones)."""
+def session_row(row: dict) -> dict:
+    """A source session's row as its copy starts: what the writer recomputes from the frames left out."""
+    values = {k: v for k, v in row.items() if k in TABLES["sessions"][0] and k not in _RECOMPUTED}
+    values["vllm_version"] = row["vllm_version"]  # the writer names the frames with it from the start
+    return values
+
+
+def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = None
+                    ) -> Iterator[CapturedFrame | EngineLoss]:
+    """A session's frames as they were captured (``only``: those whose seq that query gives), and its
+    engines' losses, in seq order; then what it kept undecoded (a writer keeps the newest frames, so
+    those come after the decoded ones)."""
     frames = (CapturedFrame(seq, ts_ns, Channel(channel), Direction(direction), engine, client, _parts(raw),
                             _parts(forwarded) if forwarded else None)
               for seq, ts_ns, channel, direction, engine, client, raw, forwarded in db.execute(
                   "SELECT seq, ts_ns, channel, direction, engine_index, client_index, raw, forwarded_raw "
-                  "FROM frames WHERE session_id = ? ORDER BY seq", [session_id]))
+                  f"FROM frames WHERE session_id = ? {f'AND seq IN ({only})' if only else ''} ORDER BY seq",
+                  [session_id]))
     losses = (EngineLoss(seq, ts_ns, engine, detail) for seq, ts_ns, engine, detail in db.execute(
         "SELECT seq, ts_ns, engine_index, detail FROM engine_events WHERE session_id = ? AND event = 'lost' "
         "ORDER BY seq", [session_id]))

@@ -44,6 +44,8 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         # A redacted session: its policy's digest and its key's fingerprint (never the key), and what
         # the redaction blanked (default deny) and dropped (the policy), as JSON counts.
         "redaction_policy": str, "redaction_key": str, "redaction_counts": str,
+        # A cut (replay-proxy cut): the source file's digest and name, its session, the selection, as JSON.
+        "cut_from": str,
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from replay_proxy.redact.settings import Redaction, RedactionSettings  # noqa: E402
-from replay_proxy.store.copy import _recorded, redact_database  # noqa: E402
+from replay_proxy.store.copy import recorded_frames, redact_database  # noqa: E402
 from replay_proxy.store.tables import open_database  # noqa: E402
 from replay_proxy.store.writer import DECODE_FRAMES, Writer  # noqa: E402
 from replay_proxy.wire.capture import CapturedFrame  # noqa: E402
@@ -103,7 +103,7 @@ def main() -> None:
             redact_s.append(time.process_time() - start)
             start = time.process_time()
             with sqlite3.connect(folder / "staging.db") as source:
-                read = list(_recorded(source, 1))
+                read = list(recorded_frames(source, 1))
             written(folder / f"copy-{round_}.db", read).finish()
             copy_s.append(time.process_time() - start)
     redact, copy = statistics.median(redact_s), statistics.median(copy_s)

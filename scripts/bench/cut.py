@@ -1,0 +1,63 @@
+"""``replay-proxy cut`` of ``--requests`` requests out of a busy-engine recording: time and memory.
+
+The recording is ``scripts/bench/busy.py``'s (2,000 steps a second of 32
+outputs, an ADD a step; ``--seconds 600`` is the ten-minute one, about 38M
+output rows), made once into ``--db`` if that file does not exist. The cut
+(``--sample``, stratified) runs as its own process, timed as a whole, its
+peak resident memory read from the kernel. The floor, in the same run:
+reading the same frames' bytes with one SELECT, nothing decoded or written.
+
+    .venv/bin/python scripts/bench/cut.py --db /tmp/busy-600.db [--seconds 600] [--requests 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", type=Path, required=True, help="the busy recording (made if missing)")
+    parser.add_argument("--seconds", type=float, default=600, help="its length, if it is made")
+    parser.add_argument("--requests", type=int, default=500)
+    args = parser.parse_args()
+    if not args.db.exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "busy.py"), "--seconds", str(args.seconds),
+                        "--db", str(args.db), "--on-full", "block", "--json"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "replay_proxy", "decode", "--db", str(args.db)], check=True,
+                       stdout=subprocess.DEVNULL)
+    with sqlite3.connect(args.db) as db:
+        output_rows = db.execute("SELECT COUNT(*) FROM output_rows").fetchone()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-cut-") as folder:
+        out = Path(folder) / "cut.db"
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "replay_proxy", "cut", "--db", str(args.db), "--session", "busy",
+                        "--out", str(out), "--sample", str(args.requests), "--seed", "1"], check=True)
+        cut_s = time.perf_counter() - started
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child's
+        with sqlite3.connect(out) as cut:
+            kept = cut.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+            seqs = [seq for (seq,) in cut.execute("SELECT seq FROM frames")]
+        started = time.perf_counter()
+        with sqlite3.connect(args.db) as db:
+            db.execute("CREATE TEMP TABLE wanted (seq INTEGER PRIMARY KEY)")
+            db.executemany("INSERT INTO temp.wanted VALUES (?)", [(s,) for s in seqs])
+            read = sum(len(raw) for (raw,) in db.execute(
+                "SELECT raw FROM frames WHERE session_id = 1 AND seq IN temp.wanted ORDER BY seq"))
+        floor_s = time.perf_counter() - started
+    print(f"{args.db.name}: {output_rows:,} output rows; cut of {kept} requests ({len(seqs):,} frames)")
+    print(f"replay-proxy cut: {cut_s:.1f} s (target <= 60 s), peak {peak_mb:.0f} MB resident (target <= 256 MB)")
+    print(f"floor, reading those frames ({read / 2**20:.1f} MB): {floor_s:.2f} s; the cut is {cut_s / floor_s:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
