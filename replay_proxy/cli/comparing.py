@@ -117,6 +117,53 @@ def replay(
     finish_report(report, report_dir)
 
 
+@app.command()
+def shrink(
+    db: Annotated[Path, typer.Option(help="The recording (it is only read).")],
+    session: Annotated[str, typer.Option(help="The session to shrink: name or id.")],
+    out: Annotated[Path, typer.Option(help="A folder for shrunk.db (the smallest session found) and shrink.json.")],
+    against: Annotated[Side, typer.Option(help="The side under test, as for replay.")],
+    engine_cmd: Annotated[str | None, typer.Option(help=(
+        "--against engine: the engine's command, with {port} where its handshake port goes (a free one "
+        "for each replay)."))] = None,
+    frontend_cmd: Annotated[str | None, typer.Option(help=(
+        "--against frontend: the frontend's command, with {http} and {rpc} where its ports go."))] = None,
+    finding: Annotated[str | None, typer.Option(help=(
+        "The finding to keep, as CODE or CODE:STRUCT.FIELD (default: the worst of the whole session's "
+        "replay)."))] = None,
+    max_replays: Annotated[int, typer.Option(min=1, help="Replays at most, the whole session's included.")] = 64,
+    jobs: Annotated[int, typer.Option(min=1, help="Candidates replayed side by side.")] = 1,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds each replay waits for its peer.")] = 300.0,
+    finish_timeout: Annotated[float, typer.Option(help="Seconds each replay waits for outstanding requests.")]
+        = 120.0,
+) -> None:
+    """Cut a session down to the requests a finding needs (delta debugging over its requests).
+
+    The whole session is replayed first: if the finding is not there, exit 2. Then each candidate, a
+    cut of some requests, is replayed in its own process against a fresh peer.
+
+    Example: replay-proxy shrink --db staging.db --session staging --out shrunk --against engine --engine-cmd "vllm serve ... --data-parallel-rpc-port {port}"
+    """
+    from replay_proxy.replay.shrink import Peer, shrink as shrink_session
+
+    command = engine_cmd if against is Side.ENGINE else frontend_cmd
+    holes = ("{port}",) if against is Side.ENGINE else ("{http}", "{rpc}")
+    if command is None or not all(hole in command for hole in holes):
+        option = "--engine-cmd" if against is Side.ENGINE else "--frontend-cmd"
+        raise fail(f"--against {against} needs {option} with {' and '.join(holes)} in it", ExitCode.USAGE)
+    if not db.exists():
+        raise fail(f"{db} does not exist", ExitCode.USAGE)
+    peer = Peer(against=against, command=command, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout)
+    try:
+        summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,
+                                 progress=lambda line: err.print(f"shrink: {line}", highlight=False))
+    except ReplayProxyError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    before, after = summary["requests"]["before"], summary["requests"]["after"]
+    err.print(f"{summary['finding']['code']}: {before:,} -> {after:,} requests in {summary['replays']} replays"
+              f"{'' if summary['minimal'] else ' (--max-replays ran out: not minimal)'}: {out / 'shrunk.db'}")
+
+
 @schema_app.command("extract")
 def schema_extract(
     release: Annotated[str | None, typer.Option(

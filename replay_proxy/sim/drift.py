@@ -24,6 +24,8 @@ class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     finish_reason: str | None = None  # report this finish reason instead of the true one
     token_offset: int = 0  # shift every generated token id
     die_after_requests: int | None = None  # send ENGINE_CORE_DEAD after this many ADDs
+    die_on_logprobs_over: int | None = None  # ... on an ADD asking for more logprobs than this (a poisoned request)
+    die_when_together: tuple[str, str] | None = None  # ... once these two requests run at once
     step_time_fraction: float = 0.0  # each engine step takes this fraction longer (0.1: +10%), a known slowdown
 
 

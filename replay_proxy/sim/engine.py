@@ -155,7 +155,7 @@ class SimEngine:
                 client=fields.get("client_index", 0),
             )
             self.added += 1
-            if self.drift.die_after_requests is not None and self.added >= self.drift.die_after_requests:
+            if self._fails_on(params):
                 await self._die()
         elif kind is RequestType.ABORT:
             for request_id in body:
@@ -166,6 +166,15 @@ class SimEngine:
             utility = struct_value(self.schema, "UtilityOutput", {"call_id": call_id, "result": [None, result]})
             await self._send(client, {"utility_output": utility})
         self._wake.set()
+
+    def _fails_on(self, params: dict) -> bool:
+        """Whether the ADD just taken kills the engine (the drift knobs that do)."""
+        drift = self.drift
+        if drift.die_after_requests is not None and self.added >= drift.die_after_requests:
+            return True
+        if drift.die_on_logprobs_over is not None and (params.get("logprobs") or 0) > drift.die_on_logprobs_over:
+            return True
+        return drift.die_when_together is not None and all(r in self.running for r in drift.die_when_together)
 
     async def _die(self) -> None:
         self.dead = True

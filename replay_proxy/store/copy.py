@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -60,19 +60,28 @@ def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, ne
     """One session, redacted, into ``out``: (its name, its id there, its frames)."""
     values = session_row(row)
     values["baseline_session_id"] = new_ids.get(row["baseline_session_id"])
+    session_id, frames = write_session(out, redaction.session_row(values), recorded_frames(db, row["id"]),
+                                       redaction)
+    new_ids[row["id"]] = session_id
+    return row["name"], session_id, frames
+
+
+def write_session(out: Path, row: dict, frames: Iterable[CapturedFrame | EngineLoss],
+                  redaction: Redaction | None = None) -> tuple[int, int]:
+    """A new session ``row`` in ``out``, its tables made from ``frames`` by the recorder's own writer
+    (redacting them first, with ``redaction``): (its id, the frames written)."""
     with contextlib.closing(open_database(out)) as target:
-        session_id = new_ids[row["id"]] = target["sessions"].insert(redaction.session_row(values)).last_pk
+        session_id = target["sessions"].insert(row).last_pk
     writer = Writer(str(out), session_id, redaction=redaction)
     chunk: list[CapturedFrame | EngineLoss] = []
-    for item in recorded_frames(db, row["id"]):
+    for item in frames:
         chunk.append(item)
         if len(chunk) >= DECODE_FRAMES:
             writer.write_frames(chunk)
             chunk = []
     writer.write_frames(chunk)
-    frames = writer.frames_written
-    writer.finish()
-    return row["name"], session_id, frames
+    writer.finish()  # (and the outputs a redactor still held for their ADD)
+    return session_id, writer.frames_written
 
 
 def session_row(row: dict) -> dict:

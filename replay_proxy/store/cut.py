@@ -25,9 +25,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.copy import CopyError, recorded_frames, session_row
-from replay_proxy.store.tables import open_database
-from replay_proxy.store.writer import DECODE_FRAMES, Writer
+from replay_proxy.store.copy import CopyError, recorded_frames, session_row, write_session
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
 from replay_proxy.wire.schema import schema_for
@@ -233,18 +231,7 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
         values["cut_from"] = msgspec.json.encode({"source": f"sha256:{digest}", "file": source.name,
                                                   "session": row["name"], "session_id": row["id"],
                                                   "selection": selection, "requests": len(chosen)}).decode()
-        with contextlib.closing(open_database(out)) as target:
-            session_id = target["sessions"].insert(values).last_pk
-        writer = Writer(str(out), session_id)
-        chunk: list[CapturedFrame | EngineLoss] = []
-        for item in recorded_frames(db, row["id"], _frames_needed(db, row["id"], chosen)):
-            kept = cutter.frame(item)
-            if kept is not None:
-                chunk.append(kept)
-            if len(chunk) >= DECODE_FRAMES:
-                writer.write_frames(chunk)
-                chunk = []
-        writer.write_frames(chunk)
-    frames = writer.frames_written
-    writer.finish()
+        kept = (cut for cut in map(cutter.frame, recorded_frames(db, row["id"], _frames_needed(db, row["id"], chosen)))
+                if cut is not None)
+        session_id, frames = write_session(out, values, kept)
     return session_id, len(chosen), frames

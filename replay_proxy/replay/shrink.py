@@ -1,0 +1,202 @@
+"""``replay-proxy shrink``: a session cut down to the requests a finding needs (delta debugging).
+
+Theory of operation. The whole session is replayed first, and the finding
+to chase is taken from that replay (``--finding``, else its worst): if it
+is not there, there is nothing to shrink. A finding is the same finding in
+another replay when its code, severity, struct, field and position are
+(request ids, times and values vary from run to run; DEMi's fingerprint).
+Then Zeller's ddmin over the session's requests, in the order they were
+added: each candidate is a ``cut`` of those requests (``store/cut.py``),
+replayed in a process of its own against a fresh peer on free ports, with
+the replay's own timeouts; the candidate fails if its replay has the
+finding. Results are kept by the candidate's requests, so no candidate runs
+twice, ``max_replays`` bounds the work, and ``jobs`` runs a round's
+candidates side by side (the first failing one, in order, is taken, so the
+result does not depend on which finished first).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shlex
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from replay_proxy.compare.findings import Severity
+from replay_proxy.errors import ReplayProxyError
+from replay_proxy.processes import free_port
+from replay_proxy.store.cut import Selection, cut_database
+from replay_proxy.wire.messages import Side
+
+Identity = tuple[str, str, str | None, str | None, int | None]  # code, severity, struct, field, position
+_SEVERITY = {s.name.lower(): s for s in Severity}
+
+
+class ShrinkError(ReplayProxyError):
+    """Nothing to shrink: the finding is not in the whole session's replay, or the replay did not run."""
+
+
+class Peer(msgspec.Struct, frozen=True, kw_only=True):
+    """The peer under test, as a replay starts it: its command has ``{port}`` (an engine's handshake port)
+    or ``{http}`` and ``{rpc}`` (a frontend's), filled in with free ports for each candidate."""
+
+    against: Side
+    command: str
+    ready_timeout_s: float
+    finish_timeout_s: float
+
+    def replay_argv(self, db: Path, session: str, report_dir: Path) -> list[str]:
+        if self.against is Side.ENGINE:
+            port = free_port()
+            target = ["--listen", f"tcp://127.0.0.1:{port}", "--engine-cmd", self.command.replace("{port}", str(port))]
+        else:
+            http, rpc = free_port(), free_port()
+            target = ["--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
+                      self.command.replace("{http}", str(http)).replace("{rpc}", str(rpc))]
+        return [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,
+                "--against", str(self.against), *target, "--ready-timeout", str(self.ready_timeout_s),
+                "--finish-timeout", str(self.finish_timeout_s), "--report-dir", str(report_dir)]
+
+
+def identity(finding: dict) -> Identity:
+    return (finding["code"], finding["severity"], finding.get("struct"), finding.get("field"), finding.get("position"))
+
+
+def wanted(findings: list[dict], spec: str | None) -> dict | None:
+    """The finding to chase: the first that ``spec`` (CODE or CODE:STRUCT.FIELD) names, else the worst
+    that is not about time (a replay's timing is not a request's doing)."""
+    if spec is not None:
+        code, _, where = spec.partition(":")
+        struct, _, field = where.partition(".")
+        return next((f for f in findings if f["code"] == code and (not struct or f.get("struct") == struct)
+                     and (not field or f.get("field") == field)), None)
+    serious = [f for f in findings if f["category"] != "performance" and _SEVERITY[f["severity"]] >= Severity.WARNING]
+    return max(serious, key=lambda f: _SEVERITY[f["severity"]], default=None)
+
+
+class Shrinker:
+    """ddmin over one session's requests (see the module's docstring)."""
+
+    def __init__(self, db: Path, session: str, peer: Peer, workdir: Path, *, max_replays: int = 64, jobs: int = 1,
+                 progress: Callable[[str], None] = lambda line: None):
+        self.db, self.session, self.peer, self.workdir = db, session, peer, workdir
+        self.max_replays, self.jobs, self.progress = max_replays, jobs, progress
+        self.target: Identity | None = None
+        self.tried: dict[frozenset[str], bool] = {}
+        self.candidates: list[dict] = []  # shrink.json's: each candidate's size and verdict, in order
+        self.smallest: list[str] = []
+        self.exhausted = False  # max_replays ran out before the set was 1-minimal
+
+    @property
+    def replays(self) -> int:
+        return len(self.tried) + 1  # and the whole session's
+
+    def start(self, spec: str | None) -> dict:
+        """Replay the whole session; the finding to chase (ShrinkError if there is none)."""
+        with sqlite3.connect(self.db) as db:
+            self.smallest = list(dict.fromkeys(r for (r,) in db.execute(
+                "SELECT request_id FROM requests WHERE session_id = (SELECT id FROM sessions WHERE name = ? OR "
+                "CAST(id AS TEXT) = ? ORDER BY id DESC LIMIT 1) ORDER BY seq", [self.session, self.session])))
+        if not self.smallest:
+            raise ShrinkError(f"no session {self.session} with requests in {self.db}")
+        copy = self.workdir / "whole" / "session.db"
+        copy.parent.mkdir(parents=True)
+        shutil.copy(self.db, copy)
+        findings = self._replay(copy, self.session, copy.parent)
+        finding = wanted(findings, spec)
+        if finding is None:
+            said = ", ".join(sorted({f"{f['code']} ({f['severity']})" for f in findings})) or "no finding"
+            raise ShrinkError(f"the whole session's replay has no {spec or 'finding to shrink for'}: it "
+                              f"reported {said}")
+        self.target = identity(finding)
+        self.progress(f"chasing {finding['code']} ({finding['severity']}): {len(self.smallest)} requests")
+        return finding
+
+    def ddmin(self) -> list[str]:
+        """The smallest failing set found: 1-minimal unless ``max_replays`` ran out first (``exhausted``)."""
+        items, n = self.smallest, 2
+        while len(items) >= 2:
+            if self.replays >= self.max_replays:
+                self.exhausted = True
+                break
+            chunks = [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+            subset = self._first_failing(chunks)
+            if subset is not None:  # the finding needs only this part
+                items = self.smallest = subset
+                n = 2
+                continue
+            if n > 2:  # (with two parts, each complement is the other part)
+                complement = self._first_failing([[r for r in items if r not in set(c)] for c in chunks])
+                if complement is not None:  # ... or not this part
+                    items = self.smallest = complement
+                    n = max(n - 1, 2)
+                    continue
+            if n >= len(items):  # no single request can go: 1-minimal
+                break
+            n = min(len(items), 2 * n)
+        return items
+
+    def _first_failing(self, candidates: list[list[str]]) -> list[str] | None:
+        """The first candidate (in order) whose replay has the finding; those already tried are not run."""
+        fresh = [c for c in candidates if frozenset(c) not in self.tried]
+        fresh = fresh[:max(0, self.max_replays - self.replays)]
+        for start in range(0, len(fresh), self.jobs):
+            batch = fresh[start:start + self.jobs]
+            with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+                for candidate, fails in zip(batch, pool.map(self._fails, batch)):
+                    self.tried[frozenset(candidate)] = fails
+                    self.candidates.append({"requests": len(candidate), "finding": fails})
+            self.progress(f"{self.replays} replays, {len(self.smallest)} requests")
+            if any(self.tried[frozenset(c)] for c in batch):
+                break
+        return next((c for c in candidates if self.tried.get(frozenset(c))), None)
+
+    def _fails(self, requests: list[str]) -> bool:
+        folder = Path(tempfile.mkdtemp(prefix="candidate-", dir=self.workdir))
+        cut = folder / "session.db"
+        cut_database(self.db, cut, self.session, Selection(requests=requests), name="candidate")
+        found = self._replay(cut, "candidate", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        return any(identity(f) == self.target for f in found)
+
+    def _replay(self, db: Path, session: str, folder: Path) -> list[dict]:
+        argv = self.peer.replay_argv(db, session, folder)
+        limit = self.peer.ready_timeout_s + self.peer.finish_timeout_s + 120
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise ShrinkError(f"a replay took over {limit:g} s: {shlex.join(argv)}") from None
+        report = folder / "report.json"
+        if not report.exists():
+            said = [line for line in done.stderr.splitlines() if line.strip()] or ["no output"]
+            raise ShrinkError(f"a replay ended with {done.returncode} and no report: {said[-1]}")
+        return json.loads(report.read_text())["findings"]
+
+
+def shrink(db: Path, session: str, out: Path, peer: Peer, *, finding: str | None = None, max_replays: int = 64,
+           jobs: int = 1, progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Shrink ``session`` to the requests its finding needs: ``out``/shrunk.db (that session, cut) and
+    ``out``/shrink.json (what it took); returns shrink.json's contents."""
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "shrunk.db").exists():
+        raise ShrinkError(f"{out / 'shrunk.db'} exists: shrink writes a new file")
+    with tempfile.TemporaryDirectory(prefix="shrink-", dir=out) as workdir:
+        shrinker = Shrinker(db, session, peer, Path(workdir), max_replays=max_replays, jobs=jobs, progress=progress)
+        chased = shrinker.start(finding)
+        total = len(shrinker.smallest)
+        smallest = shrinker.ddmin()
+    cut_database(db, out / "shrunk.db", session, Selection(requests=smallest), name=session)
+    summary = {"finding": {k: chased.get(k) for k in ("code", "severity", "struct", "field", "position", "message")},
+               "requests": {"before": total, "after": len(smallest)}, "kept": smallest,
+               "replays": shrinker.replays, "max_replays": max_replays,
+               "minimal": not shrinker.exhausted, "candidates": shrinker.candidates}
+    (out / "shrink.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
