@@ -71,10 +71,12 @@ def chosen_requests(db: sqlite3.Connection, session_id: int, selection: Selectio
         raise CutError(f"no request {', '.join(sorted(missing))} in the session (or not where --where says)")
     order = list(dict.fromkeys(rid for rid, *_ in rows if rid in kept))  # an id sent twice: once
     if selection.sample is not None and selection.sample < len(order):
-        finishes = dict(db.execute(
-            "SELECT i.request_id, MAX(o.finish_reason) FROM output_rows o JOIN request_ids i ON "
-            "i.session_id = o.session_id AND i.number = o.request WHERE o.session_id = ? AND o.finish_reason "
-            "IS NOT NULL GROUP BY i.request_id", [session_id]))
+        # (one scan of output_rows, which has no index on request: joined in SQL, SQLite would scan it once
+        # per request id)
+        numbers = dict(db.execute("SELECT number, request_id FROM request_ids WHERE session_id = ?", [session_id]))
+        finishes = {numbers.get(number): finish for number, finish in db.execute(
+            "SELECT request, MAX(finish_reason) FROM output_rows WHERE session_id = ? AND finish_reason IS NOT NULL "
+            "GROUP BY request", [session_id])}
         picked = _stratified(order, lambda rid: (finishes.get(rid), _sampling_kind(*kept[rid])),
                              selection.sample, selection.seed)
         order = [rid for rid in order if rid in picked]
@@ -196,13 +198,15 @@ def _frames_needed(db: sqlite3.Connection, session_id: int, chosen: list[str]) -
     In temporary tables of this connection: the source file is not written."""
     db.execute("CREATE TEMP TABLE cut_requests (request_id TEXT PRIMARY KEY)")
     db.executemany("INSERT INTO temp.cut_requests VALUES (?)", [(rid,) for rid in chosen])
+    db.execute("CREATE TEMP TABLE cut_numbers (number INTEGER PRIMARY KEY)")
+    db.execute("INSERT INTO temp.cut_numbers SELECT number FROM request_ids WHERE session_id = ? AND request_id IN "
+               "temp.cut_requests", [session_id])
     db.execute("""CREATE TEMP TABLE cut_seqs AS
         SELECT seq FROM frames WHERE session_id = :s
             AND (COALESCE(kind, '') NOT IN ('ADD', 'ABORT', 'OUTPUTS') OR decode_error IS NOT NULL)
         UNION SELECT seq FROM requests WHERE session_id = :s AND request_id IN temp.cut_requests
         UNION SELECT seq FROM aborts WHERE session_id = :s AND request_id IN temp.cut_requests
-        UNION SELECT seq FROM output_rows WHERE session_id = :s AND request IN (
-            SELECT number FROM request_ids WHERE session_id = :s AND request_id IN temp.cut_requests)""",
+        UNION SELECT seq FROM output_rows WHERE session_id = :s AND request IN temp.cut_numbers""",
                {"s": session_id})
     return "SELECT seq FROM temp.cut_seqs"
 
@@ -212,7 +216,8 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
     """The cut of ``session`` (a name or an id) into the new file ``out``: (its id there, requests, frames)."""
     if out.exists() and out.stat().st_size:
         raise CopyError(f"{out} exists: cut writes a new file")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    with source.open("rb") as file:  # (read in pieces: a staging recording is gigabytes)
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
     with contextlib.closing(sqlite3.connect(source)) as db:
         db.row_factory = sqlite3.Row
         row = db.execute("SELECT * FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",

@@ -1,13 +1,17 @@
-"""``replay-proxy cut`` of ``--requests`` requests out of a busy-engine recording: time and memory.
+"""``replay-proxy cut`` of ``--requests`` requests out of a long busy recording: time and memory.
 
-The recording is ``scripts/bench/busy.py``'s (2,000 steps a second of 32
-outputs, an ADD a step; ``--seconds 600`` is the ten-minute one, about 38M
-output rows), made once into ``--db`` if that file does not exist. The cut
+The recording is made once into ``--db`` (if that file does not exist) by
+the recorder's own writer, in the shape of ``scripts/bench/redact.py``'s:
+``--total`` distinct requests, 32 running a step, each ``--outputs`` tokens
+long (a ten-minute busy engine at 2,000 steps a second of 32 outputs is
+about 600,000 such requests of 64 tokens: 38M output rows). (``busy.py``'s
+own recording cycles 4,096 request ids, each reused for the whole session,
+so 500 of its ids are a quarter of it: not a cut of 500 requests.) The cut
 (``--sample``, stratified) runs as its own process, timed as a whole, its
 peak resident memory read from the kernel. The floor, in the same run:
 reading the same frames' bytes with one SELECT, nothing decoded or written.
 
-    .venv/bin/python scripts/bench/cut.py --db /tmp/busy-600.db [--seconds 600] [--requests 500]
+    .venv/bin/python scripts/bench/cut.py --db /tmp/cut-bench.db [--total 600000] [--requests 500]
 """
 
 from __future__ import annotations
@@ -22,25 +26,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench.redact import frames, written  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", type=Path, required=True, help="the busy recording (made if missing)")
-    parser.add_argument("--seconds", type=float, default=600, help="its length, if it is made")
-    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--db", type=Path, required=True, help="the recording (made if missing)")
+    parser.add_argument("--total", type=int, default=600_000, help="its requests, if it is made")
+    parser.add_argument("--outputs", type=int, default=64, help="each request's output tokens, one a step")
+    parser.add_argument("--requests", type=int, default=500, help="how many the cut keeps")
     args = parser.parse_args()
     if not args.db.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "busy.py"), "--seconds", str(args.seconds),
-                        "--db", str(args.db), "--on-full", "block", "--json"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([sys.executable, "-m", "replay_proxy", "decode", "--db", str(args.db)], check=True,
-                       stdout=subprocess.DEVNULL)
+        made = argparse.Namespace(requests=args.total, prompt=64, shared=32, outputs=args.outputs)
+        written(args.db, frames(made)).finish()
     with sqlite3.connect(args.db) as db:
         output_rows = db.execute("SELECT COUNT(*) FROM output_rows").fetchone()[0]
     with tempfile.TemporaryDirectory(prefix="bench-cut-") as folder:
         out = Path(folder) / "cut.db"
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "replay_proxy", "cut", "--db", str(args.db), "--session", "busy",
+        subprocess.run([sys.executable, "-m", "replay_proxy", "cut", "--db", str(args.db), "--session", "staging",
                         "--out", str(out), "--sample", str(args.requests), "--seed", "1"], check=True)
         cut_s = time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child's
