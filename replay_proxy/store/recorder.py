@@ -23,6 +23,10 @@ numbers are a gap in ``seq``) and counted, live, in the summary and in the
 ``sessions`` row. ``on_full="block"`` makes the tap wait for the writer
 instead, and the forwarders wait once their copies back up: lossless, at
 the cost of latency.
+
+Recording redacted (``--redact-key``), a redactor process stands between
+the tap and the writer (``store/redactor.py``): the tap's messages go to it,
+and it passes them on, redacted, in the same form.
 """
 
 from __future__ import annotations
@@ -251,6 +255,7 @@ class Recorder:
                 return
 
     def _stop_writer_directly(self, stop: Stop) -> None:
+        """Past a redactor that is gone: the writer binds the address, so a second sender may connect."""
         with self._context.socket(zmq.PUSH) as direct:
             direct.setsockopt(zmq.LINGER, TAP_LINGER_MS)
             direct.connect(self._writer_tap)
@@ -333,8 +338,6 @@ class Recorder:
             # linger=0 would throw away) while this process lives.
             self._tap.close(linger=TAP_LINGER_MS)
         code = self._process.poll()
-        if code is not None:
-            self._kill_redactor()
         if code is None:
             # The sockets' folder stays for the writer, which removes it when it ends: the tap may not have
             # connected yet (ZMQ reconnects every 100 ms), and it could not once the socket's file was gone.
@@ -343,6 +346,7 @@ class Recorder:
             return msgspec.structs.replace(live, final=False, error=(
                 f"the writer (PID {self._process.pid}) is still writing {live.queue_depth_frames:,} frames; "
                 "it ends the session itself"))
+        self._kill_redactor()
         shutil.rmtree(self._folder, ignore_errors=True)
         db = open_database(self.db_path)
         if code != 0:  # the writer died: the session is ended here, by what is kept
