@@ -5,7 +5,8 @@ For others: ``recorder`` (``Recorder``, the relay's observer, with ``SessionInfo
 ``decode_and_load``: one session as ``Session``; ``match_requests`` /
 ``request_key``; ``decode_kept``), ``queries`` (presets, ``run_query``,
 ``list_sessions``), ``tables`` (``open_database``, the layout), ``export``
-(``export_parquet``). ``writer`` is the recorder's process, ``protocol`` what
-the two say to each other and ``rows`` the writer's helper: store's own
-(pyproject.toml: [tool.importlinter]).
+(``export_parquet``), ``copy`` (``redact_database``), ``cut`` (``cut_database``
+with a ``Selection``). ``writer`` and ``redactor`` are the recorder's
+processes, ``protocol`` what they say to each other and ``rows`` the
+writer's helper: store's own (pyproject.toml: [tool.importlinter]).
 """
