@@ -32,4 +32,4 @@ def test_an_import_against_the_layers_or_into_a_protected_module_breaks_a_contra
     assert result.returncode == 1
     assert "Data flows one way, from the wire up BROKEN" in result.stdout
     assert "replay_proxy.wire.encode -> replay_proxy.store.tables" in result.stdout
-    assert "The writer and redactor processes, their protocol and the rows are the recorder's own BROKEN" in result.stdout
+    assert "The recorder's processes, protocol and rows are its own BROKEN" in result.stdout
