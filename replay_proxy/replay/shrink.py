@@ -9,9 +9,11 @@ Then Zeller's ddmin over the session's requests, in the order they were
 added: each candidate is a ``cut`` of those requests (``store/cut.py``),
 replayed in a process of its own against a fresh peer on free ports, with
 the replay's own timeouts; the candidate fails if its replay has the
-finding. Results are kept by the candidate's requests, so no candidate runs
-twice, ``max_replays`` bounds the work, and ``jobs`` runs a round's
-candidates side by side (the first failing one, in order, is taken, so the
+finding. Then, request by request, its ADD is simplified: each sampling
+value back to its default, the prompt and max_tokens halved, each change
+kept while the finding holds. Results are kept by the candidate's content
+(its requests and edits), so no candidate runs twice, ``max_replays`` bounds
+the work, and ``jobs`` runs a round's candidates side by side (the first failing one, in order, is taken, so the
 result does not depend on which finished first).
 """
 
@@ -33,7 +35,7 @@ import msgspec
 from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.processes import free_port
-from replay_proxy.store.cut import Selection, cut_database
+from replay_proxy.store.cut import Edit, Selection, cut_database
 from replay_proxy.wire.messages import Side
 
 Identity = tuple[str, str, str | None, str | None, int | None]  # code, severity, struct, field, position
@@ -90,7 +92,7 @@ class Shrinker:
         self.db, self.session, self.peer, self.workdir = db, session, peer, workdir
         self.max_replays, self.jobs, self.progress = max_replays, jobs, progress
         self.target: Identity | None = None
-        self.tried: dict[frozenset[str], bool] = {}
+        self.tried: dict[frozenset[str] | tuple, bool] = {}  # by requests (and edits, simplifying)
         self.candidates: list[dict] = []  # shrink.json's: each candidate's size and verdict, in order
         self.smallest: list[str] = []
         self.exhausted = False  # max_replays ran out before the set was 1-minimal
@@ -144,6 +146,40 @@ class Shrinker:
             n = min(len(items), 2 * n)
         return items
 
+    def simplify(self) -> dict[str, Edit]:
+        """Request by request: each sampling value back to its default (logprobs off among them), then the
+        prompt halved and max_tokens halved for as long as the finding holds."""
+        edits: dict[str, Edit] = {}
+        with sqlite3.connect(self.db) as db:
+            recorded = {rid: (json.loads(params or "{}"), json.loads(prompt or "[]")) for rid, params, prompt in
+                        db.execute("SELECT request_id, sampling_params, prompt_token_ids FROM requests")}
+        for rid in self.smallest:
+            params, prompt = recorded.get(rid, ({}, []))
+            for key in sorted(k for k in params if not k.startswith("_") and k != "max_tokens"):  # (_: derived)
+                self._keep_if_failing(edits, rid, lambda e, key=key: msgspec.structs.replace(
+                    e, defaults=[*e.defaults, key]))
+            for field, length in (("prompt_len", len(prompt)), ("max_tokens", params.get("max_tokens"))):
+                while isinstance(length, int) and length > 1 and self._keep_if_failing(
+                        edits, rid, lambda e, field=field, length=length: msgspec.structs.replace(
+                            e, **{field: length // 2})):
+                    length //= 2
+        return edits
+
+    def _keep_if_failing(self, edits: dict[str, Edit], rid: str, change: Callable[[Edit], Edit]) -> bool:
+        if self.replays >= self.max_replays:
+            self.exhausted = True
+            return False
+        candidate = {**edits, rid: change(edits.get(rid, Edit()))}
+        key = (frozenset(self.smallest), msgspec.json.encode(dict(sorted(candidate.items()))))
+        if key not in self.tried:
+            self.tried[key] = self._fails(self.smallest, candidate)
+            self.candidates.append({"requests": len(self.smallest), "edit": msgspec.to_builtins({rid: candidate[rid]}),
+                                    "finding": self.tried[key]})
+            self.progress(f"{self.replays} replays, simplifying {rid}")
+        if self.tried[key]:
+            edits.update(candidate)
+        return self.tried[key]
+
     def _first_failing(self, candidates: list[list[str]]) -> list[str] | None:
         """The first candidate (in order) whose replay has the finding; those already tried are not run."""
         fresh = [c for c in candidates if frozenset(c) not in self.tried]
@@ -159,10 +195,10 @@ class Shrinker:
                 break
         return next((c for c in candidates if self.tried.get(frozenset(c))), None)
 
-    def _fails(self, requests: list[str]) -> bool:
+    def _fails(self, requests: list[str], edits: dict[str, Edit] | None = None) -> bool:
         folder = Path(tempfile.mkdtemp(prefix="candidate-", dir=self.workdir))
         cut = folder / "session.db"
-        cut_database(self.db, cut, self.session, Selection(requests=requests), name="candidate")
+        cut_database(self.db, cut, self.session, Selection(requests=requests, edits=edits), name="candidate")
         found = self._replay(cut, "candidate", folder)
         shutil.rmtree(folder, ignore_errors=True)
         return any(identity(f) == self.target for f in found)
@@ -193,9 +229,11 @@ def shrink(db: Path, session: str, out: Path, peer: Peer, *, finding: str | None
         chased = shrinker.start(finding)
         total = len(shrinker.smallest)
         smallest = shrinker.ddmin()
-    cut_database(db, out / "shrunk.db", session, Selection(requests=smallest), name=session)
+        edits = shrinker.simplify()
+    cut_database(db, out / "shrunk.db", session, Selection(requests=smallest, edits=edits or None), name=session)
     summary = {"finding": {k: chased.get(k) for k in ("code", "severity", "struct", "field", "position", "message")},
                "requests": {"before": total, "after": len(smallest)}, "kept": smallest,
+               "simplified": msgspec.to_builtins(edits),
                "replays": shrinker.replays, "max_replays": max_replays,
                "minimal": not shrinker.exhausted, "candidates": shrinker.candidates}
     (out / "shrink.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -38,6 +38,14 @@ class CutError(ReplayProxyError):
     """A selection that does not parse, or that chooses nothing."""
 
 
+class Edit(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request's ADD, simplified: sampling values back to their defaults, a shorter prompt, fewer tokens."""
+
+    defaults: list[str] = []  # SamplingParams keys taken out (a map struct: absent is its default)
+    prompt_len: int | None = None  # the prompt cut to its first this many tokens
+    max_tokens: int | None = None
+
+
 class Selection(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Which requests a cut keeps: those that pass every filter given, then a sample of them."""
 
@@ -47,6 +55,7 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     to_s: float | None = None  # ... and before this many
     sample: int | None = None  # this many at random, stratified by finish reason and sampling kind
     seed: int = 0
+    edits: dict[str, Edit] | None = None  # by request id: its ADD simplified (shrink's second stage)
 
     def window(self, start_ns: int):
         """Whether a time (ns) is in the window, for a session that started at ``start_ns``."""
@@ -112,8 +121,10 @@ def _stratified(ids: list[str], stratum: Any, count: int, seed: int) -> set[str]
 class Cutter:
     """Each frame of the source session as the cut keeps it (None: not kept)."""
 
-    def __init__(self, chosen: set[str], vllm_version: str | None, in_window: Any, first_add_ns: int | None):
+    def __init__(self, chosen: set[str], vllm_version: str | None, in_window: Any, first_add_ns: int | None,
+                 edits: dict[str, Edit] | None = None):
         self.chosen, self.in_window, self.first_add_ns = chosen, in_window, first_add_ns
+        self.edits = edits or {}
         self.schema, _ = schema_for(vllm_version)
         self.calls: set[tuple] = set()  # (engine, API server, call id) of the utility calls kept
 
@@ -135,8 +146,12 @@ class Cutter:
         except msgspec.DecodeError:
             return frame  # a frame that does not decode is kept as it was
         if kind == RequestType.ADD.value:
-            rid_at = self.schema.position("EngineCoreRequest", "request_id")
-            return frame if _at(body, rid_at) in self.chosen else None
+            rid = _at(body, self.schema.position("EngineCoreRequest", "request_id"))
+            if rid not in self.chosen:
+                return None
+            edit = self.edits.get(rid)
+            return frame if edit is None else msgspec.structs.replace(
+                frame, parts=[frame.parts[0], _encode(self._edited(body, edit)), *frame.parts[2:]])
         if kind == RequestType.ABORT.value and isinstance(body, list):
             kept = [rid for rid in body if rid in self.chosen]
             return None if not kept else frame if len(kept) == len(body) else \
@@ -147,6 +162,20 @@ class Cutter:
                 return None
             self.calls.add((frame.engine_index, body[0], body[1]))
         return frame  # and START_DP_WAVE
+
+    def _edited(self, body: list, edit: Edit) -> list:
+        body = list(body)
+        params_at, prompt_at = (self.schema.position("EngineCoreRequest", name)
+                                for name in ("sampling_params", "prompt_token_ids"))
+        params = body[params_at]
+        if isinstance(params, dict):
+            params = {k: v for k, v in params.items() if k not in edit.defaults}
+            if edit.max_tokens is not None:
+                params["max_tokens"] = edit.max_tokens
+            body[params_at] = params
+        if edit.prompt_len is not None and isinstance(body[prompt_at], list):
+            body[prompt_at] = body[prompt_at][:edit.prompt_len]
+        return body
 
     def _outputs(self, frame: CapturedFrame) -> CapturedFrame | None:
         try:
@@ -229,7 +258,7 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
         chosen = chosen_requests(db, row["id"], selection)
         start_ns = db.execute("SELECT MIN(ts_ns) FROM frames WHERE session_id = ?", [row["id"]]).fetchone()[0] or 0
         first_add = db.execute("SELECT MIN(ts_ns) FROM requests WHERE session_id = ?", [row["id"]]).fetchone()[0]
-        cutter = Cutter(set(chosen), row["vllm_version"], selection.window(start_ns), first_add)
+        cutter = Cutter(set(chosen), row["vllm_version"], selection.window(start_ns), first_add, selection.edits)
         values = session_row(row)
         values["name"] = name or f"{row['name']} (cut)"
         values["baseline_session_id"] = None

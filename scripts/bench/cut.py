@@ -38,9 +38,8 @@ def main() -> None:
     parser.add_argument("--outputs", type=int, default=64, help="each request's output tokens, one a step")
     parser.add_argument("--requests", type=int, default=500, help="how many the cut keeps")
     args = parser.parse_args()
-    if not args.db.exists():
-        made = argparse.Namespace(requests=args.total, prompt=64, shared=32, outputs=args.outputs)
-        written(args.db, frames(made)).finish()
+    if not args.db.exists():  # in a process of its own: the peak memory read below is the cut's alone
+        subprocess.run([sys.executable, __file__, "make", str(args.db), str(args.total), str(args.outputs)], check=True)
     with sqlite3.connect(args.db) as db:
         output_rows = db.execute("SELECT COUNT(*) FROM output_rows").fetchone()[0]
     with tempfile.TemporaryDirectory(prefix="bench-cut-") as folder:
@@ -49,7 +48,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "replay_proxy", "cut", "--db", str(args.db), "--session", "staging",
                         "--out", str(out), "--sample", str(args.requests), "--seed", "1"], check=True)
         cut_s = time.perf_counter() - started
-        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child's
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child's: the cut
         with sqlite3.connect(out) as cut:
             kept = cut.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
             seqs = [seq for (seq,) in cut.execute("SELECT seq FROM frames")]
@@ -66,4 +65,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["make"]:
+        db, total, outputs = Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+        written(db, frames(argparse.Namespace(requests=total, prompt=64, shared=32, outputs=outputs))).finish()
+    else:
+        main()

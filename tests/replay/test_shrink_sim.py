@@ -54,6 +54,8 @@ def test_one_poisoned_request_of_500_shrinks_to_it_in_at_most_40_replays(tmp_pat
     assert summary["kept"] == ["r317"] and summary["minimal"]
     assert summary["finding"]["code"] == "engine_dead" and summary["replays"] <= 40
     assert summary["requests"] == {"before": 500, "after": 1}
+    # Then the request itself: all it keeps of its own is what kills the engine, its 6 logprobs.
+    assert summary["simplified"] == {"r317": {"defaults": ["temperature"], "prompt_len": 1, "max_tokens": 1}}
     assert json.loads((tmp_path / "out" / "shrink.json").read_text()) == summary
     # The shrunk session is that request, and it still kills the engine.
     replayed = Shrinker(tmp_path / "out" / "shrunk.db", "staging", engine({"die_on_logprobs_over": 5}),
