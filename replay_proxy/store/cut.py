@@ -100,13 +100,13 @@ def _sampling_kind(temperature: float | None, seed: int | None) -> str:
 
 def _stratified(ids: list[str], stratum: Any, count: int, seed: int) -> set[str]:
     """``count`` of ``ids`` at random (seeded): each stratum its share (largest remainder), and at least
-    one from each while there are strata left to give one, so that rare kinds survive."""
+    one from each, the rarest first while ``count`` allows, so that rare kinds survive."""
     strata: dict[Any, list[str]] = collections.defaultdict(list)
     for rid in ids:
         strata[stratum(rid)].append(rid)
     keys = sorted(strata, key=lambda k: (-len(strata[k]), repr(k)))
     shares = dict.fromkeys(keys, 0)
-    for key in keys[:count]:  # one each, the largest strata first
+    for key in sorted(keys, key=lambda k: (len(strata[k]), repr(k)))[:count]:  # one each, the rarest first
         shares[key] = 1
     left = count - sum(shares.values())
     exact = {k: left * len(strata[k]) / len(ids) for k in keys}

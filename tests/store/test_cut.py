@@ -87,6 +87,8 @@ def test_a_sample_is_seeded_and_keeps_every_kind(tmp_path, recorded):
     for seed in (1, 2):
         requests = {r for (r,) in sqlite3.connect(tmp_path / f"{seed}-0.db").execute("SELECT request_id FROM requests")}
         assert len(requests) == 2 and "long" in requests
+    cut_database(recorded, tmp_path / "one.db", "baseline", Selection(sample=1))  # fewer than the strata: rarest
+    assert sqlite3.connect(tmp_path / "one.db").execute("SELECT request_id FROM requests").fetchall() == [("long",)]
 
 
 def test_a_window_keeps_the_requests_added_in_it(tmp_path, recorded):
