@@ -92,6 +92,7 @@ class Shrinker:
         self.db, self.session, self.peer, self.workdir = db, session, peer, workdir
         self.max_replays, self.jobs, self.progress = max_replays, jobs, progress
         self.target: Identity | None = None
+        self.session_id: int | None = None
         self.tried: dict[frozenset[str] | tuple, bool] = {}  # by requests (and edits, simplifying)
         self.candidates: list[dict] = []  # shrink.json's: each candidate's size and verdict, in order
         self.smallest: list[str] = []
@@ -104,9 +105,11 @@ class Shrinker:
     def start(self, spec: str | None) -> dict:
         """Replay the whole session; the finding to chase (ShrinkError if there is none)."""
         with sqlite3.connect(self.db) as db:
+            found = db.execute("SELECT id FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",
+                               [self.session, self.session]).fetchone()
+            self.session_id = found[0] if found else None
             self.smallest = list(dict.fromkeys(r for (r,) in db.execute(
-                "SELECT request_id FROM requests WHERE session_id = (SELECT id FROM sessions WHERE name = ? OR "
-                "CAST(id AS TEXT) = ? ORDER BY id DESC LIMIT 1) ORDER BY seq", [self.session, self.session])))
+                "SELECT request_id FROM requests WHERE session_id = ? ORDER BY seq", [self.session_id])))
         if not self.smallest:
             raise ShrinkError(f"no session {self.session} with requests in {self.db}")
         copy = self.workdir / "whole" / "session.db"
@@ -152,7 +155,8 @@ class Shrinker:
         edits: dict[str, Edit] = {}
         with sqlite3.connect(self.db) as db:
             recorded = {rid: (json.loads(params or "{}"), json.loads(prompt or "[]")) for rid, params, prompt in
-                        db.execute("SELECT request_id, sampling_params, prompt_token_ids FROM requests")}
+                        db.execute("SELECT request_id, sampling_params, prompt_token_ids FROM requests WHERE "
+                                   "session_id = ? ORDER BY seq", [self.session_id])}
         for rid in self.smallest:
             params, prompt = recorded.get(rid, ({}, []))
             for key in sorted(k for k in params if not k.startswith("_") and k != "max_tokens"):  # (_: derived)
@@ -173,8 +177,8 @@ class Shrinker:
         key = (frozenset(self.smallest), msgspec.json.encode(dict(sorted(candidate.items()))))
         if key not in self.tried:
             self.tried[key] = self._fails(self.smallest, candidate)
-            self.candidates.append({"requests": len(self.smallest), "edit": msgspec.to_builtins({rid: candidate[rid]}),
-                                    "finding": self.tried[key]})
+            self.candidates.append({"requests": len(self.smallest), "finding": self.tried[key],
+                                    "edit": msgspec.to_builtins({rid: candidate[rid]})})
             self.progress(f"{self.replays} replays, simplifying {rid}")
         if self.tried[key]:
             edits.update(candidate)

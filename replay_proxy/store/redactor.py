@@ -35,6 +35,8 @@ LINGER_MS = 30_000
 
 
 class RedactorLoop:
+    """The redactor process: the tap's messages in, the same messages redacted out, until Stop."""
+
     def __init__(self, start: RedactorStart):
         self.parent = start.parent_pid
         self.redactor = Redaction(start.redaction).redactor(None)  # the registration names the release
