@@ -77,3 +77,22 @@ def test_html_is_self_contained_with_plots_and_side_by_side_schemas(tmp_path):
     assert forest.count("<circle") == 2 and "itl_ms.p50" in forest and "stroke-dasharray" in forest
     assert "1 x: int" in page and 'class=\'diff\'' in page
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "<script" not in page
+
+
+def test_the_failures_a_rejection_caused_are_shown_under_it_in_every_form(tmp_path):
+    from rich.console import Console
+
+    caused = tuple(f"http_failed [r{i}]: the HTTP request failed: HTTP 500 decode failed" for i in range(5))
+    report = Report(title="replay", baseline="a", candidate="b", findings=[Finding(
+        "schema", Severity.BREAKING, "reader_rejected", "could not decode EngineCoreOutputs at position 8",
+        struct="EngineCoreOutputs", position=8, consequences=caused)])
+    write_reports(report, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["findings"][0]["consequences"] == list(caused)
+    failure = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase/failure")
+    assert all(c in failure.text for c in caused)
+    page = (tmp_path / "report.html").read_text()
+    assert "caused 5 failures" in page and "http_failed [r4]" in page
+    console = Console(record=True, width=200)
+    print_summary(report, console)
+    text = console.export_text()
+    assert "caused http_failed [r0]" in text and "and 2 more it caused" in text and "[r3]" not in text

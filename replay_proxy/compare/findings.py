@@ -52,6 +52,7 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     request_id: str | None = None
     breaks: tuple[str, ...] = ()  # the decoders that fail on it
     change: Change | None = None  # performance: the estimate behind the finding
+    consequences: tuple[str, ...] = ()  # the failures it caused, not findings of their own (compare/rejection.py)
 
 
 class Report(msgspec.Struct, kw_only=True):

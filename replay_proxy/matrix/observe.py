@@ -44,10 +44,11 @@ FINISH_S, SLACK_S = 60, 120
 # What a replay's failure finding means for the cell. A verdict rests on the protocol only: a failure is
 # a break when what the peer said shows the link broke (rules.json: link_broke_patterns; a decode error
 # naming a struct, a rejected registration), else the cell is unknown, the reason quoted (the peer could
-# not run: its model, its memory, a port). An engine's ENGINE_CORE_DEAD is on the wire itself.
+# not run: its model, its memory, a port). An engine's ENGINE_CORE_DEAD is on the wire itself, and so is a
+# reader's rejection that the replay named (compare/rejection.py: the failures it caused are under it).
 FAILING_CODES = {Direction.TO_ENGINE: {"replay_failed", "peer_not_reached", "finish_timeout"},
                  Direction.TO_FRONTEND: {"replay_failed", "peer_not_reached", "http_failed"}}
-DEATH_CODES = {Direction.TO_ENGINE: {"engine_dead"}}
+WIRE_CODES = {Direction.TO_ENGINE: {"engine_dead", "reader_rejected"}, Direction.TO_FRONTEND: {"reader_rejected"}}
 DEGRADING_CODES = {Direction.TO_FRONTEND: {"http_response_differs"}}
 # What differs between the frontend under test and the one that made a recording, not between F and E.
 UNRELATED = "the replay's other findings compare the peer under test with the recorded one, not F with E"
@@ -128,14 +129,14 @@ def failure_evidence(direction: Direction, findings: list[dict], source: str) ->
     rules = load_rules()
 
     def verdict(finding: dict) -> Verdict:
-        if finding["code"] in DEATH_CODES.get(direction, ()):
+        if finding["code"] in WIRE_CODES[direction]:
             return Verdict.BREAKS
         on_the_wire = finding["code"] != "peer_not_reached" and rules.link_broke(finding["message"])
         return Verdict.BREAKS if on_the_wire else Verdict.UNKNOWN
 
     return [Evidence(verdict(f), direction, f["message"], struct=f.get("struct"), field=f.get("field"),
                      rule=f["code"], source=source)
-            for f in findings if f["code"] in FAILING_CODES[direction] | DEATH_CODES.get(direction, set())]
+            for f in findings if f["code"] in FAILING_CODES[direction] | WIRE_CODES[direction]]
 
 
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,

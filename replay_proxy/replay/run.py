@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
+from replay_proxy.compare.rejection import FAILED, fold_consequences, reader_rejections, sent_lengths
 from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
@@ -33,7 +34,7 @@ from replay_proxy.store.recorder import Recorder, SessionInfo
 from replay_proxy.store.session import Session, SessionError, decode_and_load
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
-from replay_proxy.wire.messages import Direction, Side, WireDecoder
+from replay_proxy.wire.messages import Direction, Kind, Side, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
@@ -54,27 +55,30 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     for i in range(1, options.noise_runs + 1):
         name = f"{recording.name}-noise-{stamp}-{i}"
-        session_id, _, failure = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console)
+        session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
+                                                 console)
         if failure:
             failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
                                                                f"{failure.message}")
-            return _failed(title, recording.name, name, failure), None
+            return _failed(title, recording.name, name, [failure]), None
         noise.append(decode_and_load(db, str(session_id)))
     name = f"{recording.name}-replay-{stamp}"
-    session_id, outcome, failure = _replay_once(recording, peer, options, name, logs / f"{peer.side}.log", console)
+    session_id, outcome, failure, rejections = _replay_once(recording, peer, options, name,
+                                                            logs / f"{peer.side}.log", console)
     if failure:
-        return _failed(title, recording.name, name, failure), None
+        return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules)), None
     report = build_report(title, recording, decode_and_load(db, str(session_id)),
                           options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
                           held_lengths=options.hold_lengths)
-    report.findings += outcome.findings
+    report.findings = fold_consequences([*report.findings, *outcome.findings, *rejections], options.rules)
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
 
 
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
-                 console: Console | None) -> tuple[int, ReplayOutcome | None, Finding | None]:
-    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None).
+                 console: Console | None) -> tuple[int, ReplayOutcome | None, Finding | None, list[Finding]]:
+    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None, the peer's
+    reader's rejections of what it was sent).
 
     A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
     rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
@@ -123,7 +127,13 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         recorder.close("failed" if failure else "complete", failure and failure.message)
         if child is not None:
             child.stop(timeout=30)
-    return recorder.session_id, outcome, failure
+    rejections = []
+    if observer.events:  # what the peer said of the link, once it had been sent something of it
+        said = child.log_lines() if child is not None else []
+        said += [f.message for f in (outcome.findings if outcome else [failure]) if f.code in FAILED]
+        rejections = reader_rejections(said, recording.schema, peer.side, options.rules,
+                                       [observer.kind(f) for f in reversed(observer.events)], sent_lengths(recording))
+    return recorder.session_id, outcome, failure, rejections
 
 
 class LastSent:
@@ -147,15 +157,17 @@ class LastSent:
     def describe(self, peer: str) -> str:
         if not self.events:
             return f"nothing had been sent to the {peer}"
-        return f"last messages sent to the {peer}: " + ", ".join(map(_name, self.events))
+        return f"last messages sent to the {peer}: " + ", ".join(map(self._name, self.events))
 
+    @staticmethod
+    def kind(frame: CapturedFrame) -> Kind:
+        return WireDecoder().decode(frame.channel, frame.direction, frame.parts).kind
 
-def _name(frame: CapturedFrame) -> str:
-    """``REGISTRATION (engine 0, API server 1)``"""
-    kind = WireDecoder().decode(frame.channel, frame.direction, frame.parts).kind.name
-    where = ", ".join(f"{name} {i}" for name, i in (("engine", frame.engine_index),
-                                                    ("API server", frame.client_index)) if i is not None)
-    return f"{kind} ({where})"
+    def _name(self, frame: CapturedFrame) -> str:
+        """``REGISTRATION (engine 0, API server 1)``"""
+        where = ", ".join(f"{name} {i}" for name, i in (("engine", frame.engine_index),
+                                                        ("API server", frame.client_index)) if i is not None)
+        return f"{self.kind(frame).name} ({where})"
 
 
 def peer_line(peer: Child, patterns: list[str]) -> str | None:
@@ -164,8 +176,8 @@ def peer_line(peer: Child, patterns: list[str]) -> str | None:
     return next((line.strip()[:300] for line in peer.log_lines() if found.search(line)), None)
 
 
-def _failed(title: str, baseline: str, candidate: str, failure: Finding) -> Report:
-    return Report(title=title, baseline=baseline, candidate=candidate, findings=[failure])
+def _failed(title: str, baseline: str, candidate: str, findings: list[Finding]) -> Report:
+    return Report(title=title, baseline=baseline, candidate=candidate, findings=findings)
 
 
 def save_findings(db: Path, session_id: int, baseline_session_id: int, findings: list[Finding]) -> None:
@@ -176,7 +188,8 @@ def save_findings(db: Path, session_id: int, baseline_session_id: int, findings:
         rows.append({**row, "severity": f.severity.name.lower(), "session_id": session_id,
                      "baseline_session_id": baseline_session_id, "breaks": ",".join(f.breaks) or None,
                      "baseline": to_json(f.baseline), "candidate": to_json(f.candidate),
-                     "change": to_json(row.get("change"))})
+                     "change": to_json(row.get("change")),
+                     "consequences": to_json(row.get("consequences"))})
     database = open_database(db)
     database["findings"].insert_all(rows)
     database.close()

@@ -29,6 +29,14 @@ def where(finding: Finding) -> str:
     return place
 
 
+def caused(finding: Finding, limit: int = 3) -> str:
+    """The failures a finding caused (a reader's rejection), a line each, the first ``limit`` of them."""
+    lines = [f"  caused {c[:200]}" for c in finding.consequences[:limit]]
+    if len(finding.consequences) > limit:
+        lines.append(f"  ... and {len(finding.consequences) - limit} more it caused")
+    return "\n".join(lines)
+
+
 def print_summary(report: Report, console: Console, show_info: bool = False) -> None:
     findings = [f for f in worst_first(report.findings) if show_info or f.severity > Severity.INFO]
     noise = f" (noise floor: {len(report.noise)} baseline runs)" if report.noise else ""
@@ -37,7 +45,7 @@ def print_summary(report: Report, console: Console, show_info: bool = False) -> 
         table.add_column(column, overflow="fold")
     for f in findings:
         table.add_row(Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity]), f.category, f.code,
-                      Text(where(f)), Text(f.message))
+                      Text(where(f)), Text("\n".join(filter(None, (f.message, caused(f))))))
     if findings:
         console.print(table)
     estimates = [f for f in report.findings if f.change is not None]
@@ -91,7 +99,8 @@ def junit(report: Report) -> bytes:
             bad = [f for f in fs if f.severity >= Severity.REGRESSION]
             if bad:
                 failure = ET.SubElement(case, "failure", message=bad[0].message, type=bad[0].code)
-                failure.text = "\n".join(f"[{f.severity.name.lower()}] {where(f)}: {f.message}" for f in bad)
+                failure.text = "\n".join(f"[{f.severity.name.lower()}] {where(f)}: {f.message}"
+                                          + "".join(f"\n  caused {c}" for c in f.consequences) for f in bad)
             notes = [f for f in fs if f.severity < Severity.REGRESSION]
             if notes:
                 ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity.name.lower()}] {f.message}"
@@ -190,7 +199,8 @@ def _forest_svg(findings: list[Finding], threshold: float, width: int = 560) -> 
 def html_page(report: Report) -> str:
     rows = "".join(
         f'<tr class="s{int(f.severity)}"><td>{f.severity.name.lower()}</td><td>{f.category}</td>'
-        f"<td>{html.escape(f.code)}</td><td>{html.escape(where(f))}</td><td>{html.escape(f.message)}</td></tr>"
+        f"<td>{html.escape(f.code)}</td><td>{html.escape(where(f))}</td><td>{html.escape(f.message)}{_consequences(f)}"
+        "</td></tr>"
         for f in worst_first(report.findings))
     plots = "".join(_cdf_svg(f"{metric} (CDF)", series) for metric, series in report.samples.items())
     forest = _forest_svg(report.findings, report.performance_threshold or 0.0)
@@ -214,6 +224,13 @@ td.diff{{background:#fde2c8}}.plots svg{{margin-right:1em;border:1px solid #eee}
 {'<h2>Latency</h2><div class="plots">' + forest + plots + '</div>' if plots or forest else ''}
 {'<h2>Schemas side by side</h2>' + schemas if schemas else ''}
 </body></html>"""
+
+
+def _consequences(finding: Finding) -> str:
+    if not finding.consequences:
+        return ""
+    items = "".join(f"<li>{html.escape(c)}</li>" for c in finding.consequences)
+    return f"<details><summary>caused {len(finding.consequences)} failures</summary><ul>{items}</ul></details>"
 
 
 def _zip_longest(a: list[str], b: list[str]) -> list[tuple[str, str]]:

@@ -69,6 +69,12 @@ LINK_BROKE = [
     ("http_failed", Direction.TO_FRONTEND, 'the HTTP request failed: HTTP 500: {"error":{"message":"failed to submit '
      'completion request: engine-core error: messagepack decode failed for vllm_engine_core_client::protocol::output::'
      'EngineCoreOutputs: array had incorrect length, expected 17'),
+    # What replay names such a complaint as, the failures it caused listed under it (compare/rejection.py).
+    ("reader_rejected", Direction.TO_FRONTEND, "the frontend under test could not decode EngineCoreOutput at "
+     "position 17 (prompt_token_id_logprobs) as 0.32.0 sends it: decode failed for vllm_engine_core_client::protocol"
+     "::output::EngineCoreOutputs: array had incorrect length, expected 17"),
+    ("reader_rejected", Direction.TO_ENGINE, "the engine under test could not decode EngineCoreRequest at position 2 "
+     "(mm_features) as 0.32.0 sends it: msgspec.ValidationError: Expected `array`, got `int` - at `$[2]`"),
 ]
 COULD_NOT_RUN = [
     ("peer_not_reached", Direction.TO_ENGINE, "engine under test exited with code 1 during the replay:\n"

@@ -130,12 +130,12 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
 
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
-             engine_release: str = "0.32.0") -> dict:
+             engine_release: str = "0.32.0", work=None) -> dict:
     """Frontend + headless engine of ``engine_release`` (+ the recording proxy between them when ``db``
     is given).
 
-    Runs the HTTP workload and returns what the user saw; every process is
-    stopped by PID before returning.
+    Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
+    every process is stopped by PID before returning.
     """
     from tests.real import workload
 
@@ -149,7 +149,8 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         engine = headless_engine(logs, listen, release=engine_release)
         children.append(engine)
         wait_http_ready(http, children)
-        return workload.run(http, hold_engine=engine.held, abort_seen=db and functools.partial(abort_recorded, db))
+        return (work or workload.run)(http, hold_engine=engine.held,
+                                      abort_seen=db and functools.partial(abort_recorded, db))
     finally:
         for child in reversed(children):
             child.stop()
@@ -177,18 +178,20 @@ def recording_of(release: str) -> Path:
     return own if own.exists() else RECORDING
 
 
-def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORDING) -> tuple:
+def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORDING,
+               session: str = "python-frontend") -> tuple:
     """Run `replay-proxy replay` on a copy of a Python-frontend recording (changed by ``edit(db)``
     if given); return (result, report JSON)."""
     import shutil
     import subprocess
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     db = tmp_path / "replay.db"
     shutil.copy(recording, db)
     if edit is not None:
         edit(db)
     result = subprocess.run(
-        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "python-frontend",
+        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,
          *target, "--ready-timeout", str(READY_TIMEOUT_S), "--finish-timeout", "60", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=3 * REPLAY_S)  # a candidate and its noise runs, one by one
     return result, json.loads((tmp_path / "report.json").read_text())

@@ -156,8 +156,8 @@ def test_bisect_names_the_first_rust_frontend_that_rejects_an_older_engines_regi
     result = subprocess.run([*CLI, "bisect", "--db", str(db), "--session", "vllm-rs-frontend", "--against", "frontend",
                              "--frontend-kind", "vllm-rs", "--releases", "0.27.0,0.30.0,0.31.0", *READY],
                             capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
-    assert result.returncode == 6, result.stdout + result.stderr  # the deciding replay could not run: F exited
+    assert result.returncode == 3, result.stdout + result.stderr  # the deciding replay: F's reader rejected it
     # The newest first, then halving: 0.27.0 reads its own engine, 0.30.0 is the first of these that does not.
-    assert "first regressing release: 0.30.0: regression replay_failed" in result.stdout
+    assert "first regressing release: 0.30.0: breaking reader_rejected" in result.stdout
     assert "missing field `supports_lora`" in result.stdout
     assert "tried, in order: 0.31.0, 0.27.0, 0.30.0" in result.stdout

@@ -18,6 +18,7 @@ import sqlite_utils
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
 from replay_proxy.compare.readers import verdict
 from replay_proxy.wire.schema import load_schema
+from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
 from tests.real.test_oracle_vllm import ORACLE
 
@@ -110,7 +111,7 @@ def edit_frames(kind, change):
     return edit
 
 
-FAILED = {"replay_failed", "http_failed", "http_response_differs"}
+FAILED = {"reader_rejected", "replay_failed", "http_failed", "http_response_differs"}
 
 
 def each_output(change):
@@ -131,9 +132,16 @@ def one_beyond(release, struct):
 def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path, release):
     assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutputs") == "rejects"
     result, codes, report = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", one_beyond(release, "EngineCoreOutputs")))
-    assert "http_failed" in codes, result.stdout + result.stderr
-    message = next(f["message"] for f in report["findings"] if f["code"] == "http_failed")
-    assert "EngineCoreOutputs: array had incorrect length" in message
+    # Named as the schema break it is: the element past the reader's last field (exit 3); the HTTP failures
+    # it caused are listed under it, not as findings of their own.
+    assert result.returncode == 3 and "http_failed" not in codes, result.stdout + result.stderr
+    [rejected] = [f for f in report["findings"] if f["code"] == "reader_rejected"]
+    length = len(load_schema(release).structs["EngineCoreOutputs"].fields)
+    assert (rejected["struct"], rejected["position"], rejected["breaks"]) == ("EngineCoreOutputs", length,
+                                                                              [RUST_FRONTEND])
+    assert f"EngineCoreOutputs: array had incorrect length, expected {length}" in rejected["message"]
+    caused = {c.split(" ")[0] for c in rejected["consequences"]}
+    assert "http_failed" in caused and caused <= set(REQUEST_FAILURES), rejected["consequences"]
 
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
@@ -168,6 +176,8 @@ def test_vllm_rs_rejects_a_changed_type(tmp_path, release):
     assert verdict(RUST_FRONTEND, "changed_type") == "rejects"
     as_text = edit_frames("REGISTRATION", lambda r: {**r, "block_size": "16"})
     result, codes, report = replay_vllm_rs(tmp_path, release, as_text)
-    assert result.returncode == 6 and "replay_failed" in codes, result.stdout + result.stderr
-    message = next(f["message"] for f in report["findings"] if f["code"] == "replay_failed")
-    assert "REGISTRATION" in message and "block_size" in message
+    assert result.returncode == 3 and codes == {"reader_rejected"}, result.stdout + result.stderr
+    [rejected] = report["findings"]
+    assert rejected["struct"] == "EngineCoreReadyResponse" and "block_size" in rejected["candidate"]
+    [stopped] = rejected["consequences"]  # the frontend exited: the replay it stopped is the consequence
+    assert stopped.startswith("replay_failed: ") and "REGISTRATION (engine 0, API server 0)" in stopped

@@ -4,10 +4,13 @@ The recording (recordings/vllm-0.32.0-python.db) was made by our recorder
 between the Python frontend and a headless vLLM 0.32.0 engine.
 """
 
+import json
+
 import msgspec
 import pytest
 import sqlite_utils
 
+from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
@@ -60,8 +63,24 @@ def without_registration_key(key):
 def test_vllm_rs_rejecting_a_registration_is_a_finding_that_names_it(tmp_path):
     result, findings = replay(tmp_path, lambda http, rpc: peers.rust_frontend_argv(http, rpc, "0.32.0"),
                               edit=without_registration_key("block_size"))
-    assert result.returncode == 6, result.stdout + result.stderr
-    message = findings[("replay_failed", None)]["message"]
-    assert "REGISTRATION (engine 0, API server 0)" in message
-    assert "its log says: " in message and "block_size" in message
-    print(message)
+    assert result.returncode == 3, result.stdout + result.stderr  # a schema break, not a replay that could not run
+    rejected = findings[("reader_rejected", "block_size")]
+    assert rejected["struct"] == "EngineCoreReadyResponse" and "missing field `block_size`" in rejected["message"]
+    [stopped] = rejected["consequences"]
+    assert "REGISTRATION (engine 0, API server 0)" in stopped and "its log says: " in stopped
+
+
+def test_vllm_rs_031_rejecting_032s_outputs_is_one_schema_break_its_http_failures_under_it(tmp_path):
+    # 0.32.0 appended weight_version to EngineCoreOutputs; vllm-rs 0.31.0 reads 8 elements and refuses 9. Before
+    # replay named the rejection, this replay exited 4 with 11 behaviour regressions and no schema finding.
+    result, findings = replay(tmp_path, lambda http, rpc: peers.rust_frontend_argv(http, rpc, "0.31.0"))
+    assert result.returncode == 3, result.stdout + result.stderr
+    rejected = findings[("reader_rejected", "weight_version")]
+    assert (rejected["struct"], rejected["position"], rejected["severity"]) == ("EngineCoreOutputs", 8, "breaking")
+    assert "array had incorrect length, expected 8" in rejected["message"]
+    # Each request's failure (its HTTP 500, and its ADD never sent once the reader's client had failed) is a
+    # consequence; what is left is what differs between the two frontends' requests, as for 0.32.0 above.
+    assert len(rejected["consequences"]) >= 10, rejected
+    assert {c.split(" ")[0] for c in rejected["consequences"]} <= set(REQUEST_FAILURES)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not [f for f in report["findings"] if f.get("request_id") and f["severity"] == "regression"]

@@ -105,11 +105,17 @@ def test_each_frontend_drift_is_caught(tmp_path, recorded, drift, code, expected
     assert exit_code(timeless) is code
 
 
-def test_a_frontend_that_rejects_the_recorded_registration_is_named_not_waited_for(tmp_path, recorded):
+def test_a_frontend_that_rejects_the_recorded_registration_is_named_as_the_schema_break_not_waited_for(
+        tmp_path, recorded):
     report, outcome, _ = replay(tmp_path, recorded, {"require_registration_key": "kv_connector"})
+    # Its reader's complaint is the finding: a break of the registration, on the key it names (exit 3) ...
     [finding] = report.findings
-    assert finding.code == "replay_failed" and outcome is None
+    assert (finding.code, finding.severity, outcome) == ("reader_rejected", Severity.BREAKING, None)
+    assert (finding.struct, finding.field) == ("EngineCoreReadyResponse", "kv_connector")
+    assert "missing required field `kv_connector`" in finding.message
+    assert exit_code(report.findings) is ExitCode.SCHEMA_BREAKING
+    # ... and the replay it stopped is its consequence, saying what the frontend had been sent.
+    [stopped] = finding.consequences
+    assert stopped.startswith("replay_failed: frontend under test exited")
     assert ("last messages sent to the frontend: HELLO (engine 0), REGISTRATION (engine 0, API server 0), "
-            "READY (engine 0)") in finding.message
-    assert "its log says: " in finding.message and "missing required field `kv_connector`" in finding.message
-    assert exit_code(report.findings) is ExitCode.REPLAY_FAILED
+            "READY (engine 0)") in stopped
