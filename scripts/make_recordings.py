@@ -6,7 +6,9 @@ Each is one session of the HTTP workload in tests/real/workload.py through
     .venv/bin/python scripts/make_recordings.py                # 0.32.0: Python and Rust frontends
     .venv/bin/python scripts/make_recordings.py --release 0.29.0 --release 0.30.0
     .venv/bin/python scripts/make_recordings.py --vllm-rs 0.25.0
-The second form records a release's own Python frontend and engine
+`--staging` records vllm-0.32.0-staging.db: 30 users of a staging day
+(tests/real/workload.py: staging) between the Python frontend and a 0.32.0
+engine, the session the real shrink test cuts down. The second form records a release's own Python frontend and engine
 (vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
 third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here
@@ -26,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.peers import engine_installed  # noqa: E402
 from replay_proxy.wire.schema import shipped_releases  # noqa: E402
-from tests.real import peers  # noqa: E402
+from tests.real import peers, workload  # noqa: E402
 
 RECORDINGS = {
     "vllm-0.32.0-python.db": ("python-frontend", peers.python_frontend),
@@ -45,12 +47,12 @@ def compact(db: Path) -> None:
     connection.close()
 
 
-def record(name: str, session: str, frontend, release: str = "0.32.0") -> Path:
+def record(name: str, session: str, frontend, release: str = "0.32.0", work=None) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
-        seen = peers.run_pair(logs, frontend, db, session, engine_release=release)
+        seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -71,9 +73,14 @@ def main() -> None:
                         help="record this release's Python frontend and engine instead")
     parser.add_argument("--vllm-rs", action="append", default=[],
                         help="record this release's Rust frontend with the nearest installed engine instead")
+    parser.add_argument("--staging", action="store_true",
+                        help="record the 30-request staging session (vllm-0.32.0-staging.db) instead")
     args = parser.parse_args()
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
+    if args.staging:
+        record("vllm-0.32.0-staging.db", "staging", peers.python_frontend, work=workload.staging)
+        return
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")

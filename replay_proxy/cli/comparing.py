@@ -13,6 +13,8 @@ from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.wire.messages import Side
 
 REPORT_DIR_HELP = "Write report.json, junit.xml, report.html here."
+Pace = Annotated[str, typer.Option(
+    help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")]
 
 
 @app.command()
@@ -64,8 +66,7 @@ def replay(
         = None,
     frontend_cmd: Annotated[str | None, typer.Option(help="Start the frontend under test with this command.")]
         = None,
-    pace: Annotated[str, typer.Option(
-        help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")] = "original",
+    pace: Pace = "original",
     ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
     finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
@@ -133,6 +134,7 @@ def shrink(
         "replay)."))] = None,
     max_replays: Annotated[int, typer.Option(min=1, help="Replays at most, the whole session's included.")] = 64,
     jobs: Annotated[int, typer.Option(min=1, help="Candidates replayed side by side.")] = 1,
+    pace: Pace = "original",
     ready_timeout: Annotated[float, typer.Option(help="Seconds each replay waits for its peer.")] = 300.0,
     finish_timeout: Annotated[float, typer.Option(help="Seconds each replay waits for outstanding requests.")]
         = 120.0,
@@ -144,6 +146,7 @@ def shrink(
 
     Example: replay-proxy shrink --db staging.db --session staging --out shrunk --against engine --engine-cmd "vllm serve ... --data-parallel-rpc-port {port}"
     """
+    from replay_proxy.replay.player import pace_factor
     from replay_proxy.replay.shrink import Peer, shrink as shrink_session
 
     command = engine_cmd if against is Side.ENGINE else frontend_cmd
@@ -153,7 +156,12 @@ def shrink(
         raise fail(f"--against {against} needs {option} with {' and '.join(holes)} in it", ExitCode.USAGE)
     if not db.exists():
         raise fail(f"{db} does not exist", ExitCode.USAGE)
-    peer = Peer(against=against, command=command, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout)
+    try:
+        pace_factor(pace)
+    except ReplayProxyError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    peer = Peer(against=against, command=command, pace=pace, ready_timeout_s=ready_timeout,
+                finish_timeout_s=finish_timeout)
     try:
         summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,
                                  progress=lambda line: err.print(f"shrink: {line}", highlight=False))

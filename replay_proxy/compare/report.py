@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from replay_proxy.compare.behaviour import behaviour_findings
 from replay_proxy.compare.findings import Finding, Report, Severity
 from replay_proxy.compare.performance import LATENCIES, latency_samples, performance_findings
@@ -12,6 +14,7 @@ from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
 from replay_proxy.compare.schema_diff import diff_schemas
+from replay_proxy.store.cut import source_digest
 from replay_proxy.store.session import Session, decode_and_load, match_requests
 from replay_proxy.wire.schema import Schema, schema_lines
 
@@ -78,9 +81,24 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
 def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidate: str, rules: Rules,
                   noise: list[str] = ()) -> Report:
     """``replay-proxy diff``: two recorded sessions, and ``noise``, more runs of the baseline build (sessions
-    of the baseline's database)."""
-    return build_report("diff", decode_and_load(baseline_db, baseline), decode_and_load(candidate_db, candidate),
-                        rules, [decode_and_load(baseline_db, n) for n in noise])
+    of the baseline's database). A candidate cut from the baseline (``replay-proxy cut``) is compared over
+    the requests it keeps: the others were left out, not lost."""
+    after = decode_and_load(candidate_db, candidate)
+    source = after.cut_from or {}
+    # The digest before the baseline is opened (opening an older file adds the columns a newer proxy records).
+    digest = source_digest(baseline_db) if source.get("file") == baseline_db.name else None
+    before = decode_and_load(baseline_db, baseline)
+    cut = digest is not None and source.get("source") == digest and source.get("session_id") == before.id
+    if cut:
+        kept = {r.request_id for r in after.requests}
+        before = msgspec.structs.replace(before, requests=[r for r in before.requests if r.request_id in kept])
+    report = build_report("diff", before, after, rules, [decode_and_load(baseline_db, n) for n in noise])
+    if cut:
+        how = ", ".join(f"{k} {v}" for k, v in (source.get("selection") or {}).items()) or "all requests"
+        report.findings.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (
+            f"the candidate is a cut of the baseline ({how}): compared over the {len(kept)} requests it keeps"),
+            field="cut_of_baseline"))
+    return report
 
 
 def schema_report(old: Schema, new: Schema) -> Report:

@@ -357,7 +357,7 @@ class Redactor:
         """Tensors replaced by keyed noise of their shape and dtype; strings hashed, numbers kept."""
         tensor = _tensor_bytes(value, self._payload)
         if tensor is not None:
-            dtype, shape, data = value[0], value[1], tensor
+            dtype, data = value[0], tensor
             noise = _noise(dtype, data, hashlib.blake2b(data, key=self._noise_key, digest_size=16).digest())
             return self._put(value, noise)
         if isinstance(value, list):

@@ -35,7 +35,8 @@ import msgspec
 from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.processes import free_port
-from replay_proxy.store.cut import Edit, Selection, cut_database
+from replay_proxy.store.cut import Selection, cut_database
+from replay_proxy.store.subset import Edit
 from replay_proxy.wire.messages import Side
 
 Identity = tuple[str, str, str | None, str | None, int | None]  # code, severity, struct, field, position
@@ -54,6 +55,7 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True):
     command: str
     ready_timeout_s: float
     finish_timeout_s: float
+    pace: str = "original"  # each replay's (``replay --pace``)
 
     def replay_argv(self, db: Path, session: str, report_dir: Path) -> list[str]:
         if self.against is Side.ENGINE:
@@ -64,8 +66,9 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True):
             target = ["--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
                       self.command.replace("{http}", str(http)).replace("{rpc}", str(rpc))]
         return [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,
-                "--against", str(self.against), *target, "--ready-timeout", str(self.ready_timeout_s),
-                "--finish-timeout", str(self.finish_timeout_s), "--report-dir", str(report_dir)]
+                "--against", str(self.against), *target, "--pace", self.pace,
+                "--ready-timeout", str(self.ready_timeout_s), "--finish-timeout", str(self.finish_timeout_s),
+                "--report-dir", str(report_dir)]
 
 
 def identity(finding: dict) -> Identity:

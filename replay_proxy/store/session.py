@@ -80,6 +80,7 @@ class Session(msgspec.Struct):
     requests: list[Request]
     utility: list[dict[str, Any]]  # calls beside their results, in call order
     redacted: bool = False  # its tokens are pseudonyms (``replay-proxy redact``, ``record --redact-key``)
+    cut_from: dict[str, Any] | None = None  # what it was cut from (``replay-proxy cut``): source digest, session
 
     @property
     def label(self) -> str:
@@ -162,7 +163,7 @@ def load_session(db_path: Path, session: str) -> Session:
         registrations=registrations, requests=_requests(db, sid, aborted),
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
                               "WHERE session_id = ? ORDER BY called_ns", [sid])),
-        redacted=row.get("redaction_key") is not None)
+        redacted=row.get("redaction_key") is not None, cut_from=json.loads(row["cut_from"] or "null"))
 
 
 def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:

@@ -58,6 +58,38 @@ def run(http_port: int, model: Path = MODEL, *, hold_engine=contextlib.nullconte
     return seen
 
 
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+
+
+def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dict[str, object]:
+    """``requests`` users of a staging day, one after another, each of one of the kinds ``run`` has
+    (greedy and seeded completions, a chat, a stream, logprobs) in turn, with prompts of their own:
+    what ``shrink`` is given to find the one request a break needs. Returns what each user saw. (It has no
+    abort: the keywords ``run`` takes for one are accepted and not used.)"""
+    kinds = [
+        lambda prompt: post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": prompt, "max_tokens": 8, **GREEDY})["choices"][0]["text"],
+        lambda prompt: post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": prompt, "max_tokens": 6, "temperature": 0.7, "top_p": 0.9,
+            "seed": len(prompt)})["choices"][0]["text"],
+        lambda prompt: post(http_port, "/v1/chat/completions", {
+            "model": str(model), "messages": [{"role": "user", "content": prompt}], "max_tokens": 5,
+            **GREEDY})["choices"][0]["message"]["content"],
+        lambda prompt: _text(stream(http_port, "/v1/completions", {
+            "model": str(model), "prompt": prompt, "max_tokens": 6, **GREEDY}))[0],
+        lambda prompt: post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": prompt, "max_tokens": 4, "logprobs": 1, **GREEDY})["choices"][0]["text"],
+    ]
+    seen: dict[str, object] = {}
+    for i in range(requests):
+        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5))
+        try:
+            seen[f"user-{i}"] = kinds[i % len(kinds)](prompt)
+        except urllib.error.HTTPError as exc:
+            seen[f"user-{i}"] = f"HTTP {exc.code}"
+    return seen
+
+
 def _abort(http_port: int, model: Path, hold_engine, abort_seen) -> tuple[object, int]:
     """A stream the client closes after its first event, so that the frontend sends ABORT: (what the
     client saw, how many streams that took).

@@ -133,3 +133,33 @@ def test_cut_refuses_to_write_over_a_file(tmp_path, recorded):
         cut_database(recorded, out, "baseline", Selection(requests=["r1"]))
     with pytest.raises(CutError):
         cut_database(recorded, tmp_path / "none.db", "baseline", Selection(where="max_tokens > 10000"))
+
+
+def diff(candidate, baseline, report):
+    result = subprocess.run([sys.executable, "-m", "replay_proxy", "diff", "--db", str(candidate), "--baseline-db",
+                             str(baseline), "--baseline", "baseline", "--candidate", "cut", "--report-dir",
+                             str(report)], capture_output=True, text=True, timeout=120)
+    findings = json.loads((report / "report.json").read_text())["findings"]
+    return result, {f["code"]: f for f in findings if f["category"] != "performance"}
+
+
+@pytest.mark.parametrize("selection", [Selection(requests=["r1", "r5", "long"]), Selection(where="max_tokens >= 6"),
+                                       Selection(sample=3, seed=4)])
+def test_diff_of_a_cut_against_its_source_reports_nothing_over_the_chosen_requests(tmp_path, recorded, selection):
+    cut = tmp_path / "cut.db"
+    cut_database(recorded, cut, "baseline", selection, name="cut")
+    result, findings = diff(cut, recorded, tmp_path / "of-source")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [code for code, f in findings.items() if f["severity"] != "info"] == []
+    kept = sqlite3.connect(cut).execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+    assert f"compared over the {kept} requests it keeps" in findings["cut_of_baseline"]["message"]
+    # Another file that only looks like the source (same name, same session, one value changed) is not it: the
+    # requests the cut left out are then missing, as in any diff.
+    other = tmp_path / "other" / recorded.name
+    other.parent.mkdir()
+    shutil.copy(recorded, other)
+    changed = sqlite_utils.Database(other)
+    changed["sessions"].update(1, {"status": "failed"})
+    changed.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # into the file itself, whose bytes the digest is of
+    result, findings = diff(cut, other, tmp_path / "of-other")
+    assert result.returncode == 4 and "request_unmatched" in findings and "cut_of_baseline" not in findings
