@@ -26,8 +26,9 @@ BATCH_ROWS = 50_000  # rows read and written at once: memory stays bounded whate
 EXPORTED = ("sessions", "frames", "handshakes", "requests", "outputs", "aborts", "utility_requests",
             "utility_results", "engine_events", "findings")
 _ARROW = {int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
-# Every column's type by name (the outputs view's come from its three tables; a name means one thing).
-LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()}
+# Every column's type by name (the outputs view's come from its three tables; a name means one thing). A stop
+# reason is a token or a string: text here, as Parquet has no such union (the SQLite file keeps each one's type).
+LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()} | {"stop_reason": str}
 
 
 def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> list[Path]:

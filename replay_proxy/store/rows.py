@@ -45,6 +45,11 @@ def _compact(fields: dict, held: frozenset[str] = frozenset()) -> dict:
             for k, v in fields.items() if v is not None and k not in held}
 
 
+def _stop_reason(stop: object) -> int | str | None:
+    """A stop token or stop string as it came (``output_rows.stop_reason`` keeps the type); anything else as JSON."""
+    return stop if stop is None or type(stop) is int or type(stop) is str else to_json(stop)
+
+
 class Rows:
     """Rows for every table, accumulated over a batch of frames.
 
@@ -127,7 +132,7 @@ class Rows:
                 self.new_request_ids.append(request_id)
                 self.tables["request_ids"].append((session_id, number, request_id))
             append((session_id, number, seq, position, encode(tokens).decode(), len(tokens),
-                    None if finish is None else finish_name(finish), None if stop is None else str(stop), nans,
+                    None if finish is None else finish_name(finish), _stop_reason(stop), nans,
                     others[position] if others else None))
 
     def forget_new_request_ids(self) -> None:

@@ -72,7 +72,9 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     # (a key by request cost the writer a third of its rate). The views below aggregate in one pass.
     "output_rows": ({
         "session_id": int, "request": int, "seq": int, "position": int, "new_token_ids": str,
-        "num_new_tokens": int, "finish_reason": str, "stop_reason": str, "num_nans_in_logits": int, "other": str,
+        # stop_reason: a stop token (integer) or a stop string (text), as the wire has it. Declared BLOB, which
+        # converts nothing, so each keeps its own type (typeof() tells token 852 from the string "852").
+        "num_new_tokens": int, "finish_reason": str, "stop_reason": bytes, "num_nans_in_logits": int, "other": str,
     }, None),
     # Each request id a session's outputs name, numbered in order of first sight.
     "request_ids": ({
