@@ -10,14 +10,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-# The HTML report is checked in headless Chromium (Debian's package).
-chromium_installed() {
-  command -v chromium >/dev/null && return
+# Debian's packages the tests use beside the project: the HTML report is checked in headless Chromium, and a
+# real Prometheus server scrapes record --metrics (tests/record/test_metrics.py).
+debian_package() {  # COMMAND PACKAGE [apt-get install's options]
+  command -v "$1" >/dev/null && return
   if [ "$(id -u)" = 0 ]; then
-    timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null
+    { [ -n "${apt_updated:-}" ] || timeout 300 apt-get update -qq; } && apt_updated=1 &&
+      DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq "${@:3}" "$2" >/dev/null
   else
-    echo "[test] chromium missing (apt-get install chromium): the browser test will be skipped" >&2
+    echo "[test] $1 missing (apt-get install $2): its tests will be skipped" >&2
   fi
+}
+debian_packages_installed() {
+  debian_package chromium chromium
+  debian_package prometheus prometheus --no-install-recommends
 }
 # Every run shows where its time went and why anything was skipped.
 REPORT=(--durations=15 -rs)
@@ -25,7 +31,7 @@ REPORT=(--durations=15 -rs)
 part() { "$VENV/bin/python" -m pytest "${REPORT[@]}" "$@" || { code=$?; [ "$code" = 5 ] || return "$code"; }; }
 if [ "${1:-}" = "--fast" ]; then
   shift
-  chromium_installed
+  debian_packages_installed
   part -m "not real_vllm and not soak" -n 2 "$@"
   exit
 fi
@@ -34,7 +40,7 @@ setup_log=$(mktemp)
 setsid bash scripts/setup-vllm.sh >"$setup_log" 2>&1 &
 setup=$!
 trap 'kill -- -"$setup" 2>/dev/null || true; rm -f "$setup_log"' EXIT  # (set -e holds in a trap too)
-chromium_installed
+debian_packages_installed
 status=0
 part -m "not real_vllm" -n 2 "$@" || status=$?
 if ! wait "$setup"; then

@@ -56,6 +56,15 @@ def check_address(value: str | None) -> str | None:
     return value
 
 
+def check_host_port(value: str | None) -> str | None:
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise typer.BadParameter(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:9464, or 0.0.0.0:0 for any free port)")
+    return value
+
+
 def rules_option(path: Path | None) -> Rules:
     """``--rules FILE`` over the defaults; a file that cannot be used is a usage error."""
     try:

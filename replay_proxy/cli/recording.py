@@ -12,9 +12,10 @@ from typing import Annotated
 import trio
 import typer
 
-from replay_proxy.cli.common import app, check_address, err, fail, out
+from replay_proxy.cli.common import app, check_address, check_host_port, err, fail, out
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.store import queries
+from replay_proxy.record.status import LogFormat
 from replay_proxy.store.recorder import OnFull
 
 
@@ -24,7 +25,8 @@ def record(
         help="Handshake address the engines dial (their --data-parallel-address/--data-parallel-rpc-port).")],
     upstream: Annotated[str, typer.Option(callback=check_address,
         help="The frontend's real handshake address.")],
-    db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing).")],
+    db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing); it may hold strftime "
+                                          "fields (staging-%Y%m%d-%H%M%S.db), filled in as each file is begun.")],
     session: Annotated[str | None, typer.Option(help="Session name (default: record-DATE-TIME).")] = None,
     on_full: Annotated[OnFull, typer.Option(
         help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
@@ -45,6 +47,31 @@ def record(
         help="--redact-key: a JSON redaction policy laid over the shipped one.")] = None,
     vocab_size: Annotated[int | None, typer.Option(
         min=2, help="--redact-key: the model's vocabulary size (vocab_size in its config.json).")] = None,
+    sample_requests: Annotated[float | None, typer.Option(
+        metavar="F",
+        help="Record only a keyed sample of the requests (0 < F <= 1): a request's ADD, outputs and ABORT, or none "
+             "of them, decided by a hash of its id, alike on every engine, API server and proxy given the same "
+             "--sample-seed. Handshakes, utility calls and stats are always recorded.")] = None,
+    sample_seed: Annotated[str, typer.Option(help="--sample-requests: the key of its hash.")] = "0",
+    rotate_mb: Annotated[float | None, typer.Option(
+        min=1, help="Begin the next file once this one reaches this size (each file stands alone; see "
+                    "docs/operations.md). SIGHUP begins it at once.")] = None,
+    rotate_every: Annotated[str | None, typer.Option(
+        metavar="DURATION", help="Begin the next file on every multiple of this since the epoch (UTC): 30m, 1h "
+                                 "(on the hour), 1d.")] = None,
+    keep: Annotated[int | None, typer.Option(
+        min=1, help="Delete this run's oldest closed files beyond this many (the one being written counts).")] = None,
+    max_total_gb: Annotated[float | None, typer.Option(
+        min=0.001, help="Delete this run's oldest closed files while they and the current one exceed this.")] = None,
+    metrics: Annotated[str | None, typer.Option(
+        callback=check_host_port, metavar="HOST:PORT",
+        help="Serve /metrics (Prometheus) and /healthz (200, or 503 with the reason once an engine is lost or "
+             "the writer is dead) here; port 0 takes a free one. See docs/operations.md.")] = None,
+    log_format: Annotated[LogFormat, typer.Option(
+        help="How stderr is written when it is not a terminal: text lines, or JSON lines for a log collector "
+             "(one every --status-every seconds and one per event).")] = LogFormat.TEXT,
+    status_every: Annotated[float, typer.Option(
+        min=0.5, help="When stderr is not a terminal: seconds between status lines.")] = 10.0,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.
 
@@ -52,29 +79,59 @@ def record(
 
     Example: replay-proxy record --listen tcp://127.0.0.1:29560 --upstream tcp://127.0.0.1:29550 --db recordings/staging.db
     """
-    from replay_proxy.record import record as run_record, status_line
+    from replay_proxy.record import record as run_record
+    from replay_proxy.record.status import StatusLog
+    from replay_proxy.store.rotation import RotationSettings, first_file
+    from replay_proxy.store.sample import RequestSample
 
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     redaction = redaction_settings(redact_key, redact_policy, vocab_size, "--redact-key") if redact_key else None
+    if sample_requests is not None and not 0 < sample_requests <= 1:
+        raise fail(f"--sample-requests {sample_requests:g}: a fraction of the requests, 0 < F <= 1", ExitCode.USAGE)
+    sample = RequestSample(sample_requests, sample_seed) if sample_requests is not None else None
+    rotation = None
+    if rotate_mb or rotate_every or keep or max_total_gb or "%" in str(db):
+        rotation = RotationSettings(str(db), rotate_bytes=int(rotate_mb * 2**20) if rotate_mb else None,
+                                    every_s=duration_s(rotate_every, "--rotate-every") if rotate_every else None,
+                                    keep=keep, max_total_bytes=int(max_total_gb * 1e9) if max_total_gb else None)
+        db = first_file(str(db))
+    log = StatusLog(err, log_format, status_every)
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
                                                       record_coordinator=record_coordinator, max_db_mb=max_db_mb,
-                                                      redaction=redaction, console=err))
+                                                      redaction=redaction, sample=sample, rotation=rotation,
+                                                      metrics=metrics, log=log))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
-    err.print(status_line(stats, 0))
     so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"
-    err.print(f"session {name!r} (id {recorder.session_id}) {recorder.status}: {stats.frames_recorded:,} of "
-              f"{stats.frames_seen:,} frames recorded{so_far}, {stats.frames_dropped:,} dropped -> {db}")
+    sampled = f"{stats.frames_sampled_out:,} sampled out, " if sample else ""
+    log.event("session_end", f"session {name!r} (id {recorder.session_id}) {recorder.status}: "
+                             f"{stats.frames_recorded:,} of {stats.frames_seen:,} frames recorded{so_far}, "
+                             f"{sampled}{stats.frames_dropped:,} dropped -> {recorder.db_path}", stats,
+              session=name, session_id=recorder.session_id, status=recorder.status, final=stats.final)
     if stats.frames_undecoded:
-        err.print(f"{stats.frames_undecoded:,} frames are kept but not decoded yet: "
-                  f"replay-proxy decode --db {db} --session {name}")
+        log.event("undecoded", f"{stats.frames_undecoded:,} frames are kept but not decoded yet: "
+                               f"replay-proxy decode --db {db} --session {name}")
     if recorder.status not in ("complete", "finishing"):
         raise fail(f"the recording is {recorder.status}: {stats.error or 'see the sessions table'}")
     if stats.drift_alarms:
-        err.print(f"{stats.drift_alarms} drift alarm(s): replay-proxy query --db {db} --preset drift")
+        log.event("drift_alarms", f"{stats.drift_alarms} drift alarm(s): "
+                                  f"replay-proxy query --db {db} --preset drift")
         if fail_on_drift:
             raise typer.Exit(int(ExitCode.SCHEMA_BREAKING))
+
+
+def duration_s(text: str, option: str) -> float:
+    """``90s``, ``30m``, ``1h``, ``1d`` (or bare seconds) in seconds; anything else is a usage error."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        seconds = 0
+    if not seconds > 0:
+        raise fail(f"{option} {text!r}: a duration such as 30m, 1h or 1d", ExitCode.USAGE)
+    return seconds
 
 
 def redaction_settings(key: Path, policy: Path | None, vocab_size: int | None, option: str) -> RedactionSettings:

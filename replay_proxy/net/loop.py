@@ -25,5 +25,10 @@ class Counter:
     def next(self) -> int:
         return next_seq(self.address)
 
+    @property
+    def value(self) -> int:
+        """The last number given (an aligned 64-bit read: whole, whatever a C loop does meanwhile)."""
+        return self._value.value
+
 
 __all__ = ["Counter", "forward"]

@@ -60,6 +60,9 @@ class Observer(Protocol):
 
     def engine_lost(self, loss: EngineLoss) -> None: ...
 
+    def relay_stopped(self, last_seq: int) -> None:
+        """Every message up to ``last_seq`` is reported: the forwarders have stopped, their copies are sent."""
+
 
 class Forwarder:
     """Two sockets joined by the C forwarding loop in a thread; ``stop`` ends it and closes them.
@@ -171,6 +174,7 @@ class Relay:
         finally:
             for forwarder in self._forwarders:
                 forwarder.stop()
+            self.observer.relay_stopped(self.counter.value)
             for sock in self._sockets:
                 sock.close()
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import msgspec
 
 from replay_proxy.redact.settings import RedactionSettings
+from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.store.sample import RequestSample
 from replay_proxy.wire.capture import encode_entries
 
 
@@ -30,6 +32,8 @@ class WriterStart(msgspec.Struct, frozen=True):
     sockets_folder: str  # where the two addresses' files are: the writer removes it if it ends last
     max_bytes: int | None = None  # a cap on the database file
     upstream_pid: int | None = None  # the redactor process, if any: the proxy gone, its Stop may still come
+    sample: RequestSample | None = None  # record --sample-requests (store/sample.py)
+    rotation: RotationSettings | None = None  # record --rotate-mb and the rest (store/rotation.py)
 
 
 class RedactorStart(msgspec.Struct, frozen=True):
@@ -64,6 +68,19 @@ class Progress(msgspec.Struct, frozen=True, array_like=True):
     drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
     write_error: str | None = None  # the last one
     drift: str | None = None  # the newest drift alarm
+    frames_undecodable: int = 0  # written with a decode error (forwarded byte-identical all the same)
+    decoded_through_ns: int = 0  # when the newest frame decoded so far crossed the proxy (its ts_ns)
+    vllm_version: str | None = None  # as the engines' registration announced it
+    frames_sampled_out: int = 0  # left out by --sample-requests (never to be recorded; not dropped)
+    outputs_sampled_out: int = 0  # the outputs of requests left out, from those frames and from mixed ones
+    # A rotating recording: the file being written and its session, and its rotations so far.
+    db_path: str | None = None
+    session_id: int | None = None
+    rotations: int = 0
+    rotations_failed: int = 0
+    files_deleted: int = 0  # by --keep and --max-total-gb
+    frames_seen_closed_files: int = 0  # what the files already closed counted as seen
+    last: bool = False  # the writer's last report, sent after the session's end
 
 
 _encode = msgspec.msgpack.Encoder().encode

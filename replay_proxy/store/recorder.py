@@ -35,6 +35,7 @@ import enum
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,18 +52,24 @@ from replay_proxy import __version__
 from replay_proxy.clock import utc_now
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact.settings import Redaction, RedactionSettings
+from replay_proxy.store import reserve
 from replay_proxy.store.protocol import (
     Batch, Progress, RedactorStart, Stop, WriterStart, batch_message, decode_progress, stop_message)
+from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.store.sample import RequestSample
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import (
-    FLUSH_MS, RELAY, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, is_engine_loss, relay_entry)
+    FLUSH_MS, RELAY, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, entry_link, is_engine_loss,
+    relay_entry)
 
 TAP_BATCH = 4096  # frames per message from the tap to the writer, at most (unless one batch has more) ...
 TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
 BLOCK_BATCHES = 4  # in block mode, batches of copies that may wait at each end of a forwarder's pipe
 STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder come within FLUSH_MS
+STOP_COPIES_S = 0.5  # a stopped relay's copies not yet in at STOP are waited for this long at most
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
-# record ends within 5 s: the tap passes what it holds within STOP_GRACE_MS (this is only a bound), and
+FINAL_REPORT_WAIT_MS = 1000  # for the writer's last report (sent after the session's end) beyond WRITER_STOP_S
+# record ends within 5 s: the tap passes what it holds within STOP_COPIES_S (this is only a bound), and
 # the writer decodes for 2 s at most after STOP, then keeps the rest and exits (else it ends the session
 # itself, in the background).
 TAP_STOP_S = 1.0
@@ -99,8 +106,8 @@ class RecorderError(ReplayProxyError):
 
 
 class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
-    """The counts of the status line, the summary and the ``sessions`` row: seen = recorded + dropped +
-    queued, on every path."""
+    """The counts of the status line, the summary, the ``sessions`` row, the JSON log and the metrics:
+    seen = recorded + sampled out + dropped + queued, on every path."""
 
     frames_seen: int  # forwarded
     frames_recorded: int  # in the database, decoded or kept
@@ -114,6 +121,20 @@ class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
     drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
     drift: str | None = None  # the newest drift alarm
     final: bool = True  # False while the writer still writes: the frames queued are not counted yet
+    # frames_dropped by why: "queue_full" (the tap's), "write_failed" (a full disk, the --max-db-mb cap),
+    # "writer_lost" (the writer or redactor process died)
+    frames_dropped_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    frames_undecodable: int = 0  # recorded with a decode error
+    decode_lag_s: float = 0.0  # while frames wait to be decoded: how long ago the newest decoded one crossed
+    bytes_by_link: dict[tuple[str, str], int] = msgspec.field(default_factory=dict)  # (channel, direction)
+    vllm_version: str | None = None  # as the engines announced it
+    writer_lost: str | None = None  # why the writer (or the redactor) is gone, if it is
+    frames_sampled_out: int = 0  # left out by --sample-requests: neither recorded nor dropped
+    outputs_sampled_out: int = 0
+    rotations: int = 0  # files begun after the first (--rotate-mb, --rotate-every, SIGHUP)
+    rotations_failed: int = 0  # tried and failed (no space, no permission): tried again later
+    files_deleted: int = 0  # by --keep and --max-total-gb
+    db_path: str | None = None  # the file being written
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -129,25 +150,35 @@ class Recorder:
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
                  queue_size: int = 100_000, max_db_bytes: int | None = None,
-                 redaction: RedactionSettings | None = None, context: zmq.Context | None = None):
+                 redaction: RedactionSettings | None = None, sample: RequestSample | None = None,
+                 rotation: RotationSettings | None = None, context: zmq.Context | None = None):
         self.db_path = Path(db_path)
         self._frames_seen = self._frames_dropped = self._bytes_seen = 0
+        self._numbered = 0  # messages the tap has had that were numbered (frames and engine losses)
+        self._last_seq: int | None = None  # how many the relay numbered, once it has stopped
+        self._frames_dropped_queue_full = 0  # of those dropped here, while the writer was there
         self._frames_sent = 0  # passed on to the writer
+        self._bytes_by_link: dict[tuple[str, str], int] = {}  # the tap's, read by statistics()
+        self._first_frame_s: float | None = None  # when the tap took the first frame (wall clock)
         self._queue_size = queue_size
         self._block = OnFull(on_full) is OnFull.BLOCK
         row = {**msgspec.to_builtins(session), "started_at": utc_now(), "status": "recording",
                "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0}
         if redaction is not None:  # loaded here too: a bad key or policy fails before anything starts
             row = Redaction(redaction).session_row(row)
+        if sample is not None:
+            row.update(sample_requests=sample.fraction, sample_seed=sample.seed, frames_sampled_out=0,
+                       outputs_sampled_out=0)
         db = open_database(self.db_path)
         self.session_id = db["sessions"].insert(row).last_pk
         db.close()
+        reserve.hold(self.db_path)  # for the session's end, however full the disk gets (store/reserve.py)
         context = context or zmq.Context.instance()
         self._folder = tempfile.mkdtemp(prefix="replay-proxy-")
         tap, progress = f"ipc://{self._folder}/tap", f"ipc://{self._folder}/progress"
-        # Read by the tap thread only; counts are cumulative, so only the newest matters.
+        # Read by the tap thread only; counts are cumulative, so only the newest matters (each read drains the
+        # queue). Not conflating: a conflating PULL drops what a peer that has just closed sent last.
         self._progress_socket = context.socket(zmq.PULL)
-        self._progress_socket.setsockopt(zmq.CONFLATE, 1)
         self._progress_socket.bind(progress)
         self._progress = Progress()
         self._ending = ("complete", None)  # how the session ended, for the tap's Stop to the writer
@@ -178,7 +209,8 @@ class Recorder:
         self._process = _start("replay_proxy.store.writer", WriterStart(
             str(self.db_path), self.session_id, writer_tap, progress, parent_pid=os.getpid(),
             hold_frames=max(1, queue_size // 2), sockets_folder=self._folder, max_bytes=max_db_bytes,
-            upstream_pid=self._redactor.pid if self._redactor else None))
+            upstream_pid=self._redactor.pid if self._redactor else None, sample=sample, rotation=rotation))
+        self._rotating = rotation is not None
         # Its start (imports, opening the database) takes a CPU for a while: have it done before
         # the relay opens, not while the first frames pass.
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -196,6 +228,7 @@ class Recorder:
             sock.close(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
         error = f"the writer process did not start (exit code {self._process.wait(5)})"
+        reserve.release(self.db_path)
         db = open_database(self.db_path)
         db["sessions"].update(self.session_id, {"ended_at": utc_now(), "status": "failed", "error": error})
         db.close()
@@ -211,6 +244,9 @@ class Recorder:
         if not self._mine.closed:
             self._mine.send_multipart(engine_loss_entry(loss))
 
+    def relay_stopped(self, last_seq: int) -> None:
+        self._last_seq = last_seq
+
     # --- the tap thread -------------------------------------------------------------------
 
     def _pass_on(self) -> None:
@@ -224,7 +260,8 @@ class Recorder:
             frames = 0
             due = None  # when the entries go: held a while, so that the writer's side wakes less
             while frames < most:
-                deadline = due or stop_by
+                # (after STOP with every copy in, nothing more is waited for)
+                deadline = time.monotonic() if stop_by is not None and self._copies_in() else due or stop_by
                 if not collector.poll(PROGRESS_WAIT_MS if deadline is None
                                       else max(0.0, deadline - time.monotonic()) * 1000):
                     break
@@ -232,19 +269,27 @@ class Recorder:
                 if due is None:
                     due = min(time.monotonic() + TAP_HOLD_S, stop_by or math.inf)
                 if entry == _STOP_ENTRY:
-                    # STOP: a forwarder still running sends what it has batched within FLUSH_MS.
-                    stop_by = time.monotonic() + STOP_GRACE_MS / 1000
+                    # STOP. The forwarders' copies come by other sockets than STOP, so some may still be on
+                    # their way: once the relay has said how many were numbered, they are waited for by
+                    # count (a loaded machine delivers late); else a running forwarder's come within FLUSH_MS.
+                    stop_by = time.monotonic() + (STOP_GRACE_MS / 1000 if self._last_seq is None else STOP_COPIES_S)
                     continue
                 entry_frames, entry_bytes = entry_counts(entry)
+                self._numbered += entry_frames or is_engine_loss(entry)
                 frames += entry_frames
                 self._bytes_seen += entry_bytes
+                if entry_frames:
+                    link = entry_link(entry)
+                    self._bytes_by_link[link] = self._bytes_by_link.get(link, 0) + entry_bytes
                 entries.append(entry)
             self._frames_seen += frames
+            if frames and self._first_frame_s is None:
+                self._first_frame_s = time.time()
             if time.monotonic() >= self._progress_due:
                 self._read_progress(0)
             if entries:
                 self._send(entries, frames)
-            elif stop_by is not None and time.monotonic() >= stop_by:  # everything before STOP is passed on
+            elif stop_by is not None and (self._copies_in() or time.monotonic() >= stop_by):  # all passed on
                 status, error = self._ending
                 self._read_progress(0)  # is everyone still there?
                 if self._writer_lost is None:
@@ -253,6 +298,10 @@ class Recorder:
                     self._stop_writer_directly(Stop("incomplete", self._writer_lost, self._frames_seen,
                                                     self._bytes_seen))
                 return
+
+    def _copies_in(self) -> bool:
+        """Every message the stopped relay numbered has come to the tap."""
+        return self._last_seq is not None and self._numbered >= self._last_seq
 
     def _stop_writer_directly(self, stop: Stop) -> None:
         """Past a redactor that is gone: the writer binds the address, so a second sender may connect."""
@@ -270,6 +319,7 @@ class Recorder:
                     self._read_progress(PROGRESS_WAIT_MS)
                     continue
                 self._frames_dropped += frames  # from the recording: they were forwarded all the same
+                self._frames_dropped_queue_full += frames if self._writer_lost is None else 0
                 # An engine's loss is no frame: it takes no room, and is kept (while a writer is there).
                 entries, frames = [entry for entry in entries if is_engine_loss(entry)], 0
                 if not entries or self._writer_lost is not None:
@@ -282,15 +332,18 @@ class Recorder:
         A writer that is gone has none."""
         if self._writer_lost is not None:
             return False
-        queued = self._frames_sent - self._progress.frames_written - self._progress.frames_failed
+        p = self._progress
+        queued = self._frames_sent - p.frames_written - p.frames_failed - p.frames_sampled_out
         return queued == 0 or queued + frames <= self._queue_size
 
     def _read_progress(self, timeout_ms: int) -> None:
         """Take the writer's latest report, waiting up to ``timeout_ms`` for one; notice if it is gone."""
-        if self._progress_socket.poll(timeout_ms):
+        while self._progress_socket.poll(timeout_ms):
             self._progress = decode_progress(self._progress_socket.recv())
+            timeout_ms = 0
         self._progress_due = time.monotonic() + PROGRESS_WAIT_MS / 1000
-        if self._writer_lost is None and (code := self._process.poll()) is not None:
+        if self._writer_lost is None and (code := self._process.poll()) is not None \
+                and not (code == 0 and self._progress.last):  # (one that said its last word ended the session)
             self._writer_lost = f"the writer process exited with {code} while recording"
         if self._writer_lost is None and self._redactor is not None and (code := self._redactor.poll()) not in (
                 None, 0):  # (0: it passed the Stop on)
@@ -302,19 +355,47 @@ class Recorder:
             self._redactor.kill()
             self._redactor.wait(5)
 
+    def rotate(self) -> None:
+        """Begin the next file now (SIGHUP): the writer rotates, so it is told, by its PID."""
+        if self._rotating and self._process.poll() is None:
+            os.kill(self._process.pid, signal.SIGHUP)
+
     def statistics(self) -> RecorderStats:
         """The counts so far: what is neither written nor dropped is queued."""
         p = self._progress
         lost = self._frames_dropped + p.frames_failed  # never to be in the database
-        queued = 0 if self._writer_lost else self._frames_seen - lost - p.frames_written
+        done = p.frames_written + p.frames_sampled_out
+        queued = 0 if self._writer_lost else self._frames_seen - lost - done
+        dropped = self._frames_seen - done - queued
         return RecorderStats(frames_seen=self._frames_seen, frames_recorded=p.frames_written,
-                             frames_dropped=self._frames_seen - p.frames_written - queued, queue_depth_frames=queued,
+                             frames_dropped=dropped, queue_depth_frames=queued,
                              bytes_seen=self._bytes_seen, requests=p.requests, engines_dead=p.engines_dead,
                              frames_undecoded=p.frames_undecoded, error=self._writer_lost or p.write_error,
-                             drift_alarms=p.drift_alarms, drift=p.drift)
+                             drift_alarms=p.drift_alarms, drift=p.drift, **self._detail(dropped),
+                             decode_lag_s=self._decode_lag_s() if queued or p.frames_undecoded else 0.0)
 
-    def close(self, status: str = "complete", error: str | None = None) -> RecorderStats:
-        """Pass on everything queued, tell the writer how the session ended, and wait (bounded) for it.
+    def _decode_lag_s(self) -> float:
+        """While frames wait to be decoded: since the newest decoded one crossed (or the first, if none has)."""
+        decoded_s = self._progress.decoded_through_ns / 1e9 or self._first_frame_s
+        return max(0.0, time.time() - decoded_s) if decoded_s else 0.0
+
+    def _detail(self, dropped: int, failed: int | None = None) -> dict:
+        """What the statistics say beyond the sessions row's counts, from the tap's own counters and the
+        writer's last report (``failed``: the frames it could not write, where known better)."""
+        p = self._progress
+        failed = p.frames_failed if failed is None else failed
+        reasons = {"queue_full": self._frames_dropped_queue_full, "write_failed": failed}
+        reasons["writer_lost"] = max(0, dropped - sum(reasons.values()))
+        return {"frames_dropped_by_reason": reasons, "frames_undecodable": p.frames_undecodable,
+                "bytes_by_link": dict(self._bytes_by_link), "vllm_version": p.vllm_version,
+                "writer_lost": self._writer_lost, "frames_sampled_out": p.frames_sampled_out,
+                "outputs_sampled_out": p.outputs_sampled_out, "rotations": p.rotations,
+                "rotations_failed": p.rotations_failed, "files_deleted": p.files_deleted,
+                "db_path": p.db_path or str(self.db_path)}
+
+    def close(self, status: str = "complete", error: str | None = None,
+              writer_wait_s: float = WRITER_STOP_S) -> RecorderStats:
+        """Pass on everything queued, tell the writer how the session ended, and wait (``writer_wait_s``) for it.
 
         Stop the relay first: what its forwarders copy after this is not recorded. The writer ends
         the session row itself; if it is gone, the recorder does, from what the database holds. If the
@@ -328,10 +409,14 @@ class Recorder:
         passed_on = not self._tap_thread.is_alive()  # and the tap has sent the writer its Stop
         if passed_on:  # its sockets are this thread's now
             try:
-                self._process.wait(WRITER_STOP_S)
+                self._process.wait(writer_wait_s)
             except subprocess.TimeoutExpired:  # still writing: it ends the session itself, nothing is cut off
                 pass
             self._read_progress(0)
+            # A writer that has ended sent its last report, with its final counts, as it did: wait for it.
+            deadline = time.monotonic() + FINAL_REPORT_WAIT_MS / 1000
+            while not self._progress.last and time.monotonic() < deadline:
+                self._read_progress(PROGRESS_WAIT_MS)
             for sock in (self._collector, self._progress_socket):
                 sock.close(linger=0)
             # A writer still at it takes the rest from its socket (not from this process's queue, which
@@ -348,32 +433,53 @@ class Recorder:
                 "it ends the session itself"))
         self._kill_redactor()
         shutil.rmtree(self._folder, ignore_errors=True)
+        if self._rotating and self._progress.db_path is not None:  # the writer's last report: the file it ended in
+            self.db_path, self.session_id = Path(self._progress.db_path), self._progress.session_id
+        reserve.release(self.db_path)  # (the writer gave it back to its last transaction, unless it died first)
         db = open_database(self.db_path)
         if code != 0:  # the writer died: the session is ended here, by what is kept
             kept = db.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
                               "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
                               {"s": self.session_id}).fetchone()[0]
+            p = self._progress  # (the dead writer's last word: a rotating recording's other files are closed)
+            sampled_out = p.frames_sampled_out
+            seen = self._frames_seen - p.frames_seen_closed_files
             db["sessions"].update(self.session_id, {
                 "ended_at": utc_now(), "status": "incomplete", "frames_recorded": kept,
-                "frames_seen": self._frames_seen, "frames_dropped": self._frames_seen - kept,
+                "frames_seen": seen, "frames_dropped": seen - kept - sampled_out,
                 "bytes_seen": self._bytes_seen,
                 "error": error or self._writer_lost or f"the writer process exited with {code}"})
         row = db["sessions"].get(self.session_id)
+        # A writer that ended the session itself lost nothing: what the tap did not drop, it could not write.
+        def failed(dropped: int) -> int | None:
+            return max(0, dropped - self._frames_dropped_queue_full) if code == 0 and self._writer_lost is None \
+                else None
+
+        dropped = row["frames_dropped"] or 0
         requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]
         alarms = [m for (m,) in db.execute("SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid",
                                            [self.session_id])]
         db.close()
         self.status = row["status"]
+        if self._rotating:  # the totals over every file, from the writer's last word and the tap's own
+            p = self._progress
+            dropped = self._frames_seen - p.frames_written - p.frames_sampled_out
+            return RecorderStats(frames_seen=self._frames_seen, frames_recorded=p.frames_written,
+                                 frames_dropped=dropped, bytes_seen=self._bytes_seen, requests=p.requests,
+                                 engines_dead=p.engines_dead, frames_undecoded=p.frames_undecoded, error=row["error"],
+                                 drift_alarms=p.drift_alarms, drift=p.drift, **self._detail(dropped, failed(dropped)))
         return RecorderStats(frames_seen=row["frames_seen"] or 0, frames_recorded=row["frames_recorded"] or 0,
-                             frames_dropped=row["frames_dropped"] or 0, bytes_seen=row["bytes_seen"] or 0,
+                             frames_dropped=dropped, bytes_seen=row["bytes_seen"] or 0,
                              requests=requests, engines_dead=row["engines_dead"] or 0,
                              frames_undecoded=row["frames_undecoded"] or 0, error=row["error"],
-                             drift_alarms=len(alarms), drift=alarms[-1] if alarms else None)
+                             drift_alarms=len(alarms), drift=alarms[-1] if alarms else None,
+                             **{**self._detail(dropped, failed(dropped)), "frames_sampled_out": row["frames_sampled_out"] or 0,
+                                "outputs_sampled_out": row["outputs_sampled_out"] or 0})
 
     def _wait_for_tap(self) -> None:
-        """Until the tap has passed everything on. Dropping, it does within STOP_GRACE_MS; blocking, it
+        """Until the tap has passed everything on. Dropping, it does within STOP_COPIES_S; blocking, it
         waits for the writer, so this waits as long as the writer gets on (lossless takes what it takes)."""
-        self._tap_thread.join(TAP_STOP_S + STOP_GRACE_MS / 1000)
+        self._tap_thread.join(TAP_STOP_S + STOP_COPIES_S)
         while self._block and self._tap_thread.is_alive():
             before = self._progress
             self._tap_thread.join(BLOCK_STALL_S)

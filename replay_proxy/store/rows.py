@@ -62,6 +62,8 @@ class Rows:
         self.tables: dict[str, list[tuple]] = defaultdict(list)
         self.request_numbers = {} if request_numbers is None else request_numbers
         self.new_request_ids: list[str] = []
+        self.frames_undecodable = 0  # frames whose row has a decode error
+        self.newest_ts_ns = 0  # when the newest of these frames crossed the proxy
         # Frames their schema does not describe, with that schema (the one in use when each was named).
         self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...], Schema]] = []
 
@@ -105,6 +107,8 @@ class Rows:
                flags: tuple, engine_time: float | None, schema: Schema) -> None:
         if flags:
             self.flagged.append((frame, kind, flags, schema))
+        self.frames_undecodable += error is not None
+        self.newest_ts_ns = max(self.newest_ts_ns, frame.ts_ns)
         self._add("frames", session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns, engine_index=frame.engine_index,
                   client_index=frame.client_index, channel=str(frame.channel), direction=str(frame.direction),
                   kind=str(kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),

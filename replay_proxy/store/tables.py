@@ -46,6 +46,11 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "redaction_policy": str, "redaction_key": str, "redaction_counts": str,
         # A cut (replay-proxy cut): the source file's digest and name, its session, the selection, as JSON.
         "cut_from": str,
+        # Recorded with --sample-requests: the fraction and its seed, and what the sample left out.
+        "sample_requests": float, "sample_seed": str, "frames_sampled_out": int, "outputs_sampled_out": int,
+        # One file of a rotating recording (store/rotation.py): the files before and after it, and the rows that
+        # are copies counted in another file (the session's start; the other part of a split frame).
+        "continues": str, "continued_in": str, "frames_copied": int,
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,

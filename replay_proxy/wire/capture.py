@@ -136,6 +136,16 @@ def entry_counts(entry: list[bytes]) -> tuple[int, int]:
     return 1, sum(map(len, entry[2:len(entry) - changed]))
 
 
+def entry_link(entry: list[bytes]) -> tuple[Channel, Direction]:
+    """(channel, direction) of a frame entry (not a loss) as the tap received it. A forwarder's batch is
+    its link's traffic: on the input link, the requests (its engine's one registration frame goes with them)."""
+    if entry[0] != RELAY:
+        channel = CHANNELS[_TAG.unpack(entry[0])[1]]
+        return channel, Direction.TO_ENGINE if channel is Channel.INPUT else Direction.TO_FRONTEND
+    _, _, channel, direction, _, _, _ = _HEADER.unpack(entry[1])
+    return CHANNELS[channel], _DIRECTIONS[direction]
+
+
 def is_engine_loss(entry: list[bytes]) -> bool:
     return entry[0] == RELAY and _HEADER.unpack(entry[1])[2] == _ENGINE_LOST
 

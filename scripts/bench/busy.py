@@ -13,16 +13,30 @@ every count is checked against what the peers sent.
     .venv/bin/python scripts/bench/busy.py [--rate 2000] [--outputs 32] [--seconds 600] [--json]
     .venv/bin/python scripts/bench/busy.py --frames 200000 --outputs 4 --rate 20000   # the suite's soak
     .venv/bin/python scripts/bench/busy.py --seconds 60 --redact-key redaction.key   # record --redact-key
+    .venv/bin/python scripts/bench/busy.py --seconds 60 --sample-requests 0.25      # record --sample-requests
+    .venv/bin/python scripts/bench/busy.py --seconds 1800 --rate 1000 --rotate-mb 256 --keep 4   # rotating
 
 Prints one JSON object (on one line with --json: what the soak test reads). With
-``--redact-key``, two runs: the floor (the same, not redacted), then redacting,
-and the redacted run's lag and stop time as ratios to the floor's.
+``--redact-key`` or ``--sample-requests``, two runs: the floor (the same, plain),
+then with the option, and that run's lag, stop time and recording CPU as ratios
+to the floor's (under ``redacted`` or ``sampled``). Each run also
+gives the CPU seconds per million frames of the proxy (forwarding), its writer
+and its redactor, read from /proc, and the cores each took at that rate: a
+process that needs less than one core keeps up live on a host that gives it
+one, whatever the lag on a machine whose cores the peers share.
+
+Rotating (``--rotate-mb``, ``--rotate-every``, ``--keep``), the session's figures
+are summed over the files left, the proxy's own totals are in ``summary`` (its
+JSON log's last line), and the disk the files took is sampled with the lag
+(``disk_mb_max``); the lag is read from the newest file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import signal
 import sqlite3
@@ -157,11 +171,40 @@ def child_pid(proxy_pid: int, module: str) -> int | None:
     return None
 
 
+def cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user and system) process ``pid`` has used so far; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def resident_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def read_cpu(processes: dict[str, int | None]) -> dict[str, float]:
+    """The CPU seconds of each process still running, by name."""
+    return {name: seconds for name, pid in processes.items() if pid is not None
+            for seconds in [cpu_s(pid)] if seconds is not None}
+
+
+def finished(path: Path) -> sqlite3.Connection:
+    """A file whose writer has ended, for reading. In exclusive locking mode, which SQLite reads a write-ahead
+    log in without a shared-memory file: that needs room, which a full disk does not have."""
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA locking_mode=EXCLUSIVE")
+    return connection
+
+
+def run_files(db: Path) -> list[Path]:
+    """The files of a run: ``db``, and the files it rotated into (``db-1``, ``db-2`` ...) still there."""
+    return sorted((p for p in db.parent.glob(f"{db.stem}*{db.suffix}") if p.stem == db.stem or
+                   p.stem.removeprefix(f"{db.stem}-").isdigit()), key=lambda p: (len(p.name), p.name))
 
 
 def main() -> None:
@@ -174,79 +217,129 @@ def main() -> None:
     parser.add_argument("--on-full", choices=["drop", "block"], default="drop", help="record's --on-full")
     parser.add_argument("--db", type=Path, help="record into this file and keep it (default: a temporary one)")
     parser.add_argument("--redact-key", type=Path, help="record's --redact-key: redact every frame as it is written")
+    parser.add_argument("--sample-requests", type=float, help="record's --sample-requests: record a keyed sample")
+    parser.add_argument("--rotate-mb", type=float, help="record's --rotate-mb")
+    parser.add_argument("--rotate-every", help="record's --rotate-every")
+    parser.add_argument("--keep", type=int, help="record's --keep")
     args = parser.parse_args()
-    if args.redact_key is None:
-        result = run(args, None)
-    else:  # the floor first: the same run, not redacted
-        floor, redacted = run(args, None), run(args, args.redact_key)
-        result = {"floor": floor, "redacted": redacted, **{
-            f"{figure}_ratio": round(redacted[figure] / floor[figure], 2) if floor[figure] else None
-            for figure in ("decode_lag_ms_p50", "decode_lag_ms_max", "stop_s")}}
+    args.rotation = [arg for name in ("rotate_mb", "rotate_every", "keep") if getattr(args, name) is not None
+                     for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    option = (["--redact-key", str(args.redact_key), "--vocab-size", str(VOCAB)] if args.redact_key else []) + (
+        ["--sample-requests", str(args.sample_requests)] if args.sample_requests else [])
+    if not option:
+        result = run(args, [])
+    else:  # the floor first: the same run, plain
+        name = "redacted" if args.redact_key else "sampled"
+        floor, measured = run(args, []), run(args, option)
+        recording_cpu = {name: sum(v for k, v in run["cpu_s_per_million_frames"].items() if k != "proxy")
+                         for name, run in (("floor", floor), (name, measured))}
+        result = {"floor": floor, name: measured, **{
+            f"{figure}_ratio": round(measured[figure] / floor[figure], 2) if floor[figure] else None
+            for figure in ("decode_lag_ms_p50", "decode_lag_ms_max", "stop_s")},
+            # the recorder's own CPU off the forwarding path (writer, and redactor), with the option against plain
+            "recording_cpu_ratio": round(recording_cpu[name] / recording_cpu["floor"], 2)
+            if recording_cpu["floor"] else None}
     print(json.dumps(result, indent=None if args.json else 1))
 
 
-def run(args: argparse.Namespace, redact_key: Path | None) -> dict:
-    """One run of ``record`` between the busy peers (redacting with ``redact_key``): its figures."""
+def run(args: argparse.Namespace, option: list[str]) -> dict:
+    """One run of ``record`` between the busy peers, with ``option`` (record's arguments): its figures."""
     steps = args.frames or int(args.rate * args.seconds)
     logs = Path(tempfile.mkdtemp(prefix="bench-busy-"))
     db = args.db or logs / "busy.db"
-    if db.exists():  # --db with --redact-key: the floor's run made it
-        db = db.with_name(f"{db.stem}-redacted{db.suffix}")
+    if db.exists():  # --db with an option: the floor's run made it
+        db = db.with_name(f"{db.stem}-{option[0].strip('-')}{db.suffix}")
     upstream, listen = free_port(), free_port()
     me = [sys.executable, __file__]
     front = Child([*me, "frontend", str(upstream), str(steps), str(args.rate)], logs / "frontend.log",
                   name="busy frontend")
     proxy = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen}",
                    "--upstream", f"tcp://127.0.0.1:{upstream}", "--db", str(db), "--session", "busy",
-                   "--on-full", args.on_full,
-                   *(["--redact-key", str(redact_key), "--vocab-size", str(VOCAB)] if redact_key else [])],
+                   "--on-full", args.on_full, "--log-format", "json", *option, *args.rotation],
                   logs / "proxy.log", name="replay-proxy record")
     children = [front, proxy]
     try:
-        proxy.wait_for_log("listening on", timeout=60)
+        proxy.wait_for_log('"event":"listening"', timeout=60)
         children.append(Child([*me, "engine", f"tcp://127.0.0.1:{listen}", str(steps), str(args.rate),
                                str(args.outputs)], logs / "engine.log", name="busy engine"))
         writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}") for m in ("writer", "redactor"))
-        lags_ms, memory_mb, redactor_mb = [], [], []
-        connection = sqlite3.connect(db, timeout=30)
+        # Each process's CPU from here (its start-up done), read last just before it exits: what it takes per
+        # frame holds on any machine.
+        processes = {"proxy": proxy.process.pid, "writer": writer, "redactor": redactor}
+        started_cpu, cpu = read_cpu(processes), {}
+        lags_ms, memory_mb, redactor_mb, disk_mb = [], [], [], []
         deadline = time.monotonic() + steps / args.rate + 600
         while front.running() and time.monotonic() < deadline:
             time.sleep(0.5)
-            newest = connection.execute(  # by the primary key: the measurement must not load the machine
-                "SELECT ts_ns FROM frames WHERE session_id = 1 ORDER BY seq DESC LIMIT 1").fetchone()
-            if newest is not None:
-                lags_ms.append((time.time_ns() - newest[0]) / 1e6)
+            files = run_files(db)
+            disk_mb.append(sum(f.stat().st_size for f in db.parent.glob(f"{db.stem}*") if f.exists()) / 2**20)
+            newest = []  # of the two files written last (a file just begun holds only copies of the start)
+            for path in sorted(files, key=lambda f: f.stat().st_mtime)[-2:]:
+                try:
+                    with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection:
+                        newest += connection.execute(  # by the primary key: the measurement must not load the machine
+                            "SELECT ts_ns FROM frames ORDER BY session_id DESC, seq DESC LIMIT 1").fetchall()
+                except (sqlite3.Error, OSError):  # a full disk leaves no room for a reader's shared memory file
+                    pass
+            if newest:
+                lags_ms.append((time.time_ns() - max(ts for (ts,) in newest)) / 1e6)
             if writer is not None and Path(f"/proc/{writer}").exists():
                 memory_mb.append(resident_mb(writer))
             if redactor is not None and Path(f"/proc/{redactor}").exists():
                 redactor_mb.append(resident_mb(redactor))
+            cpu.update(read_cpu(processes))
         peers = json.loads(front.log_path.read_text().strip().splitlines()[-1])
         stop_started = time.monotonic()
         proxy.process.send_signal(signal.SIGINT)
+        while proxy.running() and time.monotonic() < stop_started + 60:
+            cpu.update(read_cpu(processes))
+            time.sleep(0.05)
         code = proxy.process.wait(60)
         stop_s = time.monotonic() - stop_started
         while writer is not None and Path(f"/proc/{writer}").exists() and time.monotonic() < stop_started + 300:
-            time.sleep(0.2)  # a writer still finishing in the background ends the session itself
-        session = dict(zip(("seen", "recorded", "dropped", "undecoded", "status", "bytes"), connection.execute(
-            "SELECT frames_seen, frames_recorded, frames_dropped, frames_undecoded, status, bytes_seen "
-            "FROM sessions").fetchone()))
-        counted = dict(zip(("frames", "outputs", "requests", "undecoded"), connection.execute(
-            "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(*) FROM output_rows), (SELECT COUNT(*) FROM requests), "
-            "(SELECT COALESCE(SUM(frames), 0) FROM undecoded)").fetchone()))
-        connection.close()
-        db_bytes = db.stat().st_size
-        wal = db.with_name(db.name + "-wal")
-        wal_bytes = wal.stat().st_size if wal.exists() else 0
+            cpu.update(read_cpu(processes))
+            time.sleep(0.05)  # a writer still finishing in the background ends the session itself
+        files = run_files(db)
+        session, counted, statuses, db_bytes, wal_bytes = {}, {}, set(), 0, 0
+        for path in files:  # summed over the files (one, unless rotating)
+            with contextlib.closing(finished(path)) as connection:
+                row = connection.execute(
+                    "SELECT frames_seen, frames_recorded, COALESCE(frames_sampled_out, 0), frames_dropped, "
+                    "frames_undecoded, bytes_seen, status FROM sessions").fetchone()
+                tables = connection.execute(
+                    "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(*) FROM output_rows), (SELECT COUNT(*) FROM "
+                    "requests), (SELECT COALESCE(SUM(frames), 0) FROM undecoded)").fetchone()
+            for name, value in zip(("seen", "recorded", "sampled_out", "dropped", "undecoded", "bytes"), row):
+                session[name] = session.get(name, 0) + (value or 0)
+            statuses.add(row[-1])
+            for name, value in zip(("frames", "outputs", "requests", "undecoded"), tables):
+                counted[name] = counted.get(name, 0) + value
+            db_bytes += path.stat().st_size
+            wal = path.with_name(path.name + "-wal")
+            wal_bytes += wal.stat().st_size if wal.exists() else 0
+        session["status"] = statuses.pop() if len(statuses) == 1 else sorted(statuses)
+        summary = next((json.loads(line) for line in reversed(proxy.log_lines()) if '"event":"session_end"' in line),
+                       {})
     finally:
         for child in reversed(children):
             child.stop(timeout=10)
     # Steps and ADDs, plus HELLO, INIT, READY and the registration.
     result = {"steps": steps, "outputs_per_step": args.outputs, "rate": args.rate, "peers": peers,
               "expected_frames": 2 * steps + 4, "proxy_exit": code, "stop_s": round(stop_s, 2),
-              "session": session, "in_tables": counted, "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
+              "session": session, "in_tables": counted, "files": len(files),
+              "summary": {k: summary.get(k) for k in ("frames_seen", "frames_recorded", "frames_sampled_out",
+                                                      "frames_dropped", "rotations", "rotations_failed",
+                                                      "files_deleted")},
+              **({"disk_mb_max": round(max(disk_mb), 1)} if args.rotation and disk_mb else {}),
+              "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,
               "decode_lag_ms_p50": round(sorted(lags_ms)[len(lags_ms) // 2], 1) if lags_ms else None,
+              # CPU per million frames that crossed (steps and ADDs), and the cores that is at this rate
+              "cpu_s_per_million_frames": {name: round((seconds - started_cpu[name]) / (2 * steps) * 1e6, 1)
+                                           for name, seconds in cpu.items()},
+              "cores_at_this_rate": {name: round((seconds - started_cpu[name]) / (steps / args.rate), 2)
+                                     for name, seconds in cpu.items()},
               "writer_rss_mb_max": round(max(memory_mb), 1) if memory_mb else None,
               **({"redactor_rss_mb_max": round(max(redactor_mb), 1)} if redactor_mb else {})}
     shutil.rmtree(logs, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Forwarding cost of the proxy, side by side in one run.
 
-Nine ways between the same frontend and engine peers (each peer in its own
+Ten ways between the same frontend and engine peers (each peer in its own
 process, plain pyzmq, the real handshake): direct; libzmq's own C forwarder
 (``zmq.proxy``, the floor: the extra process hop alone); the same with every
 message also copied out of the forwarding path and drained by C, or by a
@@ -8,15 +8,18 @@ Python thread, and nothing more (the floors of getting frames out); the same
 with the copies recorded live by the minimal pipeline (``floor.py``) in a
 process of its own, idle and busy (the floors of any recorder that decodes
 as traffic flows); replay-proxy relaying without recording; replay-proxy
-recording to SQLite; and recording while the engine also pushes
-``--busy-rate`` busy steps a second (32 outputs each), so the writer decodes
-at full load while round trips are timed. For each:
+recording to SQLite; the same with ``--metrics`` and a scraper reading
+``/metrics`` every ``--scrape-every`` seconds, as Prometheus would (its cost
+is printed against recording without it); and recording while the engine
+also pushes ``--busy-rate`` busy steps a second (32 outputs each), so the
+writer decodes at full load while round trips are timed. For each:
 round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
 rate of 600-byte outputs whose dropped frames are counted.
 
     .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
-        [--busy-rate 2000] [--skip direct] [--skip drain] [--skip recorder] [--skip relay] [--skip busy]
+        [--busy-rate 2000] [--scrape-every 1] [--skip direct] [--skip drain] [--skip recorder] [--skip relay]
+        [--skip scraped] [--skip busy]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import zmq
@@ -45,6 +49,7 @@ from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
 IDENTITY = engine_identity(0)
 BUSY = "recording, writer busy"  # replay-proxy recording while a busy engine's steps keep its writer decoding
+SCRAPED = "recording, scraped"  # replay-proxy recording with --metrics, read by a scraper as Prometheus would
 FLOOR_RECORDER, FLOOR_RECORDER_BUSY = "zmq.proxy + minimal recorder", "zmq.proxy + minimal recorder, busy"
 # The C forwarder alone, and with each message also copied out and drained or recorded (see c_forwarder).
 FLOORS = {"zmq.proxy (C)": "", "zmq.proxy + C drain": "c", "zmq.proxy + Python drain": "python",
@@ -228,6 +233,9 @@ def relay(listen: str, upstream: str) -> None:
         def engine_lost(self, loss) -> None:
             pass
 
+        def relay_stopped(self, last_seq) -> None:
+            pass
+
     trio.run(Relay(listen, upstream, Nothing()).run)
 
 
@@ -239,6 +247,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
     init_inputs = init_outputs = ""
     dial = upstream
     db = logs / "bench.db"
+    scraping = threading.Event()  # set: the scraper stops
     try:
         if name.startswith("zmq.proxy"):
             port_in, port_out = free_port(), free_port()
@@ -258,7 +267,15 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
             else:
                 argv = [sys.executable, "-m", "replay_proxy", "record", "--listen", dial, "--upstream", upstream,
                         "--db", str(db), "--session", "bench"]
+                if name == SCRAPED:
+                    metrics = f"127.0.0.1:{free_port()}"
+                    argv += ["--metrics", metrics]
+                    scraper = threading.Thread(target=scrape, args=(f"http://{metrics}/metrics", args.scrape_every,
+                                                                     scraping), daemon=True)
             children.append(Child(argv, logs / f"{name}.log", name=name))
+            if name == SCRAPED:
+                children[-1].wait_for_log("listening on", timeout=60)
+                scraper.start()
         front = subprocess.Popen([*me, "frontend", ",".join(map(str, ports)), init_inputs, init_outputs,
                                   str(args.round_trips), str(args.pipelined), str(args.rate), str(args.rate_seconds)],
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -271,13 +288,25 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
                 front.kill()
         result = json.loads(out)
     finally:
+        scraping.set()
         for child in reversed(children):
             child.stop(timeout=180)  # the recording proxy first writes out its queue
-    if name in ("replay-proxy recording", BUSY):
+    if name in ("replay-proxy recording", SCRAPED, BUSY):
         row = sqlite3_row(db)
         result["dropped"] = row["frames_dropped"]
         result["recorded"] = row["frames_recorded"]
     return result
+
+
+def scrape(url: str, every_s: float, stop: threading.Event) -> None:
+    """Read ``url`` every ``every_s`` seconds until ``stop``: what a Prometheus server does."""
+    while not stop.wait(every_s):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                reply.read()
+        except OSError:
+            if not stop.is_set():  # (else the proxy was stopped while this scrape was on its way)
+                raise
 
 
 def sqlite3_row(db: Path) -> dict:
@@ -299,11 +328,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--busy-rate", type=float, default=2000,
                         help="busy engine steps a second (32 outputs each) in the last case, for the writer to decode")
-    parser.add_argument("--skip", action="append", default=[], choices=["direct", "drain", "recorder", "relay", "busy"],
+    parser.add_argument("--scrape-every", type=float, default=1.0, help="seconds between scrapes of /metrics")
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=["direct", "drain", "recorder", "relay", "scraped", "busy"],
                         help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
-    cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording", BUSY]
+    cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording", SCRAPED, BUSY]
              if name.split()[-1] not in args.skip]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
@@ -322,8 +353,9 @@ def main() -> None:
         print(f"{name:<24} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {r['throughput']:>9.0f} "
               f"{r['p50_us'] / floor['p50_us']:>6.2f} {r['p99_us'] / floor['p99_us']:>6.2f} "
               f"{r['throughput'] / floor['throughput']:>6.2f}  {paced}")
-    print("\nrecording beside the minimal recorder under the same load (p50, p99, throughput ratios):")
-    for name, floor_name in RECORDER_FLOORS.items():
+    print("\nrecording beside the minimal recorder under the same load, and scraped beside not "
+          "(p50, p99, throughput ratios):")
+    for name, floor_name in [*RECORDER_FLOORS.items(), (SCRAPED, "replay-proxy recording")]:
         if name in results and floor_name in results:
             r, f = results[name], results[floor_name]
             print(f"{name:<24} {r['p50_us'] / f['p50_us']:>6.2f} {r['p99_us'] / f['p99_us']:>6.2f} "

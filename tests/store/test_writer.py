@@ -5,20 +5,24 @@ comes back; kept frames are decoded later."""
 import contextlib
 import os
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import sqlite_utils
+import zmq
 
+from replay_proxy.record.metrics import health
 from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
 from replay_proxy.store.session import SessionError, decode_and_load, load_session
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.protocol import Stop
 from replay_proxy.store.writer import Writer
-from replay_proxy.wire.capture import RELAY, CapturedFrame, EngineLoss, encode_entries, relay_entry
+from replay_proxy.wire.capture import RELAY, CapturedFrame, capture_tag, EngineLoss, encode_entries, relay_entry
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
 
@@ -65,6 +69,19 @@ def record_burst(db_path, on_full, frames=3000):
         full = (lambda s: s.frames_seen == frames) if on_full == "drop" else (lambda s: s.queue_depth_frames >= 2)
         assert wait_for(lambda: full(recorder.statistics()))
     return recorder, recorder.close()
+
+
+def test_decode_lag_counts_while_frames_wait_and_is_zero_once_they_are_decoded(db_path):
+    recorder = Recorder(db_path, SessionInfo(name="lag"))
+    with writer_paused(recorder):
+        for seq in range(1, 101):
+            recorder.frame(frame(seq))
+        assert wait_for(lambda: recorder.statistics().frames_seen == 100)
+        time.sleep(0.5)
+        assert recorder.statistics().decode_lag_s >= 0.5  # (a lower bound: the time slept, on any machine)
+    assert wait_for(lambda: recorder.statistics().frames_recorded == 100)
+    assert recorder.statistics().decode_lag_s == 0  # (/metrics: replay_proxy_decode_lag_seconds)
+    recorder.close()
 
 
 def test_a_full_queue_drops_and_counts(db_path):
@@ -173,6 +190,7 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
     recorder._process.kill()  # by its PID
     assert wait_for(lambda: recorder.statistics().error is not None, timeout=5)  # the tap looks every 100 ms
     assert "writer process exited" in recorder.statistics().error
+    assert "writer process exited" in health(recorder.statistics())  # /healthz: 503 with the reason
     for seq in range(101, 201):  # still forwarded by the relay: counted, not recorded
         recorder.frame(frame(seq))
     assert wait_for(lambda: recorder.statistics().frames_seen == 200)
@@ -180,6 +198,7 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
     row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
     assert (recorder.status, row["status"]) == ("incomplete", "incomplete")
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (200, 100, 100)
+    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "writer_lost": 100}  # (/metrics)
     assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (200, 100, 100)
     assert kept_in_the_database(db_path, recorder.session_id) == 100
 
@@ -201,6 +220,7 @@ def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
     kept = kept_in_the_database(db_path, recorder.session_id)
     assert 0 < kept < 12_000 and row["status"] == "incomplete" and "full" in row["error"]
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (12_000, kept, 12_000 - kept)
+    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 12_000 - kept, "writer_lost": 0}
 
 
 @pytest.fixture
@@ -317,3 +337,26 @@ def test_the_writer_yields_the_cpu_by_default_and_still_records_everything(db_pa
     for seq in range(1, 101):
         recorder.frame(frame(seq))
     assert recorder.close().frames_recorded == 100
+
+
+def test_copies_still_on_their_way_at_the_stop_are_waited_for_by_count(db_path):
+    """A forwarder's copies come to the tap by another socket than the recorder's STOP, so on a loaded machine
+    they may come after it: the relay says how many messages it numbered, and the tap waits for them."""
+    recorder = Recorder(db_path, SessionInfo(name="late copies"))
+    recorder.frame(frame(1))
+    copies = [(seq, encode([f"req-{seq}"])) for seq in (2, 3)]
+    batch = struct.pack("<IQ", len(copies), sum(len(p) for _, p in copies)) + b"".join(
+        struct.pack("<QqII", seq, time.time_ns(), 1, len(payload)) + payload for seq, payload in copies)
+    forwarder = zmq.Context.instance().socket(zmq.DEALER)  # as a forwarder of the input link's copies
+    forwarder.setsockopt(zmq.IDENTITY, capture_tag(Channel.INPUT, 0, 0))
+    forwarder.connect(recorder.capture)
+    recorder.relay_stopped(3)
+    late = threading.Timer(0.3, forwarder.send, [batch])  # after STOP, and well past a forwarder's FLUSH_MS
+    late.start()
+    try:
+        stats = recorder.close()
+    finally:
+        late.join()
+        forwarder.close(linger=0)
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (3, 3, 0)
+    assert kept_in_the_database(db_path, recorder.session_id) == 3
