@@ -106,6 +106,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 UTILITY_CALL_FIELDS = ("client_index", "call_id", "method", "args")
+# Utility methods whose arguments vLLM's engine converts to msgspec structs (EngineCore._convert_msgspec_args,
+# by the method's annotations): named here as those structs, so that they drift as structs do.
+UTILITY_ARGUMENTS = {"add_lora": ("LoRARequest",)}
 START_DP_WAVE_FIELDS = ("wave", "exclude_engine_index")
 
 
@@ -196,7 +199,14 @@ class WireDecoder:
         kind = Kind.UTILITY if request_type is RequestType.UTILITY else Kind.START_DP_WAVE
         if not isinstance(value, list) or len(value) != len(names):
             return _unknown(f"{kind} body is not an array of {len(names)}", value)
-        return Message(kind=kind, fields=dict(zip(names, value)))
+        fields = dict(zip(names, value))
+        structs = UTILITY_ARGUMENTS.get(fields.get("method")) if kind is Kind.UTILITY else None
+        if not structs or not isinstance(fields["args"], list):
+            return Message(kind=kind, fields=fields)
+        namer = Namer(self.schema, payload)
+        fields["args"] = [namer.struct(structs[i], arg) if i < len(structs) and structs[i] in self.schema.structs
+                          else arg for i, arg in enumerate(fields["args"])]
+        return Message(kind=kind, fields=fields, flags=tuple(namer.flags))
 
     def _outputs(self, frames: list[bytes]) -> Message:
         message = self._named(Kind.OUTPUTS, "EngineCoreOutputs", frames)

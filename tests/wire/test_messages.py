@@ -76,6 +76,22 @@ def test_utility_and_abort_fields():
     assert abort == {"request_ids": ["a-1", "b-2"]}
 
 
+def test_add_loras_argument_is_named_as_the_lora_request_each_release_reads():
+    """vLLM's engine converts add_lora's argument to its own LoRARequest: named as that struct, a LoRARequest
+    from 0.32.0 (tensorizer_config_dict removed at position 4) is flagged where a 0.31.0 engine refuses it."""
+    call = [b"\x03", encode([1, 77, "add_lora", [["tiny-lora", 1, "/adapters/tiny", None, False, False]]])]
+    named = decode(Channel.INPUT, TO_ENGINE, call)
+    assert (named.kind, named.flags) == (Kind.UTILITY, ())
+    assert named.fields["args"] == [{"lora_name": "tiny-lora", "lora_int_id": 1, "lora_path": "/adapters/tiny",
+                                     "base_model_name": None, "load_inplace": False, "is_3d_lora_weight": False}]
+    older = WireDecoder(load_schema("0.31.0")).decode(Channel.INPUT, TO_ENGINE, call)
+    [flag] = older.flags
+    assert (flag.struct, flag.position, flag.field, flag.issue, flag.got) == (
+        "LoRARequest", 4, "tensorizer_config_dict", "type_mismatch", "bool")
+    other = decode(Channel.INPUT, TO_ENGINE, [b"\x03", encode([1, 78, "pin_lora", [1]])])
+    assert other.fields["args"] == [1]  # an argument no struct is converted to stays as it came
+
+
 def test_inserted_request_field_is_flagged_at_its_position():
     # A frontend from before prompt_is_token_ids existed sends client_index at position 10.
     names = [f.name for f in SCHEMA.structs["EngineCoreRequest"].fields]
