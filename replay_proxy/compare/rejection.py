@@ -26,10 +26,11 @@ from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_F
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.schema import observed_shapes
 from replay_proxy.store.session import Session
-from replay_proxy.wire.messages import Kind, Side
+from replay_proxy.wire.messages import UTILITY_ARGUMENTS, Kind, Message, Side
 from replay_proxy.wire.schema import Schema, StructSchema
 
-# The struct a message of each kind is decoded as, for a reader that does not name it (msgspec).
+# The struct a message of each kind is decoded as, for a reader that does not name it (msgspec); a utility
+# call's arguments are converted to its method's structs (wire/messages.py: UTILITY_ARGUMENTS).
 STRUCT_OF = {Kind.REGISTRATION: "EngineCoreReadyResponse", Kind.OUTPUTS: "EngineCoreOutputs",
              Kind.UTILITY_OUTPUT: "EngineCoreOutputs", Kind.ADD: "EngineCoreRequest"}
 # What the two decoders say about what they could not read (rmp-serde through serde, and msgspec).
@@ -38,19 +39,30 @@ COMPLAINTS = (
     re.compile(r"Expected `array` of length [<>]?=? ?(?P<expected>\d+)"),  # msgspec: an array_like struct's
     re.compile(r"missing (?:required )?field `(?P<field>\w+)`"),  # both: a required key or field absent
     re.compile(r" - at `\$(?P<path>[^`]*)`"),  # msgspec: where in the message
+    re.compile(r", got `(?P<got>\w+)`"),  # msgspec: what it found there
 )
+# What msgspec calls a value it got, by the types of the fields that send such a value.
+GOT = {"bool": ("bool",), "int": ("int",), "float": ("float",), "str": ("str",), "null": ("None",),
+       "bytes": ("bytes",), "array": ("list[", "tuple[", "set["), "object": ("dict[",)}
 FAILED = ("http_failed", "replay_failed")  # a replay's failures, whose messages quote what the peer said
 REQUEST_FAILURES = ("http_failed", "http_response_differs", "request_unmatched")  # what a request's user got
 # A complaint's variable parts (request ids, a value dump), dropped so that one rejection is one finding.
 DETAIL = re.compile(r"; value fallback:.*|cmpl-[\w-]+|\"[^\"]{24,}\"")
 
 
+def read_as(message: Message) -> str | None:
+    """The struct a reader decodes ``message`` as (a utility call: its first argument's), if any."""
+    if message.kind is Kind.UTILITY and isinstance(message.fields, dict):
+        return next(iter(UTILITY_ARGUMENTS.get(message.fields.get("method"), ())), None)
+    return STRUCT_OF.get(message.kind)
+
+
 def reader_rejections(said: Iterable[str], schema: Schema, side: Side, rules: Rules,
-                      last_sent: Sequence[Kind] = (), lengths: Mapping[str, int] = MappingProxyType({})
+                      last_sent: Sequence[str | None] = (), lengths: Mapping[str, int] = MappingProxyType({})
                       ) -> list[Finding]:
     """One breaking finding per distinct complaint in ``said`` (the peer under test's log lines and HTTP
-    error bodies), read with ``schema``, the recording's release. ``last_sent``: the kinds of the last
-    messages sent to the peer, latest first, for a complaint that names no struct. ``lengths``: the
+    error bodies), read with ``schema``, the recording's release. ``last_sent``: what the last messages
+    sent to the peer are read as (``read_as``), latest first, for a complaint that names no struct. ``lengths``: the
     longest array of each struct the peer was sent (``sent_lengths``), where it is known: what was on
     the wire, which a drifted peer's recording may not have laid out as its schema."""
     findings: dict[str, Finding] = {}
@@ -64,7 +76,7 @@ def reader_rejections(said: Iterable[str], schema: Schema, side: Side, rules: Ru
             if key not in findings:
                 named = match.groupdict().get("struct")
                 reader = RUST_FRONTEND if named else (PYTHON_FRONTEND if side is Side.FRONTEND else PYTHON_ENGINE)
-                structs = [named] if named else [STRUCT_OF[k] for k in last_sent if k in STRUCT_OF]
+                structs = [named] if named else [s for s in last_sent if s is not None]
                 findings[key] = _finding(complaint, structs, schema, side, reader, lengths)
             break
     return list(findings.values())
@@ -85,7 +97,9 @@ def _finding(complaint: str, structs: list[str], schema: Schema, side: Side, rea
     struct = next((s for s in known if field in schema.structs[s].by_name), known[0] if known else None)
     position = None
     if struct and "path" in details:
-        struct, position, field = _walk(schema, struct, details["path"])
+        # Of the structs the peer was last sent, the one whose field there sends what msgspec says it got.
+        walks = [_walk(schema, s, details["path"]) for s in dict.fromkeys(known)]
+        struct, position, field = next((w for w in walks if _sends(schema, w, details.get("got"))), walks[0])
     elif struct and "expected" in details:
         struct, position, field = _by_length(schema, struct, int(details["expected"]), lengths)
     elif struct and field in schema.structs[struct].by_name:
@@ -122,6 +136,17 @@ def _nested(schema: Schema, struct: str) -> list[str]:
                 seen.append(f.struct)
                 queue.append(f.struct)
     return [s for s in seen if schema.structs[s].encoding == "array"]
+
+
+def _sends(schema: Schema, walked: tuple[str, int | None, str | None], got: str | None) -> bool:
+    """Whether the field ``walked`` reached sends a value of the kind msgspec says it ``got``."""
+    struct, _, name = walked
+    field = schema.structs[struct].by_name.get(name) if name else None
+    if field is None or got is None:
+        return False
+    if field.struct in schema.structs and got in ("array", "object"):
+        return (schema.structs[field.struct].encoding == "array") == (got == "array")
+    return any(word in field.type for word in GOT.get(got, ()))
 
 
 def _walk(schema: Schema, struct: str, path: str) -> tuple[str, int | None, str | None]:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
-from replay_proxy.compare.rejection import FAILED, fold_consequences, reader_rejections, sent_lengths
+from replay_proxy.compare.rejection import FAILED, fold_consequences, read_as, reader_rejections, sent_lengths
 from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
@@ -34,7 +34,7 @@ from replay_proxy.store.recorder import Recorder, SessionInfo
 from replay_proxy.store.session import Session, SessionError, decode_and_load
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
-from replay_proxy.wire.messages import Direction, Kind, Side, WireDecoder
+from replay_proxy.wire.messages import Direction, Message, Side, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
@@ -132,7 +132,8 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         said = child.log_lines() if child is not None else []
         said += [f.message for f in (outcome.findings if outcome else [failure]) if f.code in FAILED]
         rejections = reader_rejections(said, recording.schema, peer.side, options.rules,
-                                       [observer.kind(f) for f in reversed(observer.events)], sent_lengths(recording))
+                                       [read_as(observer.message(f)) for f in reversed(observer.events)],
+                                       sent_lengths(recording))
     return recorder.session_id, outcome, failure, rejections
 
 
@@ -160,14 +161,14 @@ class LastSent:
         return f"last messages sent to the {peer}: " + ", ".join(map(self._name, self.events))
 
     @staticmethod
-    def kind(frame: CapturedFrame) -> Kind:
-        return WireDecoder().decode(frame.channel, frame.direction, frame.parts).kind
+    def message(frame: CapturedFrame) -> Message:
+        return WireDecoder().decode(frame.channel, frame.direction, frame.parts)
 
     def _name(self, frame: CapturedFrame) -> str:
         """``REGISTRATION (engine 0, API server 1)``"""
         where = ", ".join(f"{name} {i}" for name, i in (("engine", frame.engine_index),
                                                         ("API server", frame.client_index)) if i is not None)
-        return f"{self.kind(frame).name} ({where})"
+        return f"{self.message(frame).kind.name} ({where})"
 
 
 def peer_line(peer: Child, patterns: list[str]) -> str | None:

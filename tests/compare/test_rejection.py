@@ -5,10 +5,10 @@ kept them (docs/compatibility.db) and the real tests see them.
 """
 
 from replay_proxy.compare.findings import RUST_FRONTEND, Finding, Severity, exit_code
-from replay_proxy.compare.rejection import fold_consequences, reader_rejections
+from replay_proxy.compare.rejection import fold_consequences, read_as, reader_rejections
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
-from replay_proxy.wire.messages import Kind, Side
+from replay_proxy.wire.messages import Kind, Message, Side
 from replay_proxy.wire.schema import load_schema
 
 RULES = load_rules()
@@ -23,7 +23,9 @@ def http_500(request: str, expected: int) -> str:
 
 
 def rejections(*said: str, schema=V32, side=Side.FRONTEND, last_sent=()):
-    return reader_rejections(said, schema, side, RULES, last_sent)
+    """``last_sent``: kinds of message (or, for a utility call, messages), latest first."""
+    return reader_rejections(said, schema, side, RULES,
+                             [read_as(m if isinstance(m, Message) else Message(kind=m)) for m in last_sent])
 
 
 def test_a_length_rmp_serde_refused_is_the_trailing_field_it_has_no_room_for():
@@ -61,6 +63,22 @@ def test_a_path_msgspec_gives_is_walked_through_the_schema():
     [request] = rejections("msgspec.ValidationError: Expected `array`, got `int` - at `$[2]`", side=Side.ENGINE,
                            last_sent=[Kind.ADD])
     assert (request.struct, request.position, request.field) == ("EngineCoreRequest", 2, "mm_features")
+
+
+def test_a_lora_request_a_0_31_0_engine_refuses_is_named_in_the_add_and_in_the_add_lora_call():
+    """vLLM 0.32.0 removed LoRARequest.tensorizer_config_dict (position 4). A 0.31.0 engine, sent 0.32.0's
+    LoRARequest, says (real log lines) where it got a bool for that dict: inside an ADD, and as add_lora's
+    argument, which its EngineCore converts to its own LoRARequest. Of the structs it was last sent, the
+    complaint is about the one whose field there sends a bool: load_inplace, now at position 4."""
+    add_lora = Message(kind=Kind.UTILITY, fields={"method": "add_lora", "args": []})
+    assert read_as(add_lora) == "LoRARequest"
+    last_sent = [Kind.ADD, add_lora, Kind.ADD]
+    in_add, as_argument = rejections(
+        "msgspec.ValidationError: Expected `object | null`, got `bool` - at `$[6][4]`",
+        "(EngineCore pid=13324) ERROR msgspec.ValidationError: Expected `object | null`, got `bool` - at `$[4]`",
+        side=Side.ENGINE, last_sent=last_sent)
+    for finding in (in_add, as_argument):
+        assert (finding.struct, finding.position, finding.field) == ("LoRARequest", 4, "load_inplace"), finding
 
 
 def test_what_is_not_a_readers_complaint_is_no_rejection():
