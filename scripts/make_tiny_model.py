@@ -1,6 +1,9 @@
 """Build a tiny random-weights model and a byte-level BPE tokenizer, offline.
 
-Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe]`.
+Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe]`,
+or `python make_tiny_model.py OUT_DIR --lora-of MODEL_DIR` for a LoRA adapter of
+that model (rank 8 on every layer's q_proj and v_proj, random weights, in PEFT's
+format, which vLLM loads: adapter_config.json and adapter_model.safetensors).
 Sizes follow docs/real-vllm.md: the CPU attention backend needs a head size of
 32 or more, so hidden 128 with 4 heads. --moe makes a Mixtral (4 experts, 2
 per token) instead of a Llama: under data parallelism vLLM's CPU build fails
@@ -68,5 +71,36 @@ def main(out: str, moe: bool) -> None:
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
 
 
+def lora(out: str, base: str) -> None:
+    """A random rank-8 adapter whose effect shows: lora_B is not zero (PEFT starts it at zero)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(base) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {"q_proj": heads * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    rank = 8
+    torch.manual_seed(1)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, width in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, hidden) * 0.1
+            weights[f"{name}.lora_B.weight"] = torch.randn(width, rank) * 0.1
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(Path(out) / "adapter_model.safetensors"))
+    (Path(out) / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": sorted(shapes), "bias": "none",
+        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "inference_mode": True}, indent=1))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], "--moe" in sys.argv[2:])
+    if "--lora-of" in sys.argv:
+        lora(sys.argv[1], sys.argv[sys.argv.index("--lora-of") + 1])
+    else:
+        main(sys.argv[1], "--moe" in sys.argv[2:])

@@ -15,6 +15,7 @@
 #                         these releases' shipped schemas against a fresh extraction
 #     tiny-model/         random Llama + BPE tokenizer, built offline
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
+#     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
 # Three jobs run at once (the 0.32.0 venv then the models, the other venvs, the downloads),
 # since most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
@@ -77,6 +78,12 @@ models() {
       touch "$CACHE/$model/.complete"
     fi
   done
+  if [ ! -f "$CACHE/tiny-lora/.complete" ]; then
+    step "tiny-lora, random weights"
+    rm -rf "${CACHE:?}/tiny-lora"
+    timeout 300 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/tiny-lora" --lora-of "$CACHE/tiny-model"
+    touch "$CACHE/tiny-lora/.complete"
+  fi
 }
 
 engines() {

@@ -7,8 +7,15 @@ with vLLM's MsgpackDecoder into its classes, print the values it got.
 `tolerate`: read cases (JSON on stdin: name -> [class, frame hex]), decode each
 as vLLM's readers do (MsgpackDecoder for requests and outputs, a typed
 msgspec decode for the registration), print "accepted" or the error.
+`recorded`: read recorded messages (JSON on stdin: a list of [kind, frames hex],
+an input's request type byte left out), decode each as this release's engine or
+frontend does (an ADD as EngineCoreRequest, a UTILITY call generically with its
+arguments converted to the method's msgspec types by EngineCore's own code,
+outputs as EngineCoreOutputs), print each as plain values, structs by field name.
 """
 
+import dataclasses
+import enum
 import json
 import sys
 
@@ -58,6 +65,47 @@ def decode(frames: dict) -> dict:
             "finish_reason": int(output.finish_reason), "engine_index": outputs.engine_index}
 
 
+def plain(value):
+    """A decoded value as JSON: structs and dataclasses by field name, arrays and tensors as lists; a utility
+    call's result, which vLLM reads from its [type info, value] envelope, as {"utility_result": value}."""
+    if type(value).__name__ == "UtilityResult":
+        return {"utility_result": plain(value.result)}
+    if isinstance(value, msgspec.Struct):
+        return {name: plain(getattr(value, name)) for name in value.__struct_fields__}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if hasattr(value, "tolist"):  # numpy arrays and torch tensors
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    return value
+
+
+def recorded(messages: list) -> list:
+    from vllm.v1.engine.core import EngineCoreProc as EngineCore  # (which handles the input socket)
+
+    engine = EngineCore.__new__(EngineCore)  # (never started: only its methods' signatures are read)
+    decoders = {"ADD": MsgpackDecoder(EngineCoreRequest), "OUTPUTS": MsgpackDecoder(EngineCoreOutputs)}
+    values = []
+    for kind, frames in messages:
+        frames = [bytes.fromhex(f) for f in frames]
+        if kind == "UTILITY":
+            client, call_id, method, args = MsgpackDecoder().decode(frames)
+            args = EngineCore._convert_msgspec_args(getattr(engine, method), args)
+            values.append({"client_index": client, "call_id": call_id, "method": method, "args": plain(args)})
+        else:
+            values.append(plain(decoders[kind].decode(frames)))
+    return values
+
+
 def tolerate(cases: dict) -> dict:
     classes = {"EngineCoreRequest": EngineCoreRequest, "EngineCoreOutputs": EngineCoreOutputs}
     verdicts = {}
@@ -75,5 +123,5 @@ def tolerate(cases: dict) -> dict:
 
 if __name__ == "__main__":
     modes = {"encode": lambda: encode(), "decode": lambda: decode(json.load(sys.stdin)),
-             "tolerate": lambda: tolerate(json.load(sys.stdin))}
+             "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin))}
     json.dump(modes[sys.argv[1]](), out)

@@ -28,6 +28,10 @@ VENV = CACHE / "vllm-0.32.0"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
+LORA = CACHE / "tiny-lora"  # an adapter of MODEL (scripts/make_tiny_model.py --lora-of)
+# A frontend and engine that serve LoRA adapters; the frontend also loads them through its API.
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
 # How long a real peer may take to be ready: 25-60 s on this machine alone, over 300 s with a second suite
 # beside it on its two cores (seen); one replay, at most, is that and its finish and set-up besides.
@@ -103,11 +107,12 @@ def wait_http_ready(port: int, children: list[Child], timeout: float = READY_TIM
     raise ChildError(f"HTTP on port {port} not ready after {timeout:g} s\n{tails}")
 
 
-def post(port: int, path: str, body: dict, timeout: float = 60) -> dict:
+def post(port: int, path: str, body: dict, timeout: float = 60, text: bool = False) -> dict | str:
+    """POST ``body`` as JSON; the answer's JSON (``text``: its text, for an endpoint that answers in words)."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.load(response)
+        return response.read().decode() if text else json.load(response)
 
 
 def stream(port: int, path: str, body: dict, stop_after: int | None = None, timeout: float = 60,
@@ -130,9 +135,9 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
 
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
-             engine_release: str = "0.32.0", work=None) -> dict:
-    """Frontend + headless engine of ``engine_release`` (+ the recording proxy between them when ``db``
-    is given).
+             engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = ()) -> dict:
+    """Frontend + headless engine of ``engine_release`` (with ``engine_flags``; + the recording proxy between
+    them when ``db`` is given).
 
     Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
     every process is stopped by PID before returning.
@@ -146,7 +151,7 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         if db is not None:
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
-        engine = headless_engine(logs, listen, release=engine_release)
+        engine = headless_engine(logs, listen, release=engine_release, flags=engine_flags)
         children.append(engine)
         wait_http_ready(http, children)
         return (work or workload.run)(http, hold_engine=engine.held,
@@ -179,7 +184,7 @@ def recording_of(release: str) -> Path:
 
 
 def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORDING,
-               session: str = "python-frontend") -> tuple:
+               session: str = "python-frontend", finish_timeout_s: float = 60) -> tuple:
     """Run `replay-proxy replay` on a copy of a Python-frontend recording (changed by ``edit(db)``
     if given); return (result, report JSON)."""
     import shutil
@@ -192,7 +197,8 @@ def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORD
         edit(db)
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,
-         *target, "--ready-timeout", str(READY_TIMEOUT_S), "--finish-timeout", "60", "--report-dir", str(tmp_path)],
+         *target, "--ready-timeout", str(READY_TIMEOUT_S), "--finish-timeout", str(finish_timeout_s),
+         "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=3 * REPLAY_S)  # a candidate and its noise runs, one by one
     return result, json.loads((tmp_path / "report.json").read_text())
 

@@ -15,7 +15,7 @@ import time
 import urllib.error
 from pathlib import Path
 
-from tests.real.peers import MODEL, post, stream
+from tests.real.peers import LORA, MODEL, post, stream
 
 GREEDY = {"temperature": 0.0}
 
@@ -87,6 +87,28 @@ def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dic
             seen[f"user-{i}"] = kinds[i % len(kinds)](prompt)
         except urllib.error.HTTPError as exc:
             seen[f"user-{i}"] = f"HTTP {exc.code}"
+    return seen
+
+
+def lora(http_port: int, model: Path = MODEL, adapter: Path = LORA, **_) -> dict[str, object]:
+    """A user of a LoRA adapter (the frontend and engine started with peers.LORA_FLAGS): a completion of the
+    base model, the adapter loaded through the frontend's API (an ``add_lora`` utility call on the wire, its
+    LoRARequest the argument), then the same prompt naming the adapter (an ADD carrying that LoRARequest).
+    A step that fails is noted as its HTTP status and the rest go on. (No abort: the keywords ``run`` takes
+    for one are accepted and not used.)"""
+    prompt = {"prompt": "hello world one two", "max_tokens": 6, **GREEDY}
+    steps = {
+        "base": lambda: post(http_port, "/v1/completions", {"model": str(model), **prompt})["choices"][0]["text"],
+        "load": lambda: post(http_port, "/v1/load_lora_adapter", {"lora_name": "tiny-lora",
+                                                                  "lora_path": str(adapter)}, text=True),
+        "adapter": lambda: post(http_port, "/v1/completions", {"model": "tiny-lora", **prompt})["choices"][0]["text"],
+    }
+    seen: dict[str, object] = {}
+    for name, step in steps.items():
+        try:
+            seen[name] = step()
+        except urllib.error.HTTPError as exc:
+            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
     return seen
 
 

@@ -1,0 +1,125 @@
+"""LoRA through the proxy, against real vLLM 0.32.0 and 0.31.0.
+
+A user loads an adapter through the frontend's API (an ``add_lora`` utility call whose argument is a
+LoRARequest) and names it in a request (an ADD carrying that LoRARequest). Recorded, every value is what
+vLLM 0.32.0's own decoder reads from the same frames; replayed against a 0.32.0 engine, nothing differs.
+And the cell whose verdict changes by kind: vLLM 0.32.0 removed ``LoRARequest.tensorizer_config_dict``
+(position 4), so a 0.32.0 frontend with a 0.31.0 engine serves completions and breaks every LoRA
+request, live and in a replay.
+"""
+
+import functools
+import json
+import sqlite3
+
+import msgspec
+import pytest
+
+from replay_proxy.processes import free_port
+from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.schema import load_schema
+from tests.real import peers, workload
+from tests.real.test_oracle_vllm import oracle
+
+pytestmark = pytest.mark.real_vllm
+
+LORA_FRONTEND = functools.partial(peers.python_frontend, flags=peers.LORA_FLAGS, **peers.LORA_ENV)
+COMPLAINT = "Expected `object | null`, got `bool` - at `$[4]`"  # a 0.31.0 engine, of 0.32.0's LoRARequest
+
+
+@pytest.fixture(scope="module")
+def lora_recorded(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("lora")
+    seen = peers.run_pair(logs, LORA_FRONTEND, logs / "lora.db", "lora", work=workload.lora,
+                          engine_flags=peers.LORA_FLAGS)
+    return seen, logs / "lora.db"
+
+
+def rows(db, sql):
+    connection = sqlite3.connect(db)
+    try:
+        return connection.execute(sql).fetchall()
+    finally:
+        connection.close()
+
+
+def test_the_adapter_is_loaded_through_the_api_named_in_a_request_and_recorded_by_name(lora_recorded):
+    seen, db = lora_recorded
+    assert seen["load"].startswith("Success") and isinstance(seen["adapter"], str), seen
+    assert seen["adapter"] != seen["base"], seen  # the adapter's random weights change the greedy text
+    assert rows(db, "SELECT COUNT(*) FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL") == [(0,)]
+    [(args,)] = rows(db, "SELECT args FROM utility_requests WHERE method = 'add_lora'")
+    adapter = {"lora_name": "tiny-lora", "lora_int_id": 1, "lora_path": str(peers.LORA)}
+    assert json.loads(args)[0].items() >= adapter.items(), args
+    named = [json.loads(d)["lora_request"] for (d,) in rows(db, "SELECT decoded FROM frames WHERE kind = 'ADD'")
+             if "lora_request" in json.loads(d)]
+    assert len(named) == 1 and named[0].items() >= adapter.items(), named
+    [(failure,)] = rows(db, "SELECT failure_message FROM utility_calls WHERE method = 'add_lora'")
+    assert failure is None
+
+
+def same(ours, theirs, path="$"):
+    """Every value our decoder names is vLLM's: the same field names, the same values, the same types."""
+    if isinstance(theirs, dict) and theirs.keys() == {"utility_result"}:  # vLLM unwraps [type info, value]
+        assert isinstance(ours, list) and len(ours) == 2 and ours[0] is None, (path, ours)
+        same(ours[1], theirs["utility_result"], f"{path}[1]")
+    elif isinstance(ours, dict):
+        assert isinstance(theirs, dict), (path, theirs)
+        for key, value in ours.items():
+            assert key in theirs, f"{path}.{key}: vLLM reads no such field"
+            same(value, theirs[key], f"{path}.{key}")
+    elif isinstance(ours, list):
+        assert isinstance(theirs, list) and len(ours) == len(theirs), (path, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            same(a, b, f"{path}[{i}]")
+    else:
+        assert (type(ours), ours) == (type(theirs), theirs), path
+
+
+def test_every_value_recorded_is_what_vllm_0_32_0s_own_decoder_reads(lora_recorded):
+    _, db = lora_recorded
+    decoder = WireDecoder(load_schema("0.32.0"))
+    ours, messages = [], []
+    for kind, channel, direction, raw in rows(db, "SELECT kind, channel, direction, raw FROM frames WHERE kind IN "
+                                                  "('ADD', 'UTILITY', 'OUTPUTS', 'UTILITY_OUTPUT') ORDER BY seq"):
+        parts = msgspec.msgpack.decode(raw)
+        message = decoder.decode(Channel(channel), Direction(direction), parts)
+        assert (message.kind, message.flags, message.error) == (Kind(kind), (), None)
+        ours.append(message.fields)
+        body = parts if direction == Direction.TO_FRONTEND else parts[1:]  # (an input's request type byte)
+        messages.append(["OUTPUTS" if kind == "UTILITY_OUTPUT" else kind, [bytes(p).hex() for p in body]])
+    assert {m[0] for m in messages} == {"ADD", "UTILITY", "OUTPUTS"}
+    theirs = oracle("recorded", json.dumps(messages))
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        same(a, b, f"{messages[i][0]}#{i}")
+
+
+def replay_against_engine(tmp_path, db, release, finish_timeout_s=60):
+    port = free_port()
+    return peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+                            "--engine-cmd", peers.engine_command(port, release, peers.LORA_FLAGS),
+                            recording=db, session="lora", finish_timeout_s=finish_timeout_s)
+
+
+def test_the_lora_session_replays_against_a_0_32_0_engine_with_nothing_changed(lora_recorded, tmp_path):
+    _, db = lora_recorded
+    result, report = replay_against_engine(tmp_path, db, "0.32.0")
+    findings = [f for f in report["findings"] if f["severity"] not in ("info",) and f["category"] != "performance"]
+    assert result.returncode == 0 and findings == [], result.stdout[-3000:]
+
+
+def test_a_0_31_0_engine_serves_0_32_0s_completions_and_breaks_its_lora_requests(lora_recorded, tmp_path):
+    # Live, through the recorder: the completion is served, the adapter cannot be loaded.
+    logs = tmp_path / "live"
+    logs.mkdir()
+    seen = peers.run_pair(logs, LORA_FRONTEND, logs / "cross.db", "cross", engine_release="0.31.0",
+                          work=workload.lora, engine_flags=peers.LORA_FLAGS)
+    assert isinstance(seen["base"], str) and not seen["base"].startswith("HTTP"), seen
+    assert seen["load"].startswith("HTTP 500") and COMPLAINT in seen["load"], seen
+    [(failure,)] = rows(logs / "cross.db", "SELECT failure_message FROM utility_calls WHERE method = 'add_lora'")
+    assert COMPLAINT in failure  # the evidence is on the wire: the engine's answer to the call
+    # Replayed: the same recording breaks the reader on LoRARequest, in the call and in the ADD.
+    _, db = lora_recorded
+    result, report = replay_against_engine(tmp_path / "replay", db, "0.31.0", finish_timeout_s=15)
+    rejected = {(f["struct"], f["position"], f["field"]) for f in report["findings"] if f["code"] == "reader_rejected"}
+    assert result.returncode == 3 and rejected == {("LoRARequest", 4, "load_inplace")}, result.stdout[-3000:]
