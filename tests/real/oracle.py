@@ -66,14 +66,17 @@ def decode(frames: dict) -> dict:
 
 
 def plain(value):
-    """A decoded value as JSON: structs and dataclasses by field name, arrays and tensors as lists; a utility
-    call's result, which vLLM reads from its [type info, value] envelope, as {"utility_result": value}."""
+    """A decoded value as JSON: structs, dataclasses and named tuples by field name, arrays and tensors as
+    lists; a utility call's result, which vLLM reads from its [type info, value] envelope, as
+    {"utility_result": value}."""
     if type(value).__name__ == "UtilityResult":
         return {"utility_result": plain(value.result)}
     if isinstance(value, msgspec.Struct):
         return {name: plain(getattr(value, name)) for name in value.__struct_fields__}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a NamedTuple (LogprobsLists)
+        return {k: plain(v) for k, v in value._asdict().items()}
     if isinstance(value, enum.Enum):
         return value.value
     if hasattr(value, "tolist"):  # numpy arrays and torch tensors

@@ -2,15 +2,18 @@
 sim peers encode, vLLM's decoder reads back to the values we meant."""
 
 import json
+import sqlite3
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from replay_proxy.sim.engine import token_at
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.values import Tensor
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
@@ -65,3 +68,57 @@ def test_frames_the_sim_peers_encode_decode_under_vllms_decoder():
     assert got == {"request_id": "sim-1", "prompt_token_ids": [1, 2, 3], "client_index": 1, "max_tokens": 5,
                    "temperature": 0.0, "seed": 9, "output_request_id": "sim-1", "new_token_ids": [token],
                    "finish_reason": 1, "engine_index": 1}
+
+
+def same(ours, theirs, path="$"):
+    """Every value our decoder names is vLLM's: the same field names, the same values, the same types (a
+    tensor: its flat values and shape)."""
+    if isinstance(theirs, dict) and theirs.keys() == {"utility_result"}:  # vLLM unwraps [type info, value]
+        assert isinstance(ours, list) and len(ours) == 2 and ours[0] is None, (path, ours)
+        same(ours[1], theirs["utility_result"], f"{path}[1]")
+    elif isinstance(ours, Tensor):
+        flat, shape = theirs, []
+        while isinstance(flat, list) and flat and isinstance(flat[0], list):
+            shape.append(len(flat))
+            flat = [v for row in flat for v in row]
+        assert (ours.shape, ours.values) == ([*shape, len(flat)], flat), path
+    elif isinstance(ours, dict):
+        assert isinstance(theirs, dict), (path, theirs)
+        for key, value in ours.items():
+            assert key in theirs, f"{path}.{key}: vLLM reads no such field"
+            same(value, theirs[key], f"{path}.{key}")
+    elif isinstance(ours, list):
+        assert isinstance(theirs, list) and len(ours) == len(theirs), (path, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            same(a, b, f"{path}[{i}]")
+    else:
+        assert (type(ours), ours) == (type(theirs), theirs), path
+
+
+def read_as_vllm_does(db: Path, release: str = "0.32.0") -> list[tuple[str, dict]]:
+    """Check that every ADD, utility call and EngineCoreOutputs of a recording, as our decoder names it with
+    ``release``'s schema, is what that release's own decoder reads from the same frames; return (kind, what
+    we named) of each."""
+    decoder = WireDecoder(load_schema(release))
+    connection = sqlite3.connect(db)
+    recorded = connection.execute("SELECT kind, channel, direction, raw FROM frames WHERE kind IN "
+                                  "('ADD', 'UTILITY', 'OUTPUTS', 'UTILITY_OUTPUT') ORDER BY seq").fetchall()
+    connection.close()
+    ours, messages = [], []
+    for kind, channel, direction, raw in recorded:
+        parts = msgspec.msgpack.decode(raw)
+        message = decoder.decode(Channel(channel), Direction(direction), parts)
+        assert (message.kind, message.flags, message.error) == (Kind(kind), (), None)
+        ours.append((kind, message.fields))
+        body = parts if direction == Direction.TO_FRONTEND else parts[1:]  # (an input's request type byte)
+        messages.append(["OUTPUTS" if kind == "UTILITY_OUTPUT" else kind, [bytes(p).hex() for p in body]])
+    theirs = oracle("recorded", json.dumps(messages))
+    for i, ((kind, a), b) in enumerate(zip(ours, theirs, strict=True)):
+        same(a, b, f"{kind}#{i}")
+    return [(m[0], fields) for m, (_, fields) in zip(messages, ours)]
+
+
+@pytest.mark.parametrize("recording", ["vllm-0.32.0-python.db", "vllm-0.32.0-vllm-rs.db", "vllm-0.32.0-staging.db"])
+def test_every_value_of_the_shipped_0_32_0_recordings_is_what_vllms_decoder_reads(recording):
+    kinds = {kind for kind, _ in read_as_vllm_does(Path(__file__).parents[2] / "recordings" / recording)}
+    assert {"ADD", "OUTPUTS"} <= kinds
