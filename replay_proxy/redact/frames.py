@@ -387,7 +387,10 @@ class Redactor:
 
     def _tokens(self, where: tuple[str, str], value: Any) -> Any:
         context = self._current
-        fixed = context.fixed if context is not None else frozenset()
+        # Stop tokens stay themselves where the engine generates (outputs, their candidates, the stop lists),
+        # so that a request stops where it did. A prompt is never generated: every token of it is hidden, and
+        # equal prompts stay equal whatever their requests' stop lists.
+        fixed = context.fixed if context is not None and where not in (_PROMPT, _PROMPT_CANDIDATES) else frozenset()
         tokens = self.tokens
         if where == _PROMPT and context is not None and isinstance(value, list):
             return tokens.chain(context.prefix, value, fixed, context.prompt_states)
