@@ -3,7 +3,7 @@
 One run of the real Python frontend and a 0.32.0 engine (prefix caching on, as vLLM has it by default)
 through two recorders in a chain: the one next to the frontend records as it is, the one next to the
 engine redacts as it records. The workload: a three-turn chat whose turns share their prefix,
-completions with a stop string, logprobs and n=2, a structured-output request, a request of prompt
+completions with a stop string, a stop token, logprobs and n=2, a structured-output request, a request of prompt
 embeddings (both sides run with --enable-prompt-embeds), a client abort.
 """
 
@@ -20,6 +20,7 @@ import sqlite_utils
 from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.copy import redact_database
 from tests.real import peers
+from tests.real.test_oracle_vllm import read_as_vllm_does
 from tests.redact.leaks import file_bytes, leaks, shape, tokens_of
 
 pytestmark = pytest.mark.real_vllm
@@ -58,6 +59,10 @@ def workload(http: int, embeds: str) -> dict:
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and {turn} more"}]
     seen["stop"] = peers.post(http, "/v1/completions", {"model": model, "prompt": WORDS, "max_tokens": 8,
                                                         "stop": [STOP], **GREEDY})["choices"][0]["text"]
+    # A stop token: the second token this prompt makes greedily, which the engine then stops at and names.
+    owls = {"model": model, "prompt": "wise owls watch", "max_tokens": 4, **GREEDY}
+    second = peers.post(http, "/v1/completions", {**owls, "return_token_ids": True})["choices"][0]["token_ids"][1]
+    seen["stop token"] = peers.post(http, "/v1/completions", {**owls, "stop_token_ids": [second]})
     seen["logprobs"] = peers.post(http, "/v1/completions", {"model": model, "prompt": "seven wise owls",
                                                             "max_tokens": 4, "logprobs": 2, **GREEDY})["choices"]
     seen["n=2"] = peers.post(http, "/v1/completions", {"model": model, "prompt": "the old oak", "max_tokens": 4,
@@ -124,6 +129,23 @@ def test_a_rich_real_session_redacted_as_recorded_and_after_keeps_its_shape_and_
     assert tokens_of(redacted, 1) == (redacted_prompts, redacted_outputs)  # one key: the same pseudonyms
     same = sum(a == b for o, r in zip(outputs, redacted_outputs) for a, b in zip(o, r) if a != 1)  # 1: EOS
     assert same <= max(2, sum(map(len, outputs)) * 3 // VOCAB)  # by chance, about one in VOCAB
+
+
+def test_every_value_of_the_rich_session_is_what_vllm_0_32_0s_own_decoder_reads(recorded):
+    """Multi-turn chat, a stop string and a stop token, logprobs, n=2, prompt embeddings and a structured
+    output, as recorded and as vLLM's decoder reads the same frames: the embeddings tensor value by value,
+    the stop reason with its type (token 852 and the string "852" stay two things)."""
+    plain = recorded[0]
+    adds = [fields for kind, fields in read_as_vllm_does(plain) if kind == "ADD"]
+    [embeds] = [f["prompt_embeds"] for f in adds if f.get("prompt_embeds") is not None]
+    assert embeds.shape == [EMBED_ROWS, json.loads((peers.MODEL / "config.json").read_text())["hidden_size"]]
+    assert [f["sampling_params"]["structured_outputs"]["json"] for f in adds
+            if f["sampling_params"].get("structured_outputs")] != []
+    # vLLM's engine reports a stop token (a stop string is the frontend's to find): stored as the integer it is.
+    stops = sqlite3.connect(plain).execute("SELECT typeof(stop_reason), stop_reason FROM output_rows "
+                                           "WHERE stop_reason IS NOT NULL").fetchall()
+    [choice] = recorded[3]["stop token"]["choices"]
+    assert choice["finish_reason"] == "stop" and stops == [("integer", choice["stop_reason"])], (stops, choice)
 
 
 def replay_against_engine(db, tmp_path):
