@@ -10,6 +10,7 @@ build, so their divergence is a warning unless repeat runs of the baseline
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from replay_proxy.compare.findings import Finding, Severity
@@ -84,7 +85,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                 findings.append(Finding("behaviour", Severity.REGRESSION, "logprobs_differ",
                                         f"logprobs differ by up to {worst:.2g} (tolerance {rules.logprob_tolerance})",
                                         request_id=rid, baseline=rules.logprob_tolerance, candidate=worst))
-    findings += _utility_findings(baseline, candidate, frontend_under_test)
+    findings += _utility_findings(baseline, candidate, frontend_under_test, rules.unordered_utility_results)
     return findings
 
 
@@ -107,8 +108,10 @@ def _unstable(baseline: Session, noise: list[Session], keys: list[str]) -> set[s
     return unstable
 
 
-def _utility_findings(baseline: Session, candidate: Session, frontend_under_test: bool) -> list[Finding]:
-    """Utility calls by method; a call the frontend under test no longer makes is its choice: a warning."""
+def _utility_findings(baseline: Session, candidate: Session, frontend_under_test: bool,
+                      unordered: frozenset[str] = frozenset()) -> list[Finding]:
+    """Utility calls by method; a call the frontend under test no longer makes is its choice: a warning. The
+    results of ``unordered`` methods are compared as sets."""
     findings = []
     remaining = defaultdict(list)
     for call in candidate.utility:
@@ -120,7 +123,8 @@ def _utility_findings(baseline: Session, candidate: Session, frontend_under_test
                                     "utility_call_missing",
                                     f"utility call {call['method']} has no counterpart", message_kind="UTILITY",
                                     field=call["method"]))
-        elif (call["result"], call["failure_message"]) != (counterpart["result"], counterpart["failure_message"]):
+        elif (_result(call, unordered), call["failure_message"]) != (_result(counterpart, unordered),
+                                                                      counterpart["failure_message"]):
             findings.append(Finding(
                 "behaviour", Severity.REGRESSION, "utility_result_changed",
                 f"utility {call['method']} answered {counterpart['failure_message'] or counterpart['result']} "
@@ -133,3 +137,14 @@ def _utility_findings(baseline: Session, candidate: Session, frontend_under_test
                                     f"the candidate made an extra utility call {method}", message_kind="UTILITY",
                                     field=method))
     return findings
+
+
+def _result(call: dict, unordered: frozenset[str]) -> str | None:
+    """A utility call's result (JSON: [type info, value]); of an ``unordered`` method, its list sorted."""
+    result = call["result"]
+    if call["method"] not in unordered or result is None:
+        return result
+    value = json.loads(result)
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[1], list):
+        return json.dumps([value[0], sorted(value[1], key=json.dumps)])
+    return result

@@ -34,3 +34,22 @@ def test_a_rules_file_that_cannot_be_used_is_a_clear_error(tmp_path, content, sa
                  "--rules", str(path))
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_set_sent_as_a_list_in_another_order_is_the_same_result_for_the_methods_the_rules_name():
+    """A pooling engine answered get_supported_tasks [embed, token_embed] in one process and [token_embed,
+    embed] in the next (a set's order follows the hash seed): no finding. Another method's order counts."""
+    from types import SimpleNamespace
+
+    from replay_proxy.compare.behaviour import _utility_findings
+
+    def session(*calls):
+        return SimpleNamespace(utility=[{"method": m, "result": r, "failure_message": None} for m, r in calls])
+
+    unordered = load_rules().unordered_utility_results
+    recorded = session(("get_supported_tasks", '[null,["embed","token_embed"]]'), ("list_loras", "[null,[1,2]]"))
+    replayed = session(("get_supported_tasks", '[null,["token_embed","embed"]]'), ("list_loras", "[null,[2,1]]"))
+    [changed] = _utility_findings(recorded, replayed, False, unordered)
+    assert (changed.code, changed.field) == ("utility_result_changed", "list_loras")
+    other = session(("get_supported_tasks", '[null,["embed"]]'))
+    assert [f.field for f in _utility_findings(recorded, other, False, unordered)][0] == "get_supported_tasks"
