@@ -32,6 +32,8 @@ LORA = CACHE / "tiny-lora"  # an adapter of MODEL (scripts/make_tiny_model.py --
 # A frontend and engine that serve LoRA adapters; the frontend also loads them through its API.
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# The tiny model served as an embedding model, by vLLM's pooling runner (its frontend and engine alike).
+POOLING_FLAGS = ("--runner", "pooling", "--convert", "embed")
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
 # How long a real peer may take to be ready: 25-60 s on this machine alone, over 300 s with a second suite
 # beside it on its two cores (seen); one replay, at most, is that and its finish and set-up besides.

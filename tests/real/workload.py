@@ -112,6 +112,25 @@ def lora(http_port: int, model: Path = MODEL, adapter: Path = LORA, **_) -> dict
     return seen
 
 
+def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
+    """A user of an embedding model (the frontend and engine started with peers.POOLING_FLAGS): two texts
+    embedded in one request, then a score of one text against two (the frontend embeds and compares).
+    Each step's JSON answer, or its HTTP status. (No abort: ``run``'s keywords are accepted and not used.)"""
+    steps = {
+        "embeddings": lambda: post(http_port, "/v1/embeddings", {"model": str(model),
+                                                                 "input": ["hello world", "one two three"]}),
+        "score": lambda: post(http_port, "/score", {"model": str(model), "text_1": "hello world",
+                                                    "text_2": ["one two", "three four five"]}),
+    }
+    seen: dict[str, object] = {}
+    for name, step in steps.items():
+        try:
+            seen[name] = step()
+        except urllib.error.HTTPError as exc:
+            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+    return seen
+
+
 def _abort(http_port: int, model: Path, hold_engine, abort_seen) -> tuple[object, int]:
     """A stream the client closes after its first event, so that the frontend sends ABORT: (what the
     client saw, how many streams that took).
