@@ -61,6 +61,7 @@ from replay_proxy.wire.schema import release_key
 
 DECODE_FRAMES = 2_000  # frames a transaction, about: the tap is looked at again after each
 HOLD_BYTES = 64 * 2**20  # tap messages waiting in memory beyond this are kept on disk instead
+PROGRESS_HWM = 16  # reports waiting for the proxy to read them, at most
 STOP_DECODE_S = 2.0  # after STOP: decode this long at most, then keep the rest
 PARENT_CHECK_S = 1.0  # how often: is the proxy still there?
 
@@ -328,8 +329,11 @@ class WriterLoop:
         self.tap.setsockopt(zmq.RCVHWM, 0)  # the tap bounds the queue, in frames
         self.tap.bind(start.tap_address)
         self.progress_socket = self.context.socket(zmq.PUSH)
-        # Only the newest count matters, and a send must never block on a proxy that is gone.
-        self.progress_socket.setsockopt(zmq.CONFLATE, 1)
+        # Reports are cumulative, so a full queue may lose one (it is sent without waiting: never blocking on
+        # a proxy that is gone), but not the last, which waits for room (bounded). Not conflating: a
+        # conflating socket lost that last report when it closed, under load (seen as stale final counts).
+        self.progress_socket.setsockopt(zmq.SNDHWM, PROGRESS_HWM)
+        self.progress_socket.setsockopt(zmq.SNDTIMEO, 5000)
         self.progress_socket.setsockopt(zmq.LINGER, 5000)
         self.progress_socket.connect(start.progress_address)
         self.parent, self.upstream, self.hold_frames = start.parent_pid, start.upstream_pid, start.hold_frames
@@ -367,7 +371,11 @@ class WriterLoop:
 
     def _report(self, last: bool = False) -> None:
         progress = self.writer.progress() if self.series is None else self.series.progress()
-        self.progress_socket.send(encode_progress(msgspec.structs.replace(progress, last=last)))
+        try:
+            self.progress_socket.send(encode_progress(msgspec.structs.replace(progress, last=last)),
+                                      0 if last else zmq.NOBLOCK)
+        except zmq.Again:  # (the proxy has not read the last few: the next report carries these counts too)
+            pass
 
     def _take(self) -> None:
         """Take what the tap has sent since the last look, without waiting."""

@@ -139,7 +139,7 @@ def test_keep_leaves_that_many_files_the_newest(tmp_path):
     db = tmp_path / "kept.db"
     _, stats, _, _ = trio.run(record_rotating, db, RotationSettings(str(db), keep=2))
     assert sorted(p.name for p in tmp_path.glob("kept*.db")) == ["kept-2.db", "kept-3.db"]
-    assert (stats.rotations, stats.files_deleted) == (ROUNDS, ROUNDS + 1 - 2)
+    assert (stats.rotations, stats.files_deleted) == (ROUNDS, ROUNDS + 1 - 2), stats
 
 
 def test_sighup_to_the_proxy_begins_the_next_file_named_by_the_pattern(tmp_path):
