@@ -77,11 +77,13 @@ def same(ours, theirs, path="$"):
         assert isinstance(ours, list) and len(ours) == 2 and ours[0] is None, (path, ours)
         same(ours[1], theirs["utility_result"], f"{path}[1]")
     elif isinstance(ours, Tensor):
-        flat, shape = theirs, []
-        while isinstance(flat, list) and flat and isinstance(flat[0], list):
-            shape.append(len(flat))
+        shape, probe, flat = [], theirs, theirs
+        while isinstance(probe, list):
+            shape.append(len(probe))
+            probe = probe[0] if probe else None
+        while flat and isinstance(flat[0], list):
             flat = [v for row in flat for v in row]
-        assert (ours.shape, ours.values) == ([*shape, len(flat)], flat), path
+        assert (ours.shape, ours.values) == (shape, flat), path
     elif isinstance(ours, dict):
         assert isinstance(theirs, dict), (path, theirs)
         for key, value in ours.items():
