@@ -109,7 +109,7 @@ def _unstable(baseline: Session, noise: list[Session], keys: list[str]) -> set[s
 
 
 def _utility_findings(baseline: Session, candidate: Session, frontend_under_test: bool,
-                      unordered: frozenset[str] = frozenset()) -> list[Finding]:
+                      unordered: frozenset[str]) -> list[Finding]:
     """Utility calls by method; a call the frontend under test no longer makes is its choice: a warning. The
     results of ``unordered`` methods are compared as sets."""
     findings = []

@@ -61,10 +61,10 @@ def reader_rejections(said: Iterable[str], schema: Schema, side: Side, rules: Ru
                       last_sent: Sequence[str | None] = (), lengths: Mapping[str, int] = MappingProxyType({})
                       ) -> list[Finding]:
     """One breaking finding per distinct complaint in ``said`` (the peer under test's log lines and HTTP
-    error bodies), read with ``schema``, the recording's release. ``last_sent``: what the last messages
-    sent to the peer are read as (``read_as``), latest first, for a complaint that names no struct. ``lengths``: the
-    longest array of each struct the peer was sent (``sent_lengths``), where it is known: what was on
-    the wire, which a drifted peer's recording may not have laid out as its schema."""
+    error bodies), read with ``schema``, the recording's release. ``last_sent``: the structs the last
+    messages sent to the peer are read as (``read_as``), latest first, for a complaint that names no
+    struct. ``lengths``: the longest array of each struct the peer was sent (``sent_lengths``), where it
+    is known: what was on the wire, which a drifted peer's recording may not have laid out as its schema."""
     findings: dict[str, Finding] = {}
     for line in (line for text in said for line in text.splitlines()):
         for pattern in rules.link_broke_patterns:
