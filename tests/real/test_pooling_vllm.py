@@ -53,4 +53,4 @@ def test_the_pooling_session_replays_against_a_0_32_0_pooling_engine(pooling_rec
                                       "--engine-cmd", peers.engine_command(port, "0.32.0", peers.POOLING_FLAGS),
                                       recording=db, session="pooling")
     findings = [f for f in report["findings"] if f["severity"] != "info" and f["category"] != "performance"]
-    assert result.returncode == 0 and findings == [], result.stdout[-3000:]
+    assert result.returncode in (0, 5) and findings == [], result.stdout[-3000:]  # 5: timing, never judged here
