@@ -120,7 +120,7 @@ async def test_with_a_tiny_queue_block_records_every_forwarded_frame_and_drop_co
             assert set(seqs) <= set(range(1, stats.frames_seen + 1))
             assert db["sessions"].get(session.recorder.session_id)["frames_dropped"] == stats.frames_dropped
             assert stats.frames_dropped_by_reason == {"queue_full": stats.frames_dropped, "write_failed": 0,
-                                                      "writer_lost": 0}
+                                                      "late_at_stop": 0, "writer_lost": 0}
 
 
 async def test_recorded_columns_are_named_and_typed(session_factory, db_path):

@@ -66,10 +66,11 @@ TAP_BATCH = 4096  # frames per message from the tap to the writer, at most (unle
 TAP_HOLD_S = 0.05  # ... and how long the tap holds them at most
 BLOCK_BATCHES = 4  # in block mode, batches of copies that may wait at each end of a forwarder's pipe
 STOP_GRACE_MS = 10 * FLUSH_MS  # copies still batched in a running forwarder come within FLUSH_MS
-STOP_COPIES_S = 0.5  # a stopped relay's copies not yet in at STOP are waited for this long at most
+STOP_COPIES_S = 0.5  # after STOP, a stopped relay's copies are waited for while one comes at least this often
 PROGRESS_WAIT_MS = 100  # how stale the tap's view of the writer's progress may get while no frames come
 FINAL_REPORT_WAIT_MS = 1000  # for the writer's last report (sent after the session's end) beyond WRITER_STOP_S
-# record ends within 5 s: the tap passes what it holds within STOP_COPIES_S (this is only a bound), and
+# record ends within 5 s: the tap passes what it holds soon after STOP (the forwarders have stopped, so few
+# copies are still on their way, and each comes within STOP_COPIES_S of the last or is counted late), and
 # the writer decodes for 2 s at most after STOP, then keeps the rest and exits (else it ends the session
 # itself, in the background).
 TAP_STOP_S = 1.0
@@ -122,7 +123,8 @@ class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
     drift: str | None = None  # the newest drift alarm
     final: bool = True  # False while the writer still writes: the frames queued are not counted yet
     # frames_dropped by why: "queue_full" (the tap's), "write_failed" (a full disk, the --max-db-mb cap),
-    # "writer_lost" (the writer or redactor process died)
+    # "writer_lost" (the writer or redactor process died), "late_at_stop" (a copy the relay numbered that
+    # never came to the tap after the stop)
     frames_dropped_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
     frames_undecodable: int = 0  # recorded with a decode error
     decode_lag_s: float = 0.0  # while frames wait to be decoded: how long ago the newest decoded one crossed
@@ -157,6 +159,7 @@ class Recorder:
         self._numbered = 0  # messages the tap has had that were numbered (frames and engine losses)
         self._last_seq: int | None = None  # how many the relay numbered, once it has stopped
         self._frames_dropped_queue_full = 0  # of those dropped here, while the writer was there
+        self._frames_dropped_late = 0  # numbered by the stopped relay, never come to the tap
         self._frames_sent = 0  # passed on to the writer
         self._bytes_by_link: dict[tuple[str, str], int] = {}  # the tap's, read by statistics()
         self._first_frame_s: float | None = None  # when the tap took the first frame (wall clock)
@@ -254,7 +257,8 @@ class Recorder:
         the writer its Stop (this thread owns the socket, and only it knows when the last frame is in)."""
         collector = self._collector
         most = min(TAP_BATCH, self._queue_size)
-        stop_by = None  # after STOP: when the forwarders' last batches are in
+        stop_by = None  # after STOP: when the copies not yet in are given up (pushed on while they come)
+        stop_wait_s = 0.0
         while True:
             entries: list[list[bytes]] = []
             frames = 0
@@ -272,8 +276,13 @@ class Recorder:
                     # STOP. The forwarders' copies come by other sockets than STOP, so some may still be on
                     # their way: once the relay has said how many were numbered, they are waited for by
                     # count (a loaded machine delivers late); else a running forwarder's come within FLUSH_MS.
-                    stop_by = time.monotonic() + (STOP_GRACE_MS / 1000 if self._last_seq is None else STOP_COPIES_S)
+                    # Copies still coming are waited for: a forwarder blocked on a full pipe (block mode) sends
+                    # its next batch only once the tap has read the last, so the quiet between them is the bound.
+                    stop_wait_s = STOP_GRACE_MS / 1000 if self._last_seq is None else STOP_COPIES_S
+                    stop_by = time.monotonic() + stop_wait_s
                     continue
+                if stop_by is not None:
+                    stop_by = time.monotonic() + stop_wait_s
                 entry_frames, entry_bytes = entry_counts(entry)
                 self._numbered += entry_frames or is_engine_loss(entry)
                 frames += entry_frames
@@ -288,8 +297,15 @@ class Recorder:
             if time.monotonic() >= self._progress_due:
                 self._read_progress(0)
             if entries:
-                self._send(entries, frames)
+                self._send(entries, frames)  # (in block mode it may wait for the writer: that is not quiet)
+                if stop_by is not None:
+                    stop_by = time.monotonic() + stop_wait_s
             elif stop_by is not None and (self._copies_in() or time.monotonic() >= stop_by):  # all passed on
+                if self._last_seq is not None:  # forwarded, but their copies never came: counted, as dropped
+                    late = max(0, self._last_seq - self._numbered)
+                    self._frames_seen += late
+                    self._frames_dropped += late
+                    self._frames_dropped_late += late
                 status, error = self._ending
                 self._read_progress(0)  # is everyone still there?
                 if self._writer_lost is None:
@@ -384,7 +400,8 @@ class Recorder:
         writer's last report (``failed``: the frames it could not write, where known better)."""
         p = self._progress
         failed = p.frames_failed if failed is None else failed
-        reasons = {"queue_full": self._frames_dropped_queue_full, "write_failed": failed}
+        reasons = {"queue_full": self._frames_dropped_queue_full, "write_failed": failed,
+                   "late_at_stop": self._frames_dropped_late}
         reasons["writer_lost"] = max(0, dropped - sum(reasons.values()))
         return {"frames_dropped_by_reason": reasons, "frames_undecodable": p.frames_undecodable,
                 "bytes_by_link": dict(self._bytes_by_link), "vllm_version": p.vllm_version,
@@ -452,8 +469,8 @@ class Recorder:
         row = db["sessions"].get(self.session_id)
         # A writer that ended the session itself lost nothing: what the tap did not drop, it could not write.
         def failed(dropped: int) -> int | None:
-            return max(0, dropped - self._frames_dropped_queue_full) if code == 0 and self._writer_lost is None \
-                else None
+            tap_dropped = self._frames_dropped_queue_full + self._frames_dropped_late
+            return max(0, dropped - tap_dropped) if code == 0 and self._writer_lost is None else None
 
         dropped = row["frames_dropped"] or 0
         requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [self.session_id]).fetchone()[0]

@@ -198,7 +198,8 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
     row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
     assert (recorder.status, row["status"]) == ("incomplete", "incomplete")
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (200, 100, 100)
-    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "writer_lost": 100}  # (/metrics)
+    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "late_at_stop": 0,
+                                              "writer_lost": 100}  # (/metrics)
     assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (200, 100, 100)
     assert kept_in_the_database(db_path, recorder.session_id) == 100
 
@@ -220,7 +221,8 @@ def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
     kept = kept_in_the_database(db_path, recorder.session_id)
     assert 0 < kept < 12_000 and row["status"] == "incomplete" and "full" in row["error"]
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (12_000, kept, 12_000 - kept)
-    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 12_000 - kept, "writer_lost": 0}
+    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 12_000 - kept,
+                                              "late_at_stop": 0, "writer_lost": 0}
 
 
 @pytest.fixture
@@ -339,24 +341,54 @@ def test_the_writer_yields_the_cpu_by_default_and_still_records_everything(db_pa
     assert recorder.close().frames_recorded == 100
 
 
-def test_copies_still_on_their_way_at_the_stop_are_waited_for_by_count(db_path):
-    """A forwarder's copies come to the tap by another socket than the recorder's STOP, so on a loaded machine
-    they may come after it: the relay says how many messages it numbered, and the tap waits for them."""
-    recorder = Recorder(db_path, SessionInfo(name="late copies"))
-    recorder.frame(frame(1))
-    copies = [(seq, encode([f"req-{seq}"])) for seq in (2, 3)]
-    batch = struct.pack("<IQ", len(copies), sum(len(p) for _, p in copies)) + b"".join(
-        struct.pack("<QqII", seq, time.time_ns(), 1, len(payload)) + payload for seq, payload in copies)
-    forwarder = zmq.Context.instance().socket(zmq.DEALER)  # as a forwarder of the input link's copies
+def _late_copies(recorder: Recorder, seqs: list[int]) -> tuple[zmq.Socket, list[bytes]]:
+    """A forwarder of the input link's copies, connected, and one batch per seq (sent by the caller)."""
+    forwarder = zmq.Context.instance().socket(zmq.DEALER)
     forwarder.setsockopt(zmq.IDENTITY, capture_tag(Channel.INPUT, 0, 0))
     forwarder.connect(recorder.capture)
-    recorder.relay_stopped(3)
-    late = threading.Timer(0.3, forwarder.send, [batch])  # after STOP, and well past a forwarder's FLUSH_MS
-    late.start()
+    batches = []
+    for seq in seqs:
+        payload = encode([f"req-{seq}"])
+        batches.append(struct.pack("<IQ", 1, len(payload)) + struct.pack("<QqII", seq, time.time_ns(), 1,
+                                                                          len(payload)) + payload)
+    return forwarder, batches
+
+
+def test_copies_still_coming_after_the_stop_are_waited_for_by_count(db_path):
+    """A forwarder's copies come to the tap by another socket than the recorder's STOP, so on a loaded machine
+    they may come after it; in block mode a forwarder on a full pipe sends its next batch only once the tap
+    has read the last. The relay says how many messages it numbered, and the tap waits for them while they
+    come: here one every 0.3 s, for 0.9 s after STOP (longer than STOP_COPIES_S)."""
+    recorder = Recorder(db_path, SessionInfo(name="late copies"))
+    recorder.frame(frame(1))
+    forwarder, batches = _late_copies(recorder, [2, 3, 4])
+    recorder.relay_stopped(4)
+    # (NOBLOCK: were the tap gone, a DEALER's send would wait for it forever)
+    late = [threading.Timer(0.3 * (i + 1), forwarder.send, [batch, zmq.NOBLOCK]) for i, batch in enumerate(batches)]
+    for timer in late:
+        timer.start()
     try:
         stats = recorder.close()
     finally:
-        late.join()
+        for timer in late:
+            timer.join()
         forwarder.close(linger=0)
-    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (3, 3, 0)
-    assert kept_in_the_database(db_path, recorder.session_id) == 3
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (4, 4, 0)
+    assert kept_in_the_database(db_path, recorder.session_id) == 4
+
+
+def test_copies_that_never_come_after_the_stop_are_counted_dropped_late(db_path):
+    recorder = Recorder(db_path, SessionInfo(name="lost copies"))
+    recorder.frame(frame(1))
+    forwarder, batches = _late_copies(recorder, [2])
+    forwarder.send(batches[0])
+    recorder.relay_stopped(5)  # 3 and 4 and 5 were numbered and forwarded; their copies never come
+    try:
+        stats = recorder.close()
+    finally:
+        forwarder.close(linger=0)
+    assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (5, 2, 3)
+    assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "late_at_stop": 3,
+                                              "writer_lost": 0}
+    row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
+    assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (5, 2, 3)
