@@ -11,6 +11,7 @@ recording still holds everything its frontend sends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import urllib.error
 from pathlib import Path
@@ -26,34 +27,43 @@ def _text(events: list[dict]) -> tuple[str, str | None]:
          if e["choices"] and e["choices"][0]["finish_reason"]), None)
 
 
+def _each(steps: dict[str, object]) -> dict[str, object]:
+    """Run the steps in order: what each returned, by name, or its HTTP failure (status and the start of the
+    body), and the rest go on."""
+    seen: dict[str, object] = {}
+    for name, step in steps.items():
+        try:
+            seen[name] = step()
+        except urllib.error.HTTPError as exc:
+            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+    return seen
+
+
+def _choice(choice: dict) -> tuple[str, str]:
+    """A completion's text or a chat's message, with its finish reason."""
+    return choice.get("text", (choice.get("message") or {}).get("content")), choice["finish_reason"]
+
+
 def run(http_port: int, model: Path = MODEL, *, hold_engine=contextlib.nullcontext,
         abort_seen=None) -> dict[str, object]:
     """Run the workload; return what the user saw, by request name (``_abort`` says what
     ``hold_engine`` and ``abort_seen`` are for)."""
     steps = {
-        "completion": lambda: post(http_port, "/v1/completions", {
-            "model": str(model), "prompt": "hello world one two", "max_tokens": 8, **GREEDY})["choices"][0],
-        "chat": lambda: post(http_port, "/v1/chat/completions", {
+        "completion": lambda: _choice(post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": "hello world one two", "max_tokens": 8, **GREEDY})["choices"][0]),
+        "chat": lambda: _choice(post(http_port, "/v1/chat/completions", {
             "model": str(model), "messages": [{"role": "user", "content": "the quick brown fox"}],
-            "max_tokens": 6, **GREEDY})["choices"][0],
+            "max_tokens": 6, **GREEDY})["choices"][0]),
         "stream": lambda: _text(stream(http_port, "/v1/completions", {
             "model": str(model), "prompt": "one two three", "max_tokens": 6, **GREEDY})),
-        "seeded": lambda: post(http_port, "/v1/completions", {
+        "seeded": lambda: _choice(post(http_port, "/v1/completions", {
             "model": str(model), "prompt": "five six seven", "max_tokens": 6, "temperature": 0.8,
-            "seed": 1234})["choices"][0],
-        "logprobs": lambda: post(http_port, "/v1/completions", {
-            "model": str(model), "prompt": "seven eight nine", "max_tokens": 4, "logprobs": 2, **GREEDY})["choices"][0],
+            "seed": 1234})["choices"][0]),
+        "logprobs": lambda: _choice(post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": "seven eight nine", "max_tokens": 4, "logprobs": 2,
+            **GREEDY})["choices"][0]),
     }
-    seen: dict[str, object] = {}
-    for name, step in steps.items():
-        try:
-            answer = step()
-        except urllib.error.HTTPError as exc:
-            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
-            continue
-        if isinstance(answer, dict):  # a choice: completion text or chat message
-            answer = answer.get("text", (answer.get("message") or {}).get("content")), answer["finish_reason"]
-        seen[name] = answer
+    seen = _each(steps)
     seen["abort"], seen["abort_attempts"] = _abort(http_port, model, hold_engine, abort_seen)
     return seen
 
@@ -80,14 +90,8 @@ def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dic
         lambda prompt: post(http_port, "/v1/completions", {
             "model": str(model), "prompt": prompt, "max_tokens": 4, "logprobs": 1, **GREEDY})["choices"][0]["text"],
     ]
-    seen: dict[str, object] = {}
-    for i in range(requests):
-        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5))
-        try:
-            seen[f"user-{i}"] = kinds[i % len(kinds)](prompt)
-        except urllib.error.HTTPError as exc:
-            seen[f"user-{i}"] = f"HTTP {exc.code}"
-    return seen
+    prompts = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5)) for i in range(requests)]
+    return _each({f"user-{i}": functools.partial(kinds[i % len(kinds)], prompt) for i, prompt in enumerate(prompts)})
 
 
 def lora(http_port: int, model: Path = MODEL, adapter: Path = LORA, **_) -> dict[str, object]:
@@ -103,13 +107,7 @@ def lora(http_port: int, model: Path = MODEL, adapter: Path = LORA, **_) -> dict
                                                                   "lora_path": str(adapter)}, text=True),
         "adapter": lambda: post(http_port, "/v1/completions", {"model": "tiny-lora", **prompt})["choices"][0]["text"],
     }
-    seen: dict[str, object] = {}
-    for name, step in steps.items():
-        try:
-            seen[name] = step()
-        except urllib.error.HTTPError as exc:
-            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
-    return seen
+    return _each(steps)
 
 
 def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
@@ -122,13 +120,7 @@ def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
         "score": lambda: post(http_port, "/score", {"model": str(model), "text_1": "hello world",
                                                     "text_2": ["one two", "three four five"]}),
     }
-    seen: dict[str, object] = {}
-    for name, step in steps.items():
-        try:
-            seen[name] = step()
-        except urllib.error.HTTPError as exc:
-            seen[name] = f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
-    return seen
+    return _each(steps)
 
 
 def _abort(http_port: int, model: Path, hold_engine, abort_seen) -> tuple[object, int]:
