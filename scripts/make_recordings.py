@@ -6,6 +6,7 @@ Each is one session of the HTTP workload in tests/real/workload.py through
     .venv/bin/python scripts/make_recordings.py                # 0.32.0: Python and Rust frontends
     .venv/bin/python scripts/make_recordings.py --release 0.29.0 --release 0.30.0
     .venv/bin/python scripts/make_recordings.py --vllm-rs 0.25.0
+    .venv/bin/python scripts/make_recordings.py --kind lora --release 0.31.0 --release 0.32.0
 `--staging` records vllm-0.32.0-staging.db: 30 users of a staging day
 (tests/real/workload.py: staging) between the Python frontend and a 0.32.0
 engine, the session the real shrink test cuts down. The second form records a release's own Python frontend and engine
@@ -14,6 +15,9 @@ third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here
 (0.22.0 to 0.26.0, 0.33.0): the compatibility matrix replays what each
 frontend sends against every engine.
+`--kind lora` records the LoRA workload (tests/real/workload.py: lora) instead,
+the frontend and engine started with LoRA on, into vllm-X-python-lora.db: the
+matrix judges each kind of request from its own recordings.
 """
 
 import argparse
@@ -26,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from replay_proxy.matrix import KINDS  # noqa: E402
 from replay_proxy.peers import engine_installed  # noqa: E402
 from replay_proxy.wire.schema import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
@@ -47,12 +52,14 @@ def compact(db: Path) -> None:
     connection.close()
 
 
-def record(name: str, session: str, frontend, release: str = "0.32.0", work=None) -> Path:
+def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
+           engine_flags: tuple[str, ...] = ()) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
-        seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work)
+        seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
+                              engine_flags=engine_flags)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -75,6 +82,8 @@ def main() -> None:
                         help="record this release's Rust frontend with the nearest installed engine instead")
     parser.add_argument("--staging", action="store_true",
                         help="record the 30-request staging session (vllm-0.32.0-staging.db) instead")
+    parser.add_argument("--kind", choices=list(KINDS), default="completion",
+                        help="with --release: the kind of request whose workload is recorded")
     args = parser.parse_args()
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
@@ -84,6 +93,11 @@ def main() -> None:
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")
+        if args.kind == "lora":
+            record(f"vllm-{release}-python{KINDS['lora']}.db", "python-frontend",
+                   functools.partial(peers.python_frontend, release=release, flags=peers.LORA_FLAGS, **peers.LORA_ENV),
+                   release, work=workload.lora, engine_flags=peers.LORA_FLAGS)
+            continue
         record(f"vllm-{release}-python.db", "python-frontend",
                functools.partial(peers.python_frontend, release=release), release)
     for release in args.vllm_rs:
