@@ -65,6 +65,9 @@ def can_i_deploy(
     frontend: Annotated[str, typer.Option(help="The frontend to ship: vllm-rs==X (Rust) or vllm==X (Python).")],
     engine: Annotated[str, typer.Option(help="The engine to run it with: vllm==Y.")],
     db: Annotated[Path | None, typer.Option(help="The matrix database (replay-proxy matrix --db).")] = None,
+    uses: Annotated[str | None, typer.Option(
+        help="The kinds of request the deployment uses, a comma list of completion and lora (default: every kind "
+             "judged for the cell).")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="Observe the cell now with real peers.")] = False,
     current_frontend: Annotated[str | None, typer.Option(
         help="The frontend running now, for the upgrade order (default: the older release of the two).")] = None,
@@ -77,27 +80,29 @@ def can_i_deploy(
 ) -> None:
     """Will this frontend work with that engine, and in which order to upgrade?
 
-    Exit code 0 works, 3 breaks, 4 degraded, 6 unknown. Answers from the matrix database where the
-    cell was observed, from the prediction otherwise, and says which. With --verify it installs what the
-    cell needs and observes it now; a peer that cannot run makes the cell unknown, never breaks.
+    Exit code 0 works, 3 breaks, 4 degraded, 6 unknown, for the kinds of request asked about. Answers
+    each kind from the matrix database where the cell was observed for it, from the prediction otherwise,
+    and says which. With --verify it installs what the cell needs and observes it now; a peer that cannot
+    run makes the cell unknown, never breaks.
 
-    Example: replay-proxy can-i-deploy --frontend vllm-rs==0.31.0 --engine vllm==0.30.0 --db matrix.db
+    Example: replay-proxy can-i-deploy --frontend vllm==0.32.0 --engine vllm==0.31.0 --uses lora
     """
-    from replay_proxy.matrix import RECORDINGS, MatrixError, engine_release, parse_build
+    from replay_proxy.matrix import RECORDINGS, MatrixError, engine_release, kinds_in, parse_build
     from replay_proxy.matrix.deploy import can_i_deploy as answer
     from replay_proxy.report.matrix import print_answer
 
     try:
         build, release = parse_build(frontend), engine_release(engine)
+        kinds = kinds_in(uses) if uses is not None else None
         current = None
         if current_frontend or current_engine:
             current = (parse_build(current_frontend or frontend), engine_release(current_engine or engine))
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    result = answer(build, release, db, verify=verify, current=current, recordings=recordings or RECORDINGS,
-                    workdir=report_dir, ready_s=ready_timeout)
+    result = answer(build, release, db, uses=kinds, verify=verify, current=current,
+                    recordings=recordings or RECORDINGS, workdir=report_dir, ready_s=ready_timeout)
     print_answer(result, out)
-    raise typer.Exit(int(result.cell.verdict.exit_code))
+    raise typer.Exit(int(result.verdict.exit_code))
 
 
 @app.command()

@@ -3,8 +3,7 @@
 Theory of operation. A cell is one frontend build (``vllm-rs:X``, the Rust
 frontend, or ``vllm:X``, the Python API server) and one engine release. Its
 two directions are judged apart, each from what really crosses the wire in
-the project's fixed workload (``recordings/``: completion, chat, streaming,
-a seeded request, a client abort, the start-up utility calls):
+the project's workloads (``recordings/``), one per kind of request (``KINDS``):
 
 * to the engine: what frontend F sent (its recording) as engine E reads it;
 * to the frontend: what engine E sent (its recording) as frontend F reads it.
@@ -16,6 +15,10 @@ F's recording replayed against a real engine E, and E's recording replayed
 against a real frontend F (docs/matrix.md: why the composition is sound). A
 cell's verdict is the observation where there is one, else the prediction;
 the two are kept side by side, and a disagreement is a finding about the rules.
+Each kind of request gets its own verdict, from the recordings of its own
+workload: a pair may serve completions and break every LoRA request. A kind
+with no recording on either side of a cell is not judged there (never read
+as works).
 
 For others: this module (``Cell``, ``Verdict``, ``Evidence``, parsing builds and
 ranges), ``run`` (``run``, ``MatrixRun``) and ``deploy`` (``can_i_deploy``,
@@ -36,6 +39,11 @@ from replay_proxy.wire.messages import Direction
 from replay_proxy.wire.schema import release_key, shipped_releases
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
+# The kinds of request a cell is judged for, and the suffix of their recordings' file names. completion:
+# the fixed workload (completion, chat, streaming, a seeded request, logprobs, a client abort, the start-up
+# utility calls). lora: a completion, a LoRA adapter loaded through the frontend's API (the add_lora call,
+# its LoRARequest) and a request naming it (an ADD carrying that LoRARequest), peers started with LoRA on.
+KINDS = {"completion": "", "lora": "-lora"}
 
 
 class MatrixError(ReplayProxyError):
@@ -67,6 +75,7 @@ class Evidence(msgspec.Struct, frozen=True, omit_defaults=True):
     direction: Direction | None  # the messages' direction (their reader's verdict); None: both
     message: str
     reader: str | None = None
+    kind: str = "completion"  # the kind of request whose workload showed it (KINDS)
     struct: str | None = None
     field: str | None = None
     position: int | None = None
@@ -75,12 +84,18 @@ class Evidence(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Judgement(msgspec.Struct, omit_defaults=True):
-    """A verdict with all its evidence."""
+    """A verdict (over every kind it judged) with all its evidence."""
 
     verdict: Verdict
     evidence: list[Evidence] = []
     how: str = ""  # what produced it: the recordings read, the replays run
     seconds: float | None = None
+    kinds: tuple[str, ...] = ("completion",)  # the kinds of request it judged
+
+    def verdict_for(self, kind: str) -> Verdict:
+        if self.kinds == (kind,):  # its verdict is that kind's
+            return self.verdict
+        return worst(e.verdict for e in self.evidence if e.kind == kind)
 
 
 class Cell(msgspec.Struct, omit_defaults=True):
@@ -91,15 +106,43 @@ class Cell(msgspec.Struct, omit_defaults=True):
     observed_at: str | None = None
 
     @property
+    def kinds(self) -> list[str]:
+        """The kinds of request judged, observed or predicted."""
+        judged = set(self.predicted.kinds) | set(self.observed.kinds if self.observed else ())
+        return [k for k in KINDS if k in judged]
+
+    def judgement_of(self, kind: str) -> Judgement | None:
+        """What ``kind``'s verdict rests on: the observation where it judged the kind, else the prediction."""
+        for judgement in (self.observed, self.predicted):
+            if judgement is not None and kind in judgement.kinds:
+                return judgement
+        return None
+
+    def verdict_for(self, kinds: list[str] | tuple[str, ...] | None = None) -> Verdict:
+        """The worst verdict of ``kinds`` (default: every kind judged); a kind not judged is unknown."""
+        judgements = {kind: self.judgement_of(kind) for kind in kinds or self.kinds}
+        return worst(j.verdict_for(kind) if j else Verdict.UNKNOWN for kind, j in judgements.items())
+
+    @property
     def verdict(self) -> Verdict:
-        return self.observed.verdict if self.observed else self.predicted.verdict
+        return self.verdict_for()
 
     @property
     def agrees(self) -> bool | None:
-        """Whether observation and prediction agree (None: not observed, or the observation could not run)."""
+        """Whether observation and prediction agree on the kinds observed (None: not observed, or the
+        observation could not run)."""
         if self.observed is None or self.observed.verdict is Verdict.UNKNOWN:
             return None
-        return self.observed.verdict is self.predicted.verdict
+        return all(self.observed.verdict_for(k) is self.predicted.verdict_for(k) for k in self.observed.kinds)
+
+
+def kinds_in(spec: str) -> list[str]:
+    """``lora,completion``: kinds of request (KINDS)."""
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise MatrixError(f"{spec!r}: kinds of request are {', '.join(KINDS)}")
+    return list(dict.fromkeys(kinds))
 
 
 def releases_in(spec: str) -> list[str]:
@@ -144,17 +187,18 @@ def engine_release(text: str) -> str:
     return releases_in(text.removeprefix("vllm==").removeprefix("vllm:"))[0]
 
 
-def recording_of(build: Frontend, folder: Path = RECORDINGS) -> tuple[Path, str] | None:
-    """The committed recording of what ``build`` sends, and its session; None where there is none.
+def recording_of(build: Frontend, folder: Path = RECORDINGS, kind: str = "completion") -> tuple[Path, str] | None:
+    """The committed recording of what ``build`` sends in ``kind``'s workload, and its session; None where
+    there is none.
 
     ``vllm:X`` is also engine X's recording: its own Python frontend and engine."""
     if build.kind == "vllm-rs":
-        path, session = folder / f"vllm-{build.release}-vllm-rs.db", "vllm-rs-frontend"
+        path, session = folder / f"vllm-{build.release}-vllm-rs{KINDS[kind]}.db", "vllm-rs-frontend"
     else:
-        path, session = folder / f"vllm-{build.release}-python.db", "python-frontend"
+        path, session = folder / f"vllm-{build.release}-python{KINDS[kind]}.db", "python-frontend"
     return (path, session) if path.exists() else None
 
 
-def engine_recording(engine: str, folder: Path = RECORDINGS) -> tuple[Path, str] | None:
-    """What engine ``engine`` sends, as recorded with its own release's Python frontend."""
-    return recording_of(Frontend("vllm", engine), folder)
+def engine_recording(engine: str, folder: Path = RECORDINGS, kind: str = "completion") -> tuple[Path, str] | None:
+    """What engine ``engine`` sends in ``kind``'s workload, as recorded with its own release's Python frontend."""
+    return recording_of(Frontend("vllm", engine), folder, kind)

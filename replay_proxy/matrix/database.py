@@ -2,7 +2,8 @@
 
 ``matrix_cells`` keeps the newest judgement of each cell: the verdict, the
 prediction and the observation side by side (verdicts as text, evidence as
-JSON), and when it was observed. ``matrix_runs`` says which command filled
+JSON), each kind of request's verdict (``by_kind``, JSON), and when it was
+observed. ``matrix_runs`` says which command filled
 it, when, and how long it took. Saving a run replaces the cells it judged
 and keeps the others, so several runs build one matrix.
 """
@@ -35,9 +36,11 @@ def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
         rows.append({"frontend": cell.frontend, "engine": cell.engine, "verdict": cell.verdict.value,
                      "predicted": cell.predicted.verdict.value, "observed": cell.observed and cell.observed.verdict.value,
                      "agrees": cell.agrees, "observed_at": cell.observed_at,
+                     "by_kind": {kind: cell.verdict_for([kind]).value for kind in cell.kinds},
                      "seconds": cell.observed and cell.observed.seconds,
                      "cell": msgspec.json.encode(cell).decode()})
-    db[CELLS].upsert_all(rows, pk=("frontend", "engine"), column_order=("frontend", "engine", "verdict"))
+    db[CELLS].upsert_all(rows, pk=("frontend", "engine"), column_order=("frontend", "engine", "verdict"),
+                         alter=True)  # (a database made before a column was added gains it)
     db.close()
 
 

@@ -1,9 +1,11 @@
 """``can-i-deploy`` (Pact's question for this link) and ``bisect``.
 
-can-i-deploy answers for one frontend x engine cell: from the matrix
-database where the cell was observed, from the prediction otherwise, or from
-a fresh observation (``verify``); and it says which. The upgrade order comes
-from the two cells a one-side-at-a-time upgrade passes through.
+can-i-deploy answers for one frontend x engine cell and the kinds of request
+a deployment uses (every kind judged, by default): each kind from the matrix
+database where the cell was observed for it, from the prediction otherwise,
+or from a fresh observation (``verify``); and it says which. The upgrade
+order comes from the two cells a one-side-at-a-time upgrade passes through,
+judged for the same kinds.
 
 bisect replays one recorded session against the releases of a range, in
 bisection order, and names the first whose replay regresses against the
@@ -34,24 +36,40 @@ from replay_proxy.wire.schema import release_key, shipped_releases
 
 class Answer(msgspec.Struct):
     cell: Cell
-    source: str  # "observed" (when), "predicted", or "verified now"
+    source: str  # where an observation comes from: "observed" (when), "verified now"; or "predicted"
     upgrade: list[str]  # the order that keeps every step working, one line per step
+    uses: list[str]  # the kinds of request asked about (KINDS)
 
-    def reasons(self) -> list[tuple[Evidence, int]]:
-        """The evidence the verdict rests on, one piece per kind (a failure per request is one kind), with
-        how many pieces of that kind there are."""
-        kinds: dict[tuple, list[Evidence]] = {}
-        for evidence in (self.cell.observed or self.cell.predicted).evidence:
-            if evidence.verdict is self.cell.verdict:
-                kinds.setdefault((evidence.direction, evidence.rule, evidence.struct, evidence.field), []).append(
-                    evidence)
-        return [(same[0], len(same)) for same in kinds.values()]
+    @property
+    def verdict(self) -> Verdict:
+        return self.cell.verdict_for(self.uses)
+
+    def by_kind(self) -> list[tuple[str, Verdict, str, list[tuple[Evidence, int]]]]:
+        """Each kind asked about: its verdict, where it comes from, and the evidence it rests on, one piece
+        per sort (a failure per request is one sort) with how many pieces of that sort there are."""
+        answers = []
+        for kind in self.uses:
+            judgement = self.cell.judgement_of(kind)
+            if judgement is None:
+                answers.append((kind, Verdict.UNKNOWN, f"no recording of {kind} requests on both sides: make them "
+                                f"with scripts/make_recordings.py --kind {kind}", []))
+                continue
+            verdict = judgement.verdict_for(kind)
+            sorts: dict[tuple, list[Evidence]] = {}
+            for evidence in judgement.evidence:
+                if evidence.kind == kind and evidence.verdict is verdict:
+                    sorts.setdefault((evidence.direction, evidence.rule, evidence.struct, evidence.field),
+                                     []).append(evidence)
+            source = self.source if judgement is self.cell.observed else "predicted: not observed yet"
+            answers.append((kind, verdict, source, [(same[0], len(same)) for same in sorts.values()]))
+        return answers
 
 
 def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
             recordings: Path = RECORDINGS, workdir: Path | None = None, ready_s: float = READY_S) -> tuple[Cell, str]:
-    """The cell and where its verdict comes from (``workdir`` and ``ready_s``: where a verification keeps its
-    replays, and how long each waits for its peer)."""
+    """The cell, predicted from the recordings now, with its observation (verified now, or from the matrix
+    database), and where that observation comes from (``workdir`` and ``ready_s``: where a verification keeps
+    its replays, and how long each waits for its peer)."""
     if verify:
         [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s)
         if db is not None:
@@ -59,40 +77,47 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
                           cell.observed.seconds or 0)
         return cell, "verified now: observed by real peers"
     known = {(c.frontend, c.engine): c for c in database.load(db)} if db is not None else {}
-    cell = known.get((str(frontend), engine))
-    if cell is not None and cell.observed is not None and cell.observed.verdict is not Verdict.UNKNOWN:
+    cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
+    seen = known.get((str(frontend), engine))
+    if seen is not None and seen.observed is not None and seen.observed.verdict is not Verdict.UNKNOWN:
+        cell.observed, cell.observed_at = seen.observed, seen.observed_at
         return cell, f"observed {cell.observed_at} (matrix database {db})"
-    return Cell(str(frontend), engine, predict(frontend, engine, recordings)), "predicted: not observed yet"
+    return cell, "predicted: not observed yet"
 
 
-def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
-                 current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS,
+def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, uses: list[str] | None = None,
+                 verify: bool = False, current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS,
                  workdir: Path | None = None, ready_s: float = READY_S) -> Answer:
-    """Whether ``frontend`` works with ``engine``, and the upgrade order from ``current`` (default: both
-    sides at the older of the two releases) that keeps every step working."""
+    """Whether ``frontend`` works with ``engine`` for the kinds of request in ``uses`` (default: every kind
+    judged), and the upgrade order from ``current`` (default: both sides at the older of the two releases)
+    that keeps every step working for them."""
     cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings, workdir=workdir,
                            ready_s=ready_s)
-    if cell.verdict is Verdict.BREAKS:
+    uses = uses or cell.kinds
+    if cell.verdict_for(uses) is Verdict.BREAKS:
         return Answer(cell, source, [f"no upgrade order helps: {frontend} x engine {engine} itself breaks",
-                                     *_alternatives(frontend, engine, db, recordings)])
+                                     *_alternatives(frontend, engine, db, recordings, uses)], uses)
     if current is None:
         older = min(frontend.release, engine, key=release_key)
         current = (Frontend(frontend.kind, older), older)
-    return Answer(cell, source, upgrade_order(current, (frontend, engine), db, recordings))
+    return Answer(cell, source, upgrade_order(current, (frontend, engine), db, recordings, uses), uses)
 
 
-def _alternatives(frontend: Frontend, engine: str, db: Path | None, recordings: Path) -> list[str]:
+def _alternatives(frontend: Frontend, engine: str, db: Path | None, recordings: Path, uses: list[str]) -> list[str]:
     """The recorded engines ``frontend`` works with, and the frontends of its kind that work with ``engine``."""
+    def works(f: Frontend, e: str) -> bool:
+        return cell_of(f, e, db, recordings=recordings)[0].verdict_for(uses) is Verdict.WORKS
+
     recorded = [r for r in shipped_releases() if engine_recording(r, recordings)]
-    engines = [e for e in recorded if cell_of(frontend, e, db, recordings=recordings)[0].verdict is Verdict.WORKS]
+    engines = [e for e in recorded if works(frontend, e)]
     builds = [f for f in (Frontend(frontend.kind, r) for r in shipped_releases()) if recording_of(f, recordings)
-              and cell_of(f, engine, db, recordings=recordings)[0].verdict is Verdict.WORKS]
+              and works(f, engine)]
     return [f"{frontend} works with engines: {', '.join(engines) or 'none recorded'}",
             f"engine {engine} works with {frontend.kind} {', '.join(f.release for f in builds) or 'none recorded'}"]
 
 
 def upgrade_order(current: tuple[Frontend, str], target: tuple[Frontend, str], db: Path | None,
-                  recordings: Path) -> list[str]:
+                  recordings: Path, uses: list[str] | None = None) -> list[str]:
     (f0, e0), (f1, e1) = current, target
     if f0 == f1 and e0 == e1:
         return [f"nothing to upgrade: {f1} with engine {e1} runs now"]
@@ -100,7 +125,7 @@ def upgrade_order(current: tuple[Frontend, str], target: tuple[Frontend, str], d
         side = "the engine" if f0 == f1 else "the frontend"
         return [f"upgrade {side}: {f0} x engine {e0} -> {f1} x engine {e1} is the only step"]
     steps = {"the frontend first": (f1, e0), "the engine first": (f0, e1)}
-    verdicts = {name: cell_of(f, e, db, recordings=recordings)[0].verdict for name, (f, e) in steps.items()}
+    verdicts = {name: cell_of(f, e, db, recordings=recordings)[0].verdict_for(uses) for name, (f, e) in steps.items()}
     ranked = sorted(steps, key=lambda n: [Verdict.WORKS, Verdict.DEGRADED, Verdict.UNKNOWN, Verdict.BREAKS].index(
         verdicts[n]))
     best = ranked[0]

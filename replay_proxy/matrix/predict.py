@@ -1,4 +1,4 @@
-"""A cell's prediction: the workload's recorded messages, named with the reader's release, judged by the rules.
+"""A cell's prediction: each workload's recorded messages, named with the reader's release, judged by the rules.
 
 For each direction the writer's recorded frames (frontend F's requests, or
 engine E's registration and outputs) are decoded with the *reader's* release
@@ -25,9 +25,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from replay_proxy.compare.readers import reader_rules, source as rule_source, verdict as reader_verdict
 from replay_proxy.compare.schema_diff import diff_schemas
-from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
+from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
 from replay_proxy.wire.values import decode_msgpack
@@ -40,23 +42,30 @@ ROOTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.
 
 
 def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
-    """The predicted verdict of ``frontend`` with engine ``engine``, and every change behind it."""
-    sent_by_frontend = recording_of(frontend, recordings)
-    sent_by_engine = engine_recording(engine, recordings)
+    """The predicted verdict of ``frontend`` with engine ``engine``, and every change behind it, for each kind
+    of request recorded on both sides (completion always: a side not recorded makes it unknown)."""
     evidence: list[Evidence] = []
-    for direction, recording, writer, reader, reader_release in (
-            (Direction.TO_ENGINE, sent_by_frontend, frontend.release, "python-engine", engine),
-            (Direction.TO_FRONTEND, sent_by_engine, engine, frontend.reader, frontend.release)):
-        if recording is None:
-            writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
-            evidence.append(Evidence(Verdict.UNKNOWN, direction, f"no recording of what {writer_name} sends: "
-                                     "make one with scripts/make_recordings.py"))
+    kinds = []
+    for kind in KINDS:
+        sent_by_frontend = recording_of(frontend, recordings, kind)
+        sent_by_engine = engine_recording(engine, recordings, kind)
+        if kind != "completion" and (sent_by_frontend is None or sent_by_engine is None):
             continue
-        evidence += read_direction(direction, frames(*recording, direction), load_schema(writer),
-                                   load_schema(reader_release), reader)
+        kinds.append(kind)
+        for direction, recording, writer, reader, reader_release in (
+                (Direction.TO_ENGINE, sent_by_frontend, frontend.release, "python-engine", engine),
+                (Direction.TO_FRONTEND, sent_by_engine, engine, frontend.reader, frontend.release)):
+            if recording is None:
+                writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
+                evidence.append(Evidence(Verdict.UNKNOWN, direction, f"no recording of what {writer_name} sends: "
+                                         "make one with scripts/make_recordings.py"))
+                continue
+            evidence += [msgspec.structs.replace(e, kind=kind) for e in read_direction(
+                direction, frames(*recording, direction), load_schema(writer), load_schema(reader_release), reader)]
     how = (f"{frontend}'s recorded requests named with engine {engine}'s schema, engine {engine}'s recorded "
-           f"registration and outputs with {frontend}'s; rules of {'/'.join(sorted(reader_rules()))}")
-    return Judgement(worst(e.verdict for e in evidence), evidence, how)
+           f"registration and outputs with {frontend}'s ({', '.join(kinds)}); rules of "
+           f"{'/'.join(sorted(reader_rules()))}")
+    return Judgement(worst(e.verdict for e in evidence), evidence, how, kinds=tuple(kinds))
 
 
 def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:

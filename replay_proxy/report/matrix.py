@@ -1,8 +1,10 @@
 """The compatibility matrix rendered: terminal table, JSON, JUnit, a self-contained HTML heat map, markdown.
 
 Rows are frontends, columns engines. A cell shows its verdict: observed
-where it was observed, else predicted (marked ``*``); ``!`` marks a cell
-whose observation disagrees with its prediction.
+where it was observed, else predicted (marked ``*``: some kind of request it
+was judged for was only predicted); ``!`` marks a cell whose observation
+disagrees with its prediction. The markdown adds a table per kind of request
+beyond completion, over the cells judged for it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from replay_proxy.matrix import Cell, Evidence, Verdict
+from replay_proxy.matrix import KINDS, Cell, Evidence, Verdict
 from replay_proxy.matrix.deploy import Answer
 from replay_proxy.matrix.run import MatrixRun
 
@@ -31,9 +33,18 @@ def grid(cells: list[Cell]) -> tuple[list[str], list[str], dict[tuple[str, str],
     return frontends, engines, {(c.frontend, c.engine): c for c in cells}
 
 
-def label(cell: Cell) -> str:
-    """``works``, ``breaks*`` (predicted only), ``degraded!`` (observed, disagreeing with the prediction)."""
-    return cell.verdict.value + ("*" if cell.observed is None else "!" if cell.agrees is False else "")
+def label(cell: Cell, kind: str | None = None) -> str:
+    """``works``, ``breaks*`` (predicted only), ``degraded!`` (observed, disagreeing with the prediction), for
+    ``kind`` or for every kind judged."""
+    kinds = [kind] if kind else cell.kinds
+    predicted_only = any(cell.judgement_of(k) is cell.predicted for k in kinds)
+    return cell.verdict_for(kinds).value + ("*" if predicted_only else "!" if cell.agrees is False else "")
+
+
+def evidence_of(cell: Cell) -> list[Evidence]:
+    """What each kind's verdict rests on: its evidence in the observation where that judged it, else in
+    the prediction."""
+    return [e for k in cell.kinds for e in cell.judgement_of(k).evidence if e.kind == k]
 
 
 def print_table(cells: list[Cell], console: Console) -> None:
@@ -60,21 +71,35 @@ def print_run(run: MatrixRun, console: Console, log: Console) -> None:
 
 def print_answer(answer: Answer, console: Console) -> None:
     """can-i-deploy's answer: the verdict and where it comes from, its reasons, the upgrade order."""
-    verdict = answer.cell.verdict
-    console.print(f"{answer.cell.frontend} with engine {answer.cell.engine}: [{RICH[verdict]}]{verdict.value}[/] "
-                  f"({answer.source})")
-    for evidence, count in answer.reasons():
-        more = f" (and {count - 1} more like it)" if count > 1 else ""
-        console.print(f"  {evidence_line(evidence)}{more}", highlight=False, markup=False)
+    verdict, kinds = answer.verdict, answer.by_kind()
+    said = f"{answer.cell.frontend} with engine {answer.cell.engine}: [{RICH[verdict]}]{verdict.value}[/]"
+    if len(kinds) == 1:  # one kind of request: its source on the same line
+        [(_, _, source, reasons)] = kinds
+        console.print(f"{said} ({source})")
+        _print_reasons(reasons, console, "  ")
+    else:
+        console.print(f"{said} ({'; '.join(f'{v.value} for {kind}' for kind, v, _, _ in kinds)})")
+        for kind, kind_verdict, source, reasons in kinds:
+            console.print(f"  for {kind}: [{RICH[kind_verdict]}]{kind_verdict.value}[/] ({source})")
+            _print_reasons(reasons, console, "    ")
     for line in answer.upgrade:
         console.print(line, highlight=False)
 
 
+def _print_reasons(reasons: list[tuple[Evidence, int]], console: Console, indent: str) -> None:
+    for evidence, count in reasons:
+        more = f" (and {count - 1} more like it)" if count > 1 else ""
+        console.print(f"{indent}{evidence_line(evidence)}{more}", highlight=False, markup=False)
+
+
 def main_reason(cell: Cell) -> str:
-    """The first piece of evidence behind the verdict, in one line."""
-    judgement = cell.observed or cell.predicted
-    reasons = [e for e in judgement.evidence if e.verdict is cell.verdict] or judgement.evidence
-    return f"{reasons[0].direction or 'both'}: {reasons[0].message}" if reasons else ""
+    """The first piece of evidence behind the verdict, in one line (its kind named, where several were judged)."""
+    evidence = evidence_of(cell)
+    reasons = [e for e in evidence if e.verdict is cell.verdict] or evidence
+    if not reasons:
+        return ""
+    kind = f"{reasons[0].kind}: " if len(cell.kinds) > 1 else ""
+    return f"{kind}{reasons[0].direction or 'both'}: {reasons[0].message}"
 
 
 def junit(cells: list[Cell]) -> bytes:
@@ -85,7 +110,7 @@ def junit(cells: list[Cell]) -> bytes:
     for cell in cells:
         case = ET.SubElement(suite, "testcase", classname=cell.frontend, name=f"engine {cell.engine}",
                              time=str((cell.observed and cell.observed.seconds) or 0))
-        text = "\n".join(evidence_line(e) for e in (cell.observed or cell.predicted).evidence)
+        text = "\n".join(evidence_line(e) for e in evidence_of(cell))
         if cell.verdict is Verdict.UNKNOWN:
             ET.SubElement(case, "skipped", message=main_reason(cell)[:300])
         elif cell.verdict is not Verdict.WORKS:
@@ -99,20 +124,32 @@ def junit(cells: list[Cell]) -> bytes:
 
 def evidence_line(e: Evidence) -> str:
     """``[breaks] to_frontend EngineCoreOutputs[8]: ... (source: ...)``, the place left out where the message
-    starts with it; the source is the reader rule's, or the replay's report."""
+    starts with it; the source is the reader rule's, or the replay's report. Evidence of a kind of request
+    other than completion names it: ``[breaks] lora to_engine ...``."""
     where = ".".join(str(p) for p in (e.struct, e.field) if p) + (f"[{e.position}]" if e.position is not None else "")
     if where and e.message.startswith(where.split("[")[0]):
         where = ""
-    return (f"[{e.verdict.value}] {e.direction or 'both'}{' ' + where if where else ''}: {e.message}"
+    kind = "" if e.kind == "completion" else f"{e.kind} "
+    return (f"[{e.verdict.value}] {kind}{e.direction or 'both'}{' ' + where if where else ''}: {e.message}"
             + (f" (source: {e.source})" if e.source else ""))
 
 
 def markdown(cells: list[Cell]) -> str:
+    """The grid over every kind judged, then a grid per kind beyond completion, over the cells judged for it."""
+    text = _grid_markdown(cells)
+    for kind in [k for k in KINDS if k != "completion"]:
+        judged = [c for c in cells if kind in c.kinds]
+        if judged:
+            text += f"\n{kind} requests, where recorded on both sides:\n\n" + _grid_markdown(judged, kind)
+    return text
+
+
+def _grid_markdown(cells: list[Cell], kind: str | None = None) -> str:
     frontends, engines, by = grid(cells)
     lines = ["| frontend | " + " | ".join(f"engine {e}" for e in engines) + " |",
              "|---|" + "---|" * len(engines)]
     for frontend in frontends:
-        lines.append(f"| {frontend} | " + " | ".join(label(by[(frontend, e)]) if (frontend, e) in by else ""
+        lines.append(f"| {frontend} | " + " | ".join(label(by[(frontend, e)], kind) if (frontend, e) in by else ""
                                                      for e in engines) + " |")
     return "\n".join(lines) + "\n"
 

@@ -105,5 +105,13 @@ def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path)
     page, table = html_page(loaded), markdown(loaded)
     assert page.count('<section id="cell-') == 154 and page.count('href="#cell-') == 154
     assert "<script" not in page and "http" not in page.split("<body")[1]  # self-contained
-    assert table.splitlines()[0].startswith("| frontend | engine 0.27.0 |") and len(table.splitlines()) == 2 + 22
+    every_kind, lora = table.split("\nlora requests, where recorded on both sides:\n\n")
+    assert every_kind.splitlines()[0].startswith("| frontend | engine 0.27.0 |")
+    assert len(every_kind.splitlines()) == 2 + 22
+    # LoRA is recorded for 0.28.0, 0.31.0 and 0.32.0. 0.31.0 and 0.32.0 frontends reject a 0.28.0 registration
+    # (whatever the kind); 0.32.0 removed LoRARequest.tensorizer_config_dict.
+    assert lora.splitlines()[0] == "| frontend | engine 0.28.0 | engine 0.31.0 | engine 0.32.0 |"
+    assert lora.splitlines()[2:] == ["| vllm:0.28.0 | works* | works* | breaks* |",
+                                     "| vllm:0.31.0 | breaks* | works* | breaks* |",
+                                     "| vllm:0.32.0 | breaks* | breaks* | works* |"]
     assert junit(loaded) == (tmp_path / "junit.xml").read_bytes()
