@@ -3,9 +3,10 @@
 A user loads an adapter through the frontend's API (an ``add_lora`` utility call whose argument is a
 LoRARequest) and names it in a request (an ADD carrying that LoRARequest). Recorded, every value is what
 vLLM 0.32.0's own decoder reads from the same frames; replayed against a 0.32.0 engine, nothing differs.
-And the cell whose verdict changes by kind: vLLM 0.32.0 removed ``LoRARequest.tensorizer_config_dict``
+And the cells whose verdict changes by kind: vLLM 0.32.0 removed ``LoRARequest.tensorizer_config_dict``
 (position 4), so a 0.32.0 frontend with a 0.31.0 engine serves completions and breaks every LoRA
-request, live and in a replay.
+request, live and in a replay, and so does a 0.31.0 frontend with a 0.32.0 engine, live: each where the
+matrix predicts it from the shipped LoRA recordings (recordings/vllm-X-python-lora.db).
 """
 
 import functools
@@ -14,6 +15,8 @@ import sqlite3
 
 import pytest
 
+from replay_proxy.matrix import RECORDINGS, Frontend, Verdict
+from replay_proxy.matrix.predict import predict
 from replay_proxy.processes import free_port
 from tests.real import peers, workload
 from tests.real.test_oracle_vllm import read_as_vllm_does
@@ -91,3 +94,23 @@ def test_a_0_31_0_engine_serves_0_32_0s_completions_and_breaks_its_lora_requests
     result, report = replay_against_engine(tmp_path / "replay", db, "0.31.0", finish_timeout_s=15)
     rejected = {(f["struct"], f["position"], f["field"]) for f in report["findings"] if f["code"] == "reader_rejected"}
     assert result.returncode == 3 and rejected == {("LoRARequest", 4, "load_inplace")}, result.stdout[-3000:]
+
+
+def predicted_lora_breaks(frontend: str, engine: str) -> set[tuple[str, str, int | None]]:
+    """The matrix's predicted breaks of a cell's LoRA requests, from the shipped recordings, and that it
+    predicts its completions work."""
+    judgement = predict(Frontend("vllm", frontend), engine, RECORDINGS)
+    assert judgement.verdict_for("completion") is Verdict.WORKS
+    return {(e.struct, e.field, e.position) for e in judgement.evidence
+            if e.kind == "lora" and e.verdict is Verdict.BREAKS and e.rule == "changed_type"}
+
+
+def test_the_matrix_predicts_both_lora_breaks_where_the_engines_refuse(tmp_path):
+    # 0.32.0 -> 0.31.0 is observed above; here 0.31.0 -> 0.32.0, live: its LoRARequest's position 4 is
+    # tensorizer_config_dict (None), which a 0.32.0 engine reads as load_inplace (a bool).
+    assert predicted_lora_breaks("0.32.0", "0.31.0") == {("LoRARequest", "tensorizer_config_dict", 4)}
+    assert predicted_lora_breaks("0.31.0", "0.32.0") == {("LoRARequest", "load_inplace", 4)}
+    seen = peers.run_pair(tmp_path, functools.partial(LORA_FRONTEND, release="0.31.0"), tmp_path / "old.db", "old",
+                          engine_release="0.32.0", work=workload.lora, engine_flags=peers.LORA_FLAGS)
+    assert isinstance(seen["base"], str) and not seen["base"].startswith("HTTP"), seen
+    assert seen["load"].startswith("HTTP 500") and "Expected `bool`, got `null` - at `$[4]`" in seen["load"], seen

@@ -98,13 +98,16 @@ def test_can_i_deploy_answers_from_the_observation_and_verifies_a_cell_now(obser
                             "--db", str(db)], capture_output=True, text=True, timeout=60)
     assert known.returncode == 3 and "(observed 20" in known.stdout, known.stdout
     assert "array had incorrect length" in known.stdout
+    # For completions (the observation replays their workload): the cell's LoRA requests break, as
+    # predicted from the LoRA recordings and seen live by test_lora_vllm.py.
     verified = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0",
-                               "--db", str(db), "--verify", *READY], capture_output=True, text=True,
-                              timeout=2 * peers.REPLAY_S)
+                               "--db", str(db), "--uses", "completion", "--verify", *READY], capture_output=True,
+                              text=True, timeout=2 * peers.REPLAY_S)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "vllm:0.31.0 with engine 0.32.0: works (verified now: observed by real peers)" in verified.stdout
     row = sqlite_utils.Database(db)["matrix_cells"].get(("vllm:0.31.0", "0.32.0"))
-    assert (row["observed"], row["predicted"], row["agrees"]) == ("works", "works", 1)
+    assert (row["observed"], row["agrees"], json.loads(row["by_kind"])) == (
+        "works", 1, {"completion": "works", "lora": "breaks"})
 
 
 def cache_whose_model(tmp_path, spoil) -> dict:
@@ -123,7 +126,7 @@ def cache_whose_model(tmp_path, spoil) -> dict:
 
 def verify(env, report_dir) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0", "--verify",
-                           "--report-dir", str(report_dir), *READY], capture_output=True, text=True,
+                           "--uses", "completion", "--report-dir", str(report_dir), *READY], capture_output=True, text=True,
                           timeout=2 * peers.REPLAY_S, env=env)
 
 
