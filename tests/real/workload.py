@@ -16,7 +16,8 @@ import time
 import urllib.error
 from pathlib import Path
 
-from tests.real.peers import LORA, MODEL, post, stream
+from replay_proxy.peers import ADAPTER
+from tests.real.peers import MODEL, post, stream
 
 GREEDY = {"temperature": 0.0}
 
@@ -94,17 +95,18 @@ def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dic
     return _each({f"user-{i}": functools.partial(kinds[i % len(kinds)], prompt) for i, prompt in enumerate(prompts)})
 
 
-def lora(http_port: int, model: Path = MODEL, adapter: Path = LORA, **_) -> dict[str, object]:
-    """A user of a LoRA adapter (the frontend and engine started with peers.LORA_FLAGS): a completion of the
+def lora(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
+    """A user of a LoRA adapter (the frontend and engine serving peers.LORA): a completion of the
     base model, the adapter loaded through the frontend's API (an ``add_lora`` utility call on the wire, its
-    LoRARequest the argument), then the same prompt naming the adapter (an ADD carrying that LoRARequest).
+    LoRARequest the argument, the adapter named by its path relative to the peers' folder, the same on every
+    machine), then the same prompt naming the adapter (an ADD carrying that LoRARequest).
     A step that fails is noted as its HTTP status and the rest go on. (No abort: the keywords ``run`` takes
     for one are accepted and not used.)"""
     prompt = {"prompt": "hello world one two", "max_tokens": 6, **GREEDY}
     steps = {
         "base": lambda: post(http_port, "/v1/completions", {"model": str(model), **prompt})["choices"][0]["text"],
         "load": lambda: post(http_port, "/v1/load_lora_adapter", {"lora_name": "tiny-lora",
-                                                                  "lora_path": str(adapter)}, text=True),
+                                                                  "lora_path": ADAPTER}, text=True),
         "adapter": lambda: post(http_port, "/v1/completions", {"model": "tiny-lora", **prompt})["choices"][0]["text"],
     }
     return _each(steps)
