@@ -112,6 +112,22 @@ def lora(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
     return _each(steps)
 
 
+def fan_out(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
+    """Requests the frontend fans out (beam search, n=2) and one an ngram drafter proposes for (its prompt
+    repeats itself): each step's JSON answer, or its HTTP status. (No abort: ``run``'s keywords are accepted
+    and not used.)"""
+    steps = {
+        "beam": lambda: post(http_port, "/v1/completions", {"model": str(model), "prompt": "hello world one two",
+                                                            "max_tokens": 5, "n": 2, "use_beam_search": True,
+                                                            **GREEDY}),
+        "n2": lambda: post(http_port, "/v1/completions", {"model": str(model), "prompt": "one two three",
+                                                          "max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 7}),
+        "repeating": lambda: post(http_port, "/v1/completions", {"model": str(model), "max_tokens": 8, **GREEDY,
+                                                                 "prompt": "one two three one two three"}),
+    }
+    return _each(steps)
+
+
 def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
     """A user of an embedding model (the frontend and engine started with peers.POOLING_FLAGS): two texts
     embedded in one request, then a score of one text against two (the frontend embeds and compares).
