@@ -8,18 +8,21 @@ DEALER and a PUSH to each, sends the recorded REGISTRATION and READY as raw
 bytes, and waits for the frontend's HTTP API. Then it drives the frontend as
 users did: one HTTP request per recorded request (prompt as token ids, the
 recorded sampling parameters, streaming as recorded, a recorded client-side
-abort as an early disconnect), at the recorded pacing.
+abort as an early disconnect; a pooling request as an embedding of its
+prompt), at the recorded pacing.
 
 Each ADD the frontend produces is matched to its recorded request (prompt and
 effective sampling values), compared field by field, and answered with the
 recorded outputs of that request: the recorded output messages, cut down to
 that request and with only its request id patched, at the recorded delays.
 Utility calls are answered from the recording by method. What the HTTP client
-gets back is checked against the recorded tokens and finish reason.
+gets back is checked against the recorded tokens and finish reason, or the
+recorded pooled values.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.error
@@ -265,17 +268,22 @@ class EnginePlayer(Player):
 
     async def _http_request(self, model: str, frame: RecordedFrame) -> None:
         recorded = frame.decoded
-        params = recorded.get("sampling_params") or {}
-        body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
-                **{k: params[k] for k in HTTP_PARAMS if k in params}}
         aborted_after = next((f.tokens_before_abort[recorded["request_id"]] for f in self.session.inputs
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
-        delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
-        stream = params.get("output_kind") == delta or aborted_after is not None
+        if recorded.get("pooling_params") is not None:  # a pooling request: the prompt's tokens embedded
+            ask = functools.partial(embedding, f"{self.http}/v1/embeddings",
+                                    {"model": model, "input": recorded["prompt_token_ids"]}, self.finish_timeout)
+        else:
+            params = recorded.get("sampling_params") or {}
+            body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
+                    **{k: params[k] for k in HTTP_PARAMS if k in params}}
+            delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
+            stream = params.get("output_kind") == delta or aborted_after is not None
+            ask = functools.partial(completion, f"{self.http}/v1/completions", body, stream, aborted_after,
+                                    self.finish_timeout)
         with trio.move_on_after(self.finish_timeout) as waiting:
             try:
-                seen = await trio.to_thread.run_sync(completion, f"{self.http}/v1/completions", body, stream,
-                                                     aborted_after, self.finish_timeout, abandon_on_cancel=True)
+                seen = await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
             except (OSError, ValueError) as exc:
                 seen = {"error": f"{type(exc).__name__}: {exc}"}
         if waiting.cancelled_caught:
@@ -295,6 +303,14 @@ class EnginePlayer(Player):
             if "error" in seen:
                 findings.append(Finding("behaviour", Severity.REGRESSION, "http_failed",
                                         f"the HTTP request failed: {seen['error']}", request_id=rid))
+            elif "embedding" in seen:
+                recorded = next(filter(None, map(_pooled_values, self._recorded_outputs.get(rid, []))), [])
+                if seen["embedding"] != recorded:  # float32 on the wire: the same floats in the JSON
+                    findings.append(Finding(
+                        "behaviour", Severity.REGRESSION, "http_response_differs",
+                        f"the user got an embedding of {len(seen['embedding'])} values, the recorded engine "
+                        f"pooled {len(recorded)}, and they differ", request_id=rid,
+                        baseline=recorded[:4], candidate=seen["embedding"][:4]))
             elif seen["aborted_after"] is None and (seen["token_ids"], seen["finish_reason"]) != (tokens, finish):
                 findings.append(Finding(
                     "behaviour", Severity.REGRESSION, "http_response_differs",
@@ -328,6 +344,12 @@ def _output_tokens(entry: tuple[RecordedFrame, int]) -> list[int]:
     return frame.decoded["outputs"][position].get("new_token_ids") or []
 
 
+def _pooled_values(entry: tuple[RecordedFrame, int]) -> list[float] | None:
+    frame, position = entry
+    tensor = frame.decoded["outputs"][position].get("pooling_output")
+    return tensor.values if tensor is not None else None
+
+
 def _finish(entry: tuple[RecordedFrame, int], schema) -> str | None:
     frame, position = entry
     return schema.finish_name(frame.decoded["outputs"][position].get("finish_reason"))
@@ -338,12 +360,23 @@ def _get_json(url: str, timeout: float) -> Any:
         return json.load(response)
 
 
+def _post(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def embedding(url: str, body: dict, timeout: float) -> dict:
+    """One embedding as an HTTP client sees it."""
+    try:
+        with urllib.request.urlopen(_post(url, body), timeout=timeout) as response:
+            return {"embedding": json.load(response)["data"][0]["embedding"]}
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"}
+
+
 def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
     """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort)."""
-    request = urllib.request.Request(url, data=json.dumps({**body, "stream": stream}).encode(),
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(_post(url, {**body, "stream": stream}), timeout=timeout) as response:
             if not stream:
                 choice = json.load(response)["choices"][0]
                 return {"token_ids": choice.get("token_ids") or [], "finish_reason": choice.get("finish_reason")}
