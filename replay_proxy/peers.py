@@ -63,6 +63,7 @@ SERVING = {
     # The frontend also loads adapters through its API (/v1/load_lora_adapter: the add_lora call).
     "lora": Serving(("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"),
                     {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, adapter=True),
+    "pooling": Serving(("--runner", "pooling", "--convert", "embed")),  # the tiny model as an embedding model
 }
 
 

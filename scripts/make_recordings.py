@@ -15,9 +15,10 @@ third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here
 (0.22.0 to 0.26.0, 0.33.0): the compatibility matrix replays what each
 frontend sends against every engine.
-`--kind lora` records the LoRA workload (tests/real/workload.py: lora) instead,
-the frontend and engine started with LoRA on, into vllm-X-python-lora.db: the
-matrix judges each kind of request from its own recordings.
+`--kind lora` (or pooling) records that kind's workload (tests/real/workload.py:
+lora, pooling) instead, the frontend and engine serving it, into
+vllm-X-python-lora.db (-pooling.db): the matrix judges each kind of request from
+its own recordings.
 """
 
 import argparse
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replay_proxy.matrix import KINDS  # noqa: E402
-from replay_proxy.peers import engine_installed  # noqa: E402
+from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
 from replay_proxy.wire.schema import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
@@ -93,10 +94,11 @@ def main() -> None:
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")
-        if args.kind == "lora":
-            record(f"vllm-{release}-python{KINDS['lora']}.db", "python-frontend",
-                   functools.partial(peers.python_frontend, release=release, serving=peers.LORA),
-                   release, work=workload.lora, serving=peers.LORA)
+        if args.kind != "completion":
+            serving = SERVING[args.kind]
+            record(f"vllm-{release}-python{KINDS[args.kind]}.db", "python-frontend",
+                   functools.partial(peers.python_frontend, release=release, serving=serving),
+                   release, work=getattr(workload, args.kind), serving=serving)
             continue
         record(f"vllm-{release}-python.db", "python-frontend",
                functools.partial(peers.python_frontend, release=release), release)

@@ -66,8 +66,8 @@ def can_i_deploy(
     engine: Annotated[str, typer.Option(help="The engine to run it with: vllm==Y.")],
     db: Annotated[Path | None, typer.Option(help="The matrix database (replay-proxy matrix --db).")] = None,
     uses: Annotated[str | None, typer.Option(
-        help="The kinds of request the deployment uses, a comma list of completion and lora (default: every kind "
-             "judged for the cell).")] = None,
+        help="The kinds of request the deployment uses, a comma list of completion, lora and pooling "
+             "(default: every kind judged for the cell).")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="Observe the cell now with real peers.")] = False,
     current_frontend: Annotated[str | None, typer.Option(
         help="The frontend running now, for the upgrade order (default: the older release of the two).")] = None,

@@ -43,7 +43,9 @@ RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 # the fixed workload (completion, chat, streaming, a seeded request, logprobs, a client abort, the start-up
 # utility calls). lora: a completion, a LoRA adapter loaded through the frontend's API (the add_lora call,
 # its LoRARequest) and a request naming it (an ADD carrying that LoRARequest), peers started with LoRA on.
-KINDS = {"completion": "", "lora": "-lora"}
+# pooling: embeddings of two texts and a score of one against two (PoolingParams in, pooling_output tensors
+# out), the tiny model served as an embedding model.
+KINDS = {"completion": "", "lora": "-lora", "pooling": "-pooling"}
 
 
 class MatrixError(ReplayProxyError):

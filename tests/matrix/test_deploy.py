@@ -105,7 +105,8 @@ def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path)
     page, table = html_page(loaded), markdown(loaded)
     assert page.count('<section id="cell-') == 154 and page.count('href="#cell-') == 154
     assert "<script" not in page and "http" not in page.split("<body")[1]  # self-contained
-    every_kind, lora = table.split("\nlora requests, where recorded on both sides:\n\n")
+    every_kind, kinds = table.split("\nlora requests, where recorded on both sides:\n\n")
+    lora, pooling = kinds.split("\npooling requests, where recorded on both sides:\n\n")
     assert every_kind.splitlines()[0].startswith("| frontend | engine 0.27.0 |")
     assert len(every_kind.splitlines()) == 2 + 22
     # LoRA is recorded for 0.28.0, 0.31.0 and 0.32.0. 0.31.0 and 0.32.0 frontends reject a 0.28.0 registration
@@ -114,4 +115,8 @@ def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path)
     assert lora.splitlines()[2:] == ["| vllm:0.28.0 | works* | works* | breaks* |",
                                      "| vllm:0.31.0 | breaks* | works* | breaks* |",
                                      "| vllm:0.32.0 | breaks* | breaks* | works* |"]
+    # No PoolingParams change between these releases: only the registration breaks.
+    assert pooling.splitlines()[2:] == ["| vllm:0.28.0 | works* | works* | works* |",
+                                        "| vllm:0.31.0 | breaks* | works* | works* |",
+                                        "| vllm:0.32.0 | breaks* | works* | works* |"]
     assert junit(loaded) == (tmp_path / "junit.xml").read_bytes()

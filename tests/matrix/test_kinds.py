@@ -23,9 +23,9 @@ NEW_FRONTEND, OLD_ENGINE = Frontend("vllm", "0.32.0"), "0.31.0"
 def test_a_cell_serves_completions_and_breaks_lora_requests_by_the_lora_recordings():
     judgement = predict(NEW_FRONTEND, OLD_ENGINE, RECORDINGS)
     cell = Cell(str(NEW_FRONTEND), OLD_ENGINE, judgement)
-    assert judgement.kinds == ("completion", "lora")
-    assert (cell.verdict_for(["completion"]), cell.verdict_for(["lora"]), cell.verdict) == (
-        Verdict.WORKS, Verdict.BREAKS, Verdict.BREAKS)
+    assert judgement.kinds == ("completion", "lora", "pooling")
+    assert (cell.verdict_for(["completion"]), cell.verdict_for(["lora"]), cell.verdict_for(["pooling"]),
+            cell.verdict) == (Verdict.WORKS, Verdict.BREAKS, Verdict.WORKS, Verdict.BREAKS)
     # Where a 0.31.0 engine was seen to refuse it: "Expected `object | null`, got `bool` - at `$[4]`".
     breaking = {(e.kind, e.direction, e.struct, e.field, e.position, e.rule) for e in judgement.evidence
                 if e.verdict is Verdict.BREAKS}
@@ -33,7 +33,7 @@ def test_a_cell_serves_completions_and_breaks_lora_requests_by_the_lora_recordin
                         for rule in ("changed_type", "field_removed")}
     assert main_reason(cell).startswith("lora: to_engine: LoRARequest.tensorizer_config_dict: a value of another type")
     same = Cell("vllm:0.32.0", "0.32.0", predict(Frontend("vllm", "0.32.0"), "0.32.0", RECORDINGS))
-    assert (same.kinds, same.verdict_for(["lora"])) == (["completion", "lora"], Verdict.WORKS)
+    assert (same.kinds, same.verdict) == (["completion", "lora", "pooling"], Verdict.WORKS)
 
 
 def test_a_kind_recorded_on_one_side_only_is_not_judged_and_never_read_as_works():
@@ -54,10 +54,10 @@ def test_an_observation_of_completions_leaves_lora_to_the_prediction_and_agrees_
     database.save(db, [cell], "test", 40.0)
     row = sqlite_utils.Database(db)["matrix_cells"].get((str(NEW_FRONTEND), OLD_ENGINE))
     assert (row["verdict"], row["observed"], row["agrees"], json.loads(row["by_kind"])) == (
-        "breaks", "works", 1, {"completion": "works", "lora": "breaks"})
+        "breaks", "works", 1, {"completion": "works", "lora": "breaks", "pooling": "works"})
     answer = can_i_deploy(NEW_FRONTEND, OLD_ENGINE, db)
-    assert answer.uses == ["completion", "lora"] and answer.verdict is Verdict.BREAKS
-    (_, works, seen_at, _), (_, breaks, predicted, reasons) = answer.by_kind()
+    assert answer.uses == ["completion", "lora", "pooling"] and answer.verdict is Verdict.BREAKS
+    (_, works, seen_at, _), (_, breaks, predicted, reasons), _ = answer.by_kind()
     assert (works, breaks, predicted) == (Verdict.WORKS, Verdict.BREAKS, "predicted: not observed yet")
     assert seen_at.startswith("observed 2026-12-03") and reasons[0][0].struct == "LoRARequest"
     table = markdown(database.load(db))
@@ -75,7 +75,8 @@ def test_can_i_deploy_answers_for_the_kinds_a_deployment_uses():
     assert lora.returncode == 3, lora.stdout
     assert "[breaks] lora to_engine: LoRARequest.tensorizer_config_dict: a value of another type" in lora.stdout
     assert both.returncode == 3
-    assert "vllm:0.32.0 with engine 0.31.0: breaks (works for completion; breaks for lora)" in both.stdout
+    assert ("vllm:0.32.0 with engine 0.31.0: breaks (works for completion; breaks for lora; works for pooling)"
+            in both.stdout)
     assert "  for lora: breaks (predicted: not observed yet)" in both.stdout
     # A kind not recorded for the cell is unknown (exit 6), and says how to record it.
     rust = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm-rs==0.32.0", "--engine", "0.31.0", "--uses",
@@ -83,5 +84,5 @@ def test_can_i_deploy_answers_for_the_kinds_a_deployment_uses():
     assert rust.returncode == 6 and "make_recordings.py --kind lora" in rust.stdout, rust.stdout
     bad = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.32.0", "--engine", "0.31.0", "--uses",
                           "images"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "kinds of request are completion, lora" in bad.stderr
+    assert bad.returncode == 2 and "kinds of request are completion, lora, pooling" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1

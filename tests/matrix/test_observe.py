@@ -32,7 +32,7 @@ def test_frontends_share_an_engine_replay_exactly_when_they_send_the_same(tmp_pa
 def test_each_kind_recorded_on_both_sides_gets_its_own_two_replays_of_its_own_recordings(tmp_path):
     new, old = Frontend("vllm", "0.32.0"), Frontend("vllm", "0.31.0")
     legs = legs_of([(new, "0.31.0"), (new, "0.30.0"), (Frontend("vllm-rs", "0.32.0"), "0.31.0")], RECORDINGS, tmp_path)
-    assert [list(legs[c]) for c in legs] == [["completion", "lora"], ["completion"], ["completion"]]
+    assert [list(legs[c]) for c in legs] == [["completion", "lora", "pooling"], ["completion"], ["completion"]]
     to_engine, to_frontend = legs[(new, "0.31.0")]["lora"]
     assert (to_engine.kind, to_frontend.kind) == ("lora", "lora")
     assert (to_engine.recording, to_frontend.recording) == (recording_of(new, RECORDINGS, "lora"),

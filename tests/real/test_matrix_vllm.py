@@ -107,7 +107,7 @@ def test_can_i_deploy_answers_from_the_observation_and_verifies_a_cell_now(obser
     assert "vllm:0.31.0 with engine 0.32.0: works (verified now: observed by real peers)" in verified.stdout
     row = sqlite_utils.Database(db)["matrix_cells"].get(("vllm:0.31.0", "0.32.0"))
     assert (row["observed"], row["agrees"], json.loads(row["by_kind"])) == (
-        "works", 1, {"completion": "works", "lora": "breaks"})
+        "works", 1, {"completion": "works", "lora": "breaks", "pooling": "works"})
 
 
 def cache_whose_model(tmp_path, spoil) -> dict:

@@ -129,7 +129,7 @@ def fan_out(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
 
 
 def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
-    """A user of an embedding model (the frontend and engine started with peers.POOLING_FLAGS): two texts
+    """A user of an embedding model (the frontend and engine serving peers.POOLING): two texts
     embedded in one request, then a score of one text against two (the frontend embeds and compares).
     Each step's JSON answer, or its HTTP status. (No abort: ``run``'s keywords are accepted and not used.)"""
     steps = {
