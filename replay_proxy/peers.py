@@ -7,8 +7,9 @@ come from ``scripts/setup-vllm.sh --engines-only X`` (called here on demand,
 bounded, one installer at a time), the binaries from ``releases.vllm_rs``, the
 tiny model every peer serves (and its LoRA adapter) from
 ``scripts/make_tiny_model.py``; all live in the cache, never in the repo, and
-``ready_engine`` / ``ready_frontend`` check them before a peer starts. Everything else here builds command lines: the
-processes are the caller's ``Child`` (own process group, stopped by PID).
+``ready_engine`` / ``ready_frontend`` check them before a peer starts.
+Everything else here builds command lines: the processes are the caller's
+``Child`` (own process group, stopped by PID).
 """
 
 from __future__ import annotations

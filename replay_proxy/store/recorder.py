@@ -274,10 +274,10 @@ class Recorder:
                     due = min(time.monotonic() + TAP_HOLD_S, stop_by or math.inf)
                 if entry == _STOP_ENTRY:
                     # STOP. The forwarders' copies come by other sockets than STOP, so some may still be on
-                    # their way: once the relay has said how many were numbered, they are waited for by
-                    # count (a loaded machine delivers late); else a running forwarder's come within FLUSH_MS.
-                    # Copies still coming are waited for: a forwarder blocked on a full pipe (block mode) sends
-                    # its next batch only once the tap has read the last, so the quiet between them is the bound.
+                    # their way: once the relay has said how many it numbered, they are waited for by count
+                    # while they keep coming (a forwarder blocked on a full pipe, in block mode, sends its next
+                    # batch only once the tap has read the last; a loaded machine delivers late), else for
+                    # FLUSH_MS after the last (a running forwarder's come within it).
                     stop_wait_s = STOP_GRACE_MS / 1000 if self._last_seq is None else STOP_COPIES_S
                     stop_by = time.monotonic() + stop_wait_s
                     continue
