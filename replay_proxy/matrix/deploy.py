@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from replay_proxy.matrix import (Cell, Evidence, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording,
+from replay_proxy.matrix import (KINDS, Cell, Evidence, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording,
                                  recording_of, releases_in)
 from replay_proxy.matrix import database
 from replay_proxy.matrix.observe import replay
@@ -65,19 +65,22 @@ class Answer(msgspec.Struct):
         return answers
 
 
-def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False,
+def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False, uses: list[str] | None = None,
             recordings: Path = RECORDINGS, workdir: Path | None = None, ready_s: float = READY_S) -> tuple[Cell, str]:
-    """The cell, predicted from the recordings now, with its observation (verified now, or from the matrix
-    database), and where that observation comes from (``workdir`` and ``ready_s``: where a verification keeps
-    its replays, and how long each waits for its peer)."""
-    if verify:
-        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s)
+    """The cell, predicted from the recordings now, with its observation (verified now, of the kinds in
+    ``uses`` recorded for it, default all; or from the matrix database), and where that observation comes
+    from (``workdir`` and ``ready_s``: where a verification keeps its replays, and how long each waits for
+    its peer)."""
+    cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
+    observable = [kind for kind in uses or KINDS if kind in cell.predicted.kinds]
+    if verify and observable:
+        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s,
+                       kinds=observable)
         if db is not None:
             database.save(db, [cell], f"can-i-deploy --frontend {frontend} --engine vllm=={engine} --verify",
                           cell.observed.seconds or 0)
         return cell, "verified now: observed by real peers"
     known = {(c.frontend, c.engine): c for c in database.load(db)} if db is not None else {}
-    cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
     seen = known.get((str(frontend), engine))
     if seen is not None and seen.observed is not None and seen.observed.verdict is not Verdict.UNKNOWN:
         cell.observed, cell.observed_at = seen.observed, seen.observed_at
@@ -91,7 +94,7 @@ def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, uses: list
     """Whether ``frontend`` works with ``engine`` for the kinds of request in ``uses`` (default: every kind
     judged), and the upgrade order from ``current`` (default: both sides at the older of the two releases)
     that keeps every step working for them."""
-    cell, source = cell_of(frontend, engine, db, verify=verify, recordings=recordings, workdir=workdir,
+    cell, source = cell_of(frontend, engine, db, verify=verify, uses=uses, recordings=recordings, workdir=workdir,
                            ready_s=ready_s)
     uses = uses or cell.kinds
     if cell.verdict_for(uses) is Verdict.BREAKS:

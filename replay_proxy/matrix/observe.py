@@ -199,15 +199,17 @@ def sends(recording: tuple[Path, str], release: str) -> str:
 Legs = dict[str, tuple[Leg, Leg]]  # a cell's two legs for each kind of request recorded on both sides
 
 
-def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path,
-            ready_s: float = peers.READY_S) -> dict[tuple[Frontend, str], Legs | None]:
-    """The two legs of each kind of each cell (None: a completion recording is missing), engine legs shared
-    between frontends that send the same; each waits ``ready_s`` for its peer."""
+def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path, ready_s: float = peers.READY_S,
+            kinds: list[str] | None = None) -> dict[tuple[Frontend, str], Legs | None]:
+    """The two legs of each kind (of ``kinds``, default all) of each cell (None: a recording of the first kind
+    is missing), engine legs shared between frontends that send the same; each waits ``ready_s`` for its peer."""
+    kinds = kinds or list(KINDS)
     engine_legs: dict[tuple[str, str, str], Leg] = {}
     legs: dict[tuple[Frontend, str], Legs | None] = {}
     for frontend, engine in cells:
         by_kind: Legs = {}
-        for kind, suffix in KINDS.items():
+        for kind in kinds:
+            suffix = KINDS[kind]
             sent, got = recording_of(frontend, recordings, kind), engine_recording(engine, recordings, kind)
             if sent is None or got is None:
                 continue
@@ -219,7 +221,7 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path,
             by_kind[kind] = (engine_legs[key], Leg(
                 Direction.TO_FRONTEND, got, workdir / f"engine-{engine}{suffix}-to-{frontend}".replace(":", "-"),
                 frontend=frontend, ready_s=ready_s, kind=kind))
-        legs[(frontend, engine)] = by_kind if "completion" in by_kind else None
+        legs[(frontend, engine)] = by_kind if kinds[0] in by_kind else None
     return legs
 
 

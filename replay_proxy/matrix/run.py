@@ -21,15 +21,16 @@ WORKERS = 2  # replays at once: each real peer pair needs a core to start in its
 
 def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Callable[[Frontend, str], bool] = True,
           recordings: Path = RECORDINGS, workdir: Path | None = None, workers: int = WORKERS,
-          ready_s: float = READY_S, progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
-    """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate),
-    each replay waiting ``ready_s`` for its peer."""
+          ready_s: float = READY_S, kinds: list[str] | None = None,
+          progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
+    """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate), for
+    ``kinds`` of request (default: every kind recorded), each replay waiting ``ready_s`` for its peer."""
     cells = [Cell(str(f), e, predict(f, e, recordings)) for f in frontends for e in engines]
     wanted = [(f, e) for f in frontends for e in engines if (observe(f, e) if callable(observe) else observe)]
     if not wanted:
         return cells
     workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-matrix-"))
-    legs = legs_of(wanted, recordings, workdir, ready_s)
+    legs = legs_of(wanted, recordings, workdir, ready_s, kinds)
     unique = list({id(leg): leg for by_kind in legs.values() if by_kind for pair in by_kind.values()
                    for leg in pair}.values())
     progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time), work in {workdir}")

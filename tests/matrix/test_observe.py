@@ -38,6 +38,9 @@ def test_each_kind_recorded_on_both_sides_gets_its_own_two_replays_of_its_own_re
     assert (to_engine.recording, to_frontend.recording) == (recording_of(new, RECORDINGS, "lora"),
                                                             recording_of(old, RECORDINGS, "lora"))
     assert to_engine is not legs[(new, "0.31.0")]["completion"][0]
+    # can-i-deploy --verify --uses observes only the kinds asked.
+    asked = legs_of([(new, "0.31.0")], RECORDINGS, tmp_path, kinds=["lora"])
+    assert list(asked[(new, "0.31.0")]) == ["lora"]
 
 
 def edited(tmp_path, change) -> tuple:
