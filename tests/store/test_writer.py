@@ -358,13 +358,13 @@ def test_copies_still_coming_after_the_stop_are_waited_for_by_count(db_path):
     """A forwarder's copies come to the tap by another socket than the recorder's STOP, so on a loaded machine
     they may come after it; in block mode a forwarder on a full pipe sends its next batch only once the tap
     has read the last. The relay says how many messages it numbered, and the tap waits for them while they
-    come: here one every 0.3 s, for 0.9 s after STOP (longer than STOP_COPIES_S)."""
+    come: here one every 0.2 s (well within STOP_COPIES_S of the last), for 0.6 s after STOP (longer than it)."""
     recorder = Recorder(db_path, SessionInfo(name="late copies"))
     recorder.frame(frame(1))
     forwarder, batches = _late_copies(recorder, [2, 3, 4])
     recorder.relay_stopped(4)
     # (NOBLOCK: were the tap gone, a DEALER's send would wait for it forever)
-    late = [threading.Timer(0.3 * (i + 1), forwarder.send, [batch, zmq.NOBLOCK]) for i, batch in enumerate(batches)]
+    late = [threading.Timer(0.2 * (i + 1), forwarder.send, [batch, zmq.NOBLOCK]) for i, batch in enumerate(batches)]
     for timer in late:
         timer.start()
     try:
