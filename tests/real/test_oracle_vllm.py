@@ -17,11 +17,13 @@ from replay_proxy.wire.values import Tensor
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
-ORACLE = [str(peers.VENV / "bin" / "python"), str(Path(__file__).with_name("oracle.py"))]
+ORACLE = Path(__file__).with_name("oracle.py")
 
 
-def oracle(mode, stdin=None):
-    result = subprocess.run([*ORACLE, mode], input=stdin, capture_output=True, text=True, timeout=120)
+def oracle(mode, stdin=None, release="0.32.0"):
+    """Run oracle.py's ``mode`` with ``release``'s vLLM: what it printed, as JSON."""
+    result = subprocess.run([str(peers.CACHE / f"vllm-{release}" / "bin" / "python"), str(ORACLE), mode],
+                            input=stdin, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
@@ -114,7 +116,7 @@ def read_as_vllm_does(db: Path, release: str = "0.32.0") -> list[tuple[str, dict
         ours.append((kind, message.fields))
         body = parts if direction == Direction.TO_FRONTEND else parts[1:]  # (an input's request type byte)
         messages.append(["OUTPUTS" if kind == "UTILITY_OUTPUT" else kind, [bytes(p).hex() for p in body]])
-    theirs = oracle("recorded", json.dumps(messages))
+    theirs = oracle("recorded", json.dumps(messages), release)
     for i, ((kind, a), b) in enumerate(zip(ours, theirs, strict=True)):
         same(a, b, f"{kind}#{i}")
     return [(m[0], fields) for m, (_, fields) in zip(messages, ours)]

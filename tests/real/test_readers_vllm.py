@@ -9,7 +9,6 @@ so a rule that is wrong fails here.
 
 import json
 import sqlite3
-import subprocess
 
 import msgspec
 import pytest
@@ -20,7 +19,7 @@ from replay_proxy.compare.readers import verdict
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
-from tests.real.test_oracle_vllm import ORACLE
+from tests.real.test_oracle_vllm import oracle
 
 pytestmark = pytest.mark.real_vllm
 UNSET = object()
@@ -77,9 +76,7 @@ def test_python_readers_with_vllms_own_decoder():
                         "changed_type"),
     }
     stdin = json.dumps({name: (cls, msgspec.msgpack.encode(value).hex()) for name, (cls, value, _, _) in cases.items()})
-    result = subprocess.run([*ORACLE, "tolerate"], input=stdin, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    got = json.loads(result.stdout)
+    got = oracle("tolerate", stdin)
     for name, (_, _, reader, rule) in cases.items():
         expected = "rejected" if verdict(reader, rule) == "rejects" else "accepted"
         assert got[name].split(":")[0] == expected, (name, reader, rule, got[name])

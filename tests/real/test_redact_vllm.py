@@ -7,7 +7,6 @@ completions with a stop string, a stop token, logprobs and n=2, a structured-out
 embeddings (both sides run with --enable-prompt-embeds), a client abort.
 """
 
-import base64
 import json
 import shutil
 import sqlite3
@@ -19,7 +18,7 @@ import sqlite_utils
 
 from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.copy import redact_database
-from tests.real import peers
+from tests.real import peers, workload
 from tests.real.test_oracle_vllm import read_as_vllm_does
 from tests.redact.leaks import file_bytes, leaks, shape, tokens_of
 
@@ -29,34 +28,14 @@ VOCAB = json.loads((peers.MODEL / "config.json").read_text())["vocab_size"] if p
 GREEDY = {"temperature": 0.0}
 STOP = "acme secret stop"
 SCHEMA_PROPERTY = "acme_secret_property"
-WORDS = "the quick brown fox jumps over the lazy dog while seven wise owls watch from the old oak tree"
-SYSTEM = " ".join([WORDS] * 4)  # more than one 128-token block: what prefix caching can share between turns
-EMBEDS = ("--enable-prompt-embeds",)  # the frontend's and every engine's
-EMBED_ROWS = 6
+WORDS = workload.WORDS_OF_A_CHAT
+EMBEDS = workload.PROMPT_EMBEDS  # the frontend's and every engine's
 
 
-def prompt_embeds() -> tuple[str, bytes]:
-    """A seeded (EMBED_ROWS, hidden size) float32 tensor, as the completions API takes it (base64 of
-    torch.save), and its raw bytes (as they go on the wire), made by the vLLM environment's torch."""
-    code = ("import base64, io, sys, torch; torch.manual_seed(7); "
-            f"t = torch.randn({EMBED_ROWS}, int(sys.argv[1]), dtype=torch.float32); b = io.BytesIO(); "
-            "torch.save(t, b); print(base64.b64encode(b.getvalue()).decode()); "
-            "print(base64.b64encode(t.numpy().tobytes()).decode())")
-    hidden = json.loads((peers.MODEL / "config.json").read_text())["hidden_size"]
-    saved, raw = subprocess.run([str(peers.VENV / "bin" / "python"), "-c", code, str(hidden)], capture_output=True,
-                                text=True, check=True, timeout=120).stdout.split()
-    return saved, base64.b64decode(raw)
-
-
-def workload(http: int, embeds: str) -> dict:
+def rich(http: int, embeds: str) -> dict:
     """The requests; what each answered."""
-    model, seen = str(peers.MODEL), {}
-    messages = [{"role": "user", "content": SYSTEM}]
-    for turn in range(3):  # each turn's prompt is the last one's, its answer and a new question
-        answer = peers.post(http, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 6,
-                                                           **GREEDY})["choices"][0]["message"]["content"]
-        seen[f"turn {turn + 1}"] = answer
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and {turn} more"}]
+    model = str(peers.MODEL)
+    seen = {f"turn {i + 1}": answer for i, answer in enumerate(workload.chat_turns(http))}
     seen["stop"] = peers.post(http, "/v1/completions", {"model": model, "prompt": WORDS, "max_tokens": 8,
                                                         "stop": [STOP], **GREEDY})["choices"][0]["text"]
     # A stop token: the second token this prompt makes greedily, which the engine then stops at and names.
@@ -88,7 +67,7 @@ def recorded(tmp_path_factory):
     key.write_bytes(b"the real tier's redaction key, 32+ bytes")
     plain, redacted = folder / "staging.db", folder / "redacted-live.db"
     http, upstream, middle, listen = (peers.free_port() for _ in range(4))
-    embeds, embeds_raw = prompt_embeds()
+    embeds, embeds_raw = workload.prompt_embeds()
     children = [peers.python_frontend(folder, http, upstream, flags=EMBEDS)]
     try:
         children.append(peers.proxy(folder, middle, upstream, plain, "chat"))
@@ -96,7 +75,7 @@ def recorded(tmp_path_factory):
                                     "--vocab-size", str(VOCAB)))
         children.append(peers.headless_engine(folder, listen, flags=EMBEDS))
         peers.wait_http_ready(http, children)
-        seen = workload(http, embeds)
+        seen = rich(http, embeds)
     finally:
         for child in reversed(children):
             child.stop()
@@ -138,7 +117,7 @@ def test_every_value_of_the_rich_session_is_what_vllm_0_32_0s_own_decoder_reads(
     plain = recorded[0]
     adds = [fields for kind, fields in read_as_vllm_does(plain) if kind == "ADD"]
     [embeds] = [f["prompt_embeds"] for f in adds if f.get("prompt_embeds") is not None]
-    assert embeds.shape == [EMBED_ROWS, json.loads((peers.MODEL / "config.json").read_text())["hidden_size"]]
+    assert embeds.shape == [workload.EMBED_ROWS, json.loads((peers.MODEL / "config.json").read_text())["hidden_size"]]
     assert [f["sampling_params"]["structured_outputs"]["json"] for f in adds
             if f["sampling_params"].get("structured_outputs")] != []
     # vLLM's engine reports a stop token (a stop string is the frontend's to find): stored as the integer it is.

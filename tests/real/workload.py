@@ -1,5 +1,5 @@
-"""The HTTP workload run against real frontends: what a user does, one request at a time (completion,
-chat, streaming, a seeded request, logprobs, a client abort).
+"""The HTTP workloads run against real frontends: what a user does, one request at a time (``run``:
+completion, chat, streaming, a seeded request, logprobs, a client abort; and the other kinds of request below).
 
 Requests run sequentially: on vLLM's CPU build, greedy requests batched
 together do not reproduce run to run (docs/real-vllm.md), single ones do. A
@@ -10,14 +10,17 @@ recording still holds everything its frontend sends.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import json
+import subprocess
 import time
 import urllib.error
 from pathlib import Path
 
 from replay_proxy.peers import ADAPTER
-from tests.real.peers import MODEL, post, stream
+from tests.real.peers import CACHE, MODEL, post, stream
 
 GREEDY = {"temperature": 0.0}
 
@@ -137,6 +140,64 @@ def pooling(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
                                                                  "input": ["hello world", "one two three"]}),
         "score": lambda: post(http_port, "/score", {"model": str(model), "text_1": "hello world",
                                                     "text_2": ["one two", "three four five"]}),
+    }
+    return _each(steps)
+
+
+PROMPT_EMBEDS = ("--enable-prompt-embeds",)  # what the frontend and the engine need to serve prompt embeds
+EMBED_ROWS = 6
+STRUCTURED = {  # the four forms of StructuredOutputsParams a completion request names, and what each allows
+    "regex": ("[0-9]{3}-[a-z]{2}", r"[0-9]{3}-[a-z]{2}"),
+    "choice": (["red", "green", "blue"], "red|green|blue"),
+    "grammar": ('root ::= "yes" | "no" | "maybe"', "yes|no|maybe"),
+}
+COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}  # a JSON schema
+WORDS_OF_A_CHAT = "the quick brown fox jumps over the lazy dog while seven wise owls watch from the old oak tree"
+OPENING = " ".join([WORDS_OF_A_CHAT] * 4)  # more than one 128-token block: what prefix caching shares
+
+
+def prompt_embeds(release: str = "0.32.0") -> tuple[str, bytes]:
+    """A seeded (EMBED_ROWS, hidden size) float32 tensor, as the completions API takes it (base64 of
+    torch.save), and its raw bytes (as they go on the wire), made by ``release``'s own torch."""
+    code = ("import base64, io, sys, torch; torch.manual_seed(7); "
+            f"t = torch.randn({EMBED_ROWS}, int(sys.argv[1]), dtype=torch.float32); b = io.BytesIO(); "
+            "torch.save(t, b); print(base64.b64encode(b.getvalue()).decode()); "
+            "print(base64.b64encode(t.numpy().tobytes()).decode())")
+    hidden = json.loads((MODEL / "config.json").read_text())["hidden_size"]
+    saved, raw = subprocess.run([str(CACHE / f"vllm-{release}" / "bin" / "python"), "-c", code, str(hidden)],
+                                capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    return saved, base64.b64decode(raw)
+
+
+def chat_turns(http_port: int, model: Path = MODEL, turns: int = 3) -> list[str]:
+    """A chat of ``turns`` turns, each turn's prompt the last one's, its answer and a new question (a prefix
+    the engine's cache serves): each turn's answer."""
+    messages, answers = [{"role": "user", "content": OPENING}], []
+    for turn in range(turns):
+        answers.append(post(http_port, "/v1/chat/completions", {"model": str(model), "messages": messages,
+                                                                "max_tokens": 6, **GREEDY})["choices"][0]["message"]["content"])
+        messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": f"and {turn} more"}]
+    return answers
+
+
+def varied(http_port: int, model: Path = MODEL, *, embeds: str, **_) -> dict[str, object]:
+    """The other shapes a request takes (the frontend and engine serving PROMPT_EMBEDS): a three-turn chat
+    whose turns share their prefix, structured outputs in each form (a JSON schema through response_format;
+    a regex, a choice and a grammar through structured_outputs), and a request of prompt embeds
+    (``embeds``: ``prompt_embeds()``'s first). All greedy, so that a replay ends each where it ended. Each
+    step's answer, or its HTTP status. (No abort: ``run``'s keywords are accepted and not used.)"""
+    steps = {
+        "turns": lambda: chat_turns(http_port, model),
+        "json": lambda: _choice(post(http_port, "/v1/chat/completions", {
+            "model": str(model), "messages": [{"role": "user", "content": "a colour as JSON"}], "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}},
+            **GREEDY})["choices"][0]),
+        **{form: functools.partial(lambda form: _choice(post(http_port, "/v1/completions", {
+            "model": str(model), "prompt": f"answer by {form}:", "max_tokens": 10,
+            "structured_outputs": {form: STRUCTURED[form][0]}, **GREEDY})["choices"][0]), form)
+           for form in STRUCTURED},
+        "embeds": lambda: _choice(post(http_port, "/v1/completions", {
+            "model": str(model), "prompt_embeds": embeds, "max_tokens": 4, **GREEDY})["choices"][0]),
     }
     return _each(steps)
 

@@ -1,0 +1,77 @@
+"""The other shapes of request through the proxy, on each engine release the suite installs (0.32.0, 0.31.0).
+
+A three-turn chat whose turns share their prefix, structured outputs in each of their four forms (a JSON
+schema, a regex, a choice, a grammar) and a request of prompt embeds, all through the release's own
+Python frontend (tests/real/workload.py ``varied``). Recorded, every frame decodes with no flag, every value
+is what that release's own decoder reads from the same frames (the prompt embeds tensor value by value),
+and the recording replays clean against a fresh engine of the same release.
+"""
+
+import array
+import functools
+import json
+import re
+import sqlite3
+
+import pytest
+
+from tests.real import peers, workload
+from tests.real.test_oracle_vllm import read_as_vllm_does
+
+pytestmark = pytest.mark.real_vllm
+
+RELEASES = ("0.32.0", "0.31.0")
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def varied(request, tmp_path_factory):
+    """(release, what the user saw, the recording, the prompt embeds' raw bytes as sent)."""
+    release = request.param
+    logs = tmp_path_factory.mktemp(f"varied-{release}")
+    embeds, raw = workload.prompt_embeds(release)
+    frontend = functools.partial(peers.python_frontend, release=release, flags=workload.PROMPT_EMBEDS)
+    seen = peers.run_pair(logs, frontend, logs / "varied.db", "varied", engine_release=release,
+                          work=functools.partial(workload.varied, embeds=embeds),
+                          engine_flags=workload.PROMPT_EMBEDS)
+    return release, seen, logs / "varied.db", raw
+
+
+def test_each_shape_is_served_and_recorded_as_that_releases_decoder_reads_it(varied):
+    release, seen, db, raw = varied
+    for form, (_, allowed) in workload.STRUCTURED.items():
+        text, finish = seen[form]
+        assert finish == "stop" and re.fullmatch(allowed, text), (form, seen[form])
+    assert len(seen["turns"]) == 3 and seen["embeds"][1] == "length", seen
+    connection = sqlite3.connect(db)
+    assert connection.execute("SELECT COUNT(*) FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL"
+                              ).fetchone() == (0,)
+    connection.close()
+    adds = [fields for kind, fields in read_as_vllm_does(db, release) if kind == "ADD"]
+    forms = [{form: value for form, value in a["sampling_params"]["structured_outputs"].items()
+              if value not in (None, False) and not form.startswith("_")} for a in adds
+             if (a["sampling_params"] or {}).get("structured_outputs")]
+    # The frontend hands a choice to its backend as the grammar of its alternatives: that is what crosses.
+    assert forms == [{"json": workload.COLOUR}, {"regex": workload.STRUCTURED["regex"][0]},
+                     {"grammar": 'root ::= "red" | "green" | "blue"'},
+                     {"grammar": workload.STRUCTURED["grammar"][0]}], forms
+    [embeds] = [a["prompt_embeds"] for a in adds if a.get("prompt_embeds") is not None]
+    assert (embeds.dtype, embeds.values) == ("float32", array.array("f", raw).tolist())
+
+
+def test_the_chats_later_turns_are_served_from_the_prefix_cache(varied):
+    _, _, db, _ = varied
+    connection = sqlite3.connect(db)
+    hits = connection.execute("SELECT SUM(json_extract(decoded, '$.scheduler_stats.prefix_cache_stats.hits')) "
+                              "FROM frames WHERE kind = 'OUTPUTS'").fetchone()[0]
+    connection.close()
+    assert hits >= 2 * 128  # turns 2 and 3 each find at least the opening's first 128-token block
+
+
+def test_the_varied_session_replays_clean_against_a_same_release_engine(varied, tmp_path):
+    release, _, db, _ = varied
+    port = peers.free_port()
+    result, report = peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+                                      "--engine-cmd", peers.engine_command(port, release, workload.PROMPT_EMBEDS),
+                                      recording=db, session="varied")
+    findings = [f for f in report["findings"] if f["severity"] != "info" and f["category"] != "performance"]
+    assert result.returncode in (0, 5) and findings == [], result.stdout[-3000:]  # 5: timing, never judged here
