@@ -208,6 +208,8 @@ class Namer:
             return value
         if field.tensor:
             return self._tensor(value)
+        if field.type.startswith("MultiModalKwargsItem") and isinstance(value, dict):
+            return self._mm_item(value)
         if field.struct is None or value is None:
             return value
         container = field.type.split("[", 1)[0]
@@ -220,6 +222,17 @@ class Namer:
     def _tensor(self, value: Any) -> Any:
         tensor = resolve_tensor(value, self.frames)
         return tensor if tensor is not None else value
+
+    def _mm_item(self, item: dict) -> dict:
+        """A multimodal item as vLLM sends it: by key, its data (tensors, nested in lists, or numbers) and
+        its field ([factory name, its keywords], kept as sent)."""
+        return {key: {**elem, "data": self._nested_tensors(elem.get("data"))} if isinstance(elem, dict) else elem
+                for key, elem in item.items()}
+
+    def _nested_tensors(self, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            return self._tensor(value)
+        return [self._nested_tensors(v) for v in value] if isinstance(value, list) else value
 
     def _flag(self, struct: str, issue: str, path: str, **details: Any) -> None:
         self.flags.append(Flag(struct=struct, issue=issue, path=path, **details))

@@ -7,6 +7,9 @@ with vLLM's MsgpackDecoder into its classes, print the values it got.
 `tolerate`: read cases (JSON on stdin: name -> [class, frame hex]), decode each
 as vLLM's readers do (MsgpackDecoder for requests and outputs, a typed
 msgspec decode for the registration), print "accepted" or the error.
+`multimodal`: build an ADD with image features (tensors inline and in aux frames, nested, a shared
+field, a cached item with no data) with vLLM's classes, encode it with MsgpackEncoder, print its frames
+(hex) and what MsgpackDecoder reads back from them.
 `recorded`: read recorded messages (JSON on stdin: a list of [kind, frames hex],
 an input's request type byte left out), decode each as this release's engine or
 frontend does (an ADD as EngineCoreRequest, a UTILITY call generically with its
@@ -14,6 +17,7 @@ arguments converted to the method's msgspec types by EngineCore's own code,
 outputs as EngineCoreOutputs), print each as plain values, structs by field name.
 """
 
+import collections
 import dataclasses
 import enum
 import json
@@ -65,6 +69,31 @@ def decode(frames: dict) -> dict:
             "finish_reason": int(output.finish_reason), "engine_index": outputs.engine_index}
 
 
+def multimodal() -> dict:
+    import torch
+    from vllm.multimodal.inputs import (MultiModalFeatureSpec, MultiModalFieldConfig, MultiModalKwargsItem,
+                                        PlaceholderRange)
+
+    batched, shared = MultiModalFieldConfig.batched("image").field, MultiModalFieldConfig.shared("image", 2).field
+    pixels = torch.arange(3 * 8 * 8, dtype=torch.float32).reshape(3, 8, 8) / 7  # 768 bytes: an aux frame
+    item = MultiModalKwargsItem({
+        "pixel_values": batched.build_elems("image", "pixel_values", [pixels])[0],
+        "image_sizes": batched.build_elems("image", "image_sizes", [torch.tensor([8, 8])])[0],  # inline
+        "patches": shared.build_elems("image", "patches", [torch.ones(2, dtype=torch.bfloat16),
+                                                            torch.zeros(1, 1, dtype=torch.int32)])[0],
+    })
+    features = [MultiModalFeatureSpec(data=item, modality="image", identifier="img-0", mm_hash="h-0",
+                                      mm_position=PlaceholderRange(offset=1, length=4)),
+                MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",  # cached in the engine
+                                      mm_position=PlaceholderRange(offset=6, length=4))]
+    request = EngineCoreRequest(
+        request_id="oracle-mm", prompt_token_ids=[5, 9, 9, 9, 9, 6, 9, 9, 9, 9, 7], mm_features=features,
+        sampling_params=SamplingParams(max_tokens=3), pooling_params=None, arrival_time=1.5, lora_request=None,
+        cache_salt=None, data_parallel_rank=None)
+    frames = [bytes(f) for f in MsgpackEncoder().encode(request)]
+    return {"frames": [f.hex() for f in frames], "values": plain(MsgpackDecoder(EngineCoreRequest).decode(frames))}
+
+
 def plain(value):
     """A decoded value as JSON: structs, dataclasses and named tuples by field name, arrays and tensors as
     lists; a utility call's result, which vLLM reads from its [type info, value] envelope, as
@@ -85,7 +114,7 @@ def plain(value):
         return [plain(v) for v in value]
     if isinstance(value, (set, frozenset)):
         return sorted(plain(v) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, (dict, collections.UserDict)):  # (a multimodal item is a UserDict)
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).hex()
@@ -126,5 +155,5 @@ def tolerate(cases: dict) -> dict:
 
 if __name__ == "__main__":
     modes = {"encode": lambda: encode(), "decode": lambda: decode(json.load(sys.stdin)),
-             "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin))}
+             "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin)), "multimodal": multimodal}
     json.dump(modes[sys.argv[1]](), out)

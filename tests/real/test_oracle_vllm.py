@@ -72,6 +72,27 @@ def test_frames_the_sim_peers_encode_decode_under_vllms_decoder():
                    "finish_reason": 1, "engine_index": 1}
 
 
+def test_multimodal_features_vllm_encodes_are_named_value_by_value():
+    # No multimodal model runs on vLLM's CPU build here (docs/real-vllm.md): these frames are vLLM's own
+    # encoding of an ADD with image features, and each value we name is what its own decoder reads back.
+    made = oracle("multimodal")
+    frames = [bytes.fromhex(f) for f in made["frames"]]
+    request = WireDecoder(load_schema("0.32.0")).decode(Channel.INPUT, Direction.TO_ENGINE, [b"\x00", *frames])
+    assert (request.kind, request.flags, request.error) == (Kind.ADD, (), None)
+    ours, theirs = request.fields["mm_features"], made["values"]["mm_features"]
+    fields = {}  # a field as sent is [factory, its keywords]; vLLM reads it back as that factory's dataclass
+    for feature, expected in zip(ours, theirs, strict=True):
+        for key, elem in (feature["data"] or {}).items():
+            fields[key], keywords = elem.pop("field")
+            assert keywords == expected["data"][key].pop("field"), key
+    same(ours, theirs, "$.mm_features")
+    assert fields == {"pixel_values": "batched", "image_sizes": "batched", "patches": "shared"}
+    pixels, sizes = ours[0]["data"]["pixel_values"]["data"], ours[0]["data"]["image_sizes"]["data"]
+    assert (pixels.dtype, pixels.shape, pixels.aux_frame, sizes.aux_frame) == ("float32", [3, 8, 8], 1, None)
+    assert [t.dtype for t in ours[0]["data"]["patches"]["data"]] == ["bfloat16", "int32"]
+    assert ours[1]["data"] is None and ours[1]["mm_position"] == {"offset": 6, "length": 4, "is_embed": None}
+
+
 def same(ours, theirs, path="$"):
     """Every value our decoder names is vLLM's: the same field names, the same values, the same types (a
     tensor: its flat values and shape)."""
