@@ -28,8 +28,8 @@ TOOK=$SECONDS
   echo "Observed on $STARTED on this project's 2-core CPU machine by"
   echo "\`scripts/matrix.sh\` (\`replay-proxy matrix --frontends $FRONTENDS --engines $ENGINES\`),"
   echo "in $((TOOK / 60)) min $((TOOK % 60)) s with the peers cached. Each cell is observed by two real replays"
-  echo "(docs/matrix.md); \`*\` marks a cell that could only be predicted (or a kind of request it was judged"
-  echo "for: the observation replays the completion workload), \`!\` one whose"
+  echo "(docs/matrix.md), two for each kind of request recorded on both sides; \`*\` marks a cell (or a kind)"
+  echo "that could only be predicted, \`!\` one whose"
   echo "observation disagrees with its prediction. \`replay-proxy can-i-deploy --db docs/compatibility.db\`"
   echo "answers from the same cells (evidence whole in its \`matrix_cells\` table)."
   echo
