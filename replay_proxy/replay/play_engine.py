@@ -7,9 +7,12 @@ the recording: one pair per recorded API server). The proxy connects a
 DEALER and a PUSH to each, sends the recorded REGISTRATION and READY as raw
 bytes, and waits for the frontend's HTTP API. Then it drives the frontend as
 users did: one HTTP request per recorded request (prompt as token ids, the
-recorded sampling parameters, streaming as recorded, a recorded client-side
-abort as an early disconnect; a pooling request as an embedding of its
-prompt), at the recorded pacing.
+recorded sampling parameters and structured outputs, streaming as recorded,
+a recorded client-side abort as an early disconnect; a pooling request as an
+embedding of its prompt; a LoRA request naming its adapter as the model), at
+the recorded pacing. A LoRA adapter the recorded frontend loaded (its ``add_lora`` call)
+is loaded through this frontend's API at the same place, before any later
+request is sent.
 
 Each ADD the frontend produces is matched to its recorded request (prompt and
 effective sampling values), compared field by field, and answered with the
@@ -59,6 +62,8 @@ class EnginePlayer(Player):
         self.http = http.rstrip("/")
         self._outputs: dict[tuple[int, int], ZmqSocket] = {}  # (engine, client) -> PUSH
         self._adds = [f for f in session.inputs if f.kind is Kind.ADD]
+        # What users did, in order: the requests, and the LoRA adapters they loaded through the API.
+        self._user_actions = [f for f in session.inputs if f.kind is Kind.ADD or _loaded_adapter(f)]
         self._unmatched = list(self._adds)
         self._recorded_outputs = _outputs_by_request(session)
         self._utility_results = _utility_results(session)
@@ -87,11 +92,15 @@ class EnginePlayer(Player):
                     raise ReplayError(f"the frontend was not ready {self.ready_timeout:g} s after the recorded "
                                       "registration and READY: see its log for what it rejected")
                 async with trio.open_nursery() as clients:
-                    start, first = trio.current_time(), self._adds[0].ts_ns if self._adds else 0
-                    for frame in self._adds:
+                    start = trio.current_time()
+                    first = self._user_actions[0].ts_ns if self._user_actions else 0
+                    for frame in self._user_actions:
                         if self.factor is not None:
                             await trio.sleep_until(start + (frame.ts_ns - first) / 1e9 / self.factor)
-                        clients.start_soon(self._http_request, model, frame)
+                        if frame.kind is Kind.ADD:
+                            clients.start_soon(self._http_request, model, frame)
+                        else:  # the requests after it may name the adapter: loaded first
+                            await self._load_adapter(_loaded_adapter(frame))
                 with trio.move_on_after(self.finish_timeout):  # e.g. the ABORT that follows a disconnect
                     while self._streams:
                         await self._stream_ended.wait()
@@ -275,8 +284,13 @@ class EnginePlayer(Player):
                                     {"model": model, "input": recorded["prompt_token_ids"]}, self.finish_timeout)
         else:
             params = recorded.get("sampling_params") or {}
-            body = {"model": model, "prompt": recorded["prompt_token_ids"], "return_token_ids": True,
+            lora = recorded.get("lora_request")
+            body = {"model": lora["lora_name"] if lora else model, "prompt": recorded["prompt_token_ids"],
+                    "return_token_ids": True,
                     **{k: params[k] for k in HTTP_PARAMS if k in params}}
+            if params.get("structured_outputs"):  # what it asked for, not what the frontend chose (_backend)
+                body["structured_outputs"] = {k: v for k, v in params["structured_outputs"].items()
+                                              if not k.startswith("_") and v is not None}
             delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
             stream = params.get("output_kind") == delta or aborted_after is not None
             ask = functools.partial(completion, f"{self.http}/v1/completions", body, stream, aborted_after,
@@ -290,6 +304,21 @@ class EnginePlayer(Player):
             seen = {"error": f"no complete response within {self.finish_timeout:g} s"}
         seen["aborted_after"] = aborted_after
         self.outcome.http[recorded["request_id"]] = seen
+
+    async def _load_adapter(self, lora: dict) -> None:
+        """Load the LoRA adapter the recorded frontend loaded, as its user did (the frontend's add_lora call,
+        answered from the recording); a failure is a finding, and the requests naming it fail after it."""
+        body = {"lora_name": lora["lora_name"], "lora_path": lora["lora_path"]}
+        with trio.move_on_after(self.finish_timeout) as waiting:
+            failure = await trio.to_thread.run_sync(load_adapter, f"{self.http}/v1/load_lora_adapter", body,
+                                                    self.finish_timeout, abandon_on_cancel=True)
+        if waiting.cancelled_caught:
+            failure = f"no answer within {self.finish_timeout:g} s"
+        if failure is not None:
+            self.outcome.findings.append(Finding(
+                "behaviour", Severity.REGRESSION, "http_failed",
+                f"loading the LoRA adapter {lora['lora_name']!r} through the API failed: {failure}",
+                message_kind="UTILITY", field="add_lora"))
 
     def _request_findings(self) -> list[Finding]:
         """What the users saw, and how the new frontend's requests differ from the recorded ones."""
@@ -339,6 +368,13 @@ def _utility_results(session: Session) -> dict[str, RecordedFrame]:
     return results
 
 
+def _loaded_adapter(frame: RecordedFrame) -> dict | None:
+    """The LoRARequest of a recorded ``add_lora`` call (what a user's load through the API sends)."""
+    if frame.kind is not Kind.UTILITY or (frame.decoded or {}).get("method") != "add_lora":
+        return None
+    return (frame.decoded.get("args") or [None])[0]
+
+
 def _output_tokens(entry: tuple[RecordedFrame, int]) -> list[int]:
     frame, position = entry
     return frame.decoded["outputs"][position].get("new_token_ids") or []
@@ -364,13 +400,29 @@ def _post(url: str, body: dict) -> urllib.request.Request:
     return urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
 
 
+def _failure(exc: urllib.error.HTTPError) -> str:
+    """What a user sees of a request the frontend refused: its status and the start of its body."""
+    return f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+
+
+def load_adapter(url: str, body: dict, timeout: float) -> str | None:
+    """Load a LoRA adapter through the frontend's API: None, or why it failed."""
+    try:
+        with urllib.request.urlopen(_post(url, body), timeout=timeout):
+            return None
+    except urllib.error.HTTPError as exc:
+        return _failure(exc)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def embedding(url: str, body: dict, timeout: float) -> dict:
     """One embedding as an HTTP client sees it."""
     try:
         with urllib.request.urlopen(_post(url, body), timeout=timeout) as response:
             return {"embedding": json.load(response)["data"][0]["embedding"]}
     except urllib.error.HTTPError as exc:
-        return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"}
+        return {"error": _failure(exc)}
 
 
 def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
@@ -392,4 +444,4 @@ def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None
                     break  # closing the connection makes the frontend abort the request
             return {"token_ids": tokens, "finish_reason": finish}
     except urllib.error.HTTPError as exc:
-        return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"}
+        return {"error": _failure(exc)}

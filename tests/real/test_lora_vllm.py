@@ -2,7 +2,8 @@
 
 A user loads an adapter through the frontend's API (an ``add_lora`` utility call whose argument is a
 LoRARequest) and names it in a request (an ADD carrying that LoRARequest). Recorded, every value is what
-vLLM 0.32.0's own decoder reads from the same frames; replayed against a 0.32.0 engine, nothing differs.
+vLLM 0.32.0's own decoder reads from the same frames; replayed against a 0.32.0 engine, nothing differs;
+played to a 0.32.0 frontend, it loads the adapter through its API and names it, as the recorded user did.
 And the cells whose verdict changes by kind: vLLM 0.32.0 removed ``LoRARequest.tensorizer_config_dict``
 (position 4), so a 0.32.0 frontend with a 0.31.0 engine serves completions and breaks every LoRA
 request, live and as the matrix observes it, and so does a 0.31.0 frontend with a 0.32.0 engine, live:
@@ -77,6 +78,25 @@ def test_the_lora_session_replays_against_a_0_32_0_engine_with_nothing_changed(l
     # here once at position 5 of 6), and timing is never judged here.
     schema = [f for f in report["findings"] if f["category"] == "schema" or f["severity"] == "breaking"]
     assert result.returncode in (0, 4, 5) and schema == [], result.stdout[-3000:]
+
+
+def test_a_0_32_0_frontend_loads_the_adapter_and_names_it_as_the_recorded_user_did(tmp_path):
+    # The engine's side of the shipped LoRA session played to a real frontend: the recorded load goes through
+    # the frontend's API (its add_lora call answered from the recording), then the request names the adapter.
+    http, rpc = free_port(), free_port()
+    frontend = peers.command(peers.python_frontend_argv(http, rpc), serving=peers.LORA)
+    result, report = peers.replay_cli(tmp_path, "--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}",
+                                      "--http", f"http://127.0.0.1:{http}", "--frontend-cmd", frontend,
+                                      recording=RECORDINGS / "vllm-0.32.0-python-lora.db")
+    findings = [f for f in report["findings"] if f["severity"] != "info" and f["category"] != "performance"]
+    assert findings == [] and result.returncode in (0, 5), result.stdout[-3000:]
+    replayed = "FROM frames f JOIN sessions s ON s.id = f.session_id WHERE s.name != 'python-frontend' AND "
+    [(args,)] = rows(tmp_path / "replay.db", f"SELECT json_extract(f.decoded, '$.args') {replayed} "
+                                             "json_extract(f.decoded, '$.method') = 'add_lora'")
+    assert json.loads(args)[0]["lora_path"] == "tiny-lora", args
+    named = [json.loads(d).get("lora_request") for (d,) in rows(tmp_path / "replay.db",
+                                                                f"SELECT f.decoded {replayed} f.kind = 'ADD'")]
+    assert [n and n["lora_name"] for n in named] == [None, "tiny-lora"], named
 
 
 def test_a_0_31_0_engine_serves_0_32_0s_completions_and_breaks_its_lora_requests(lora_recorded, tmp_path):
