@@ -7,6 +7,7 @@ Each is one session of the HTTP workload in tests/real/workload.py through
     .venv/bin/python scripts/make_recordings.py --release 0.29.0 --release 0.30.0
     .venv/bin/python scripts/make_recordings.py --vllm-rs 0.25.0
     .venv/bin/python scripts/make_recordings.py --kind lora --release 0.31.0 --release 0.32.0
+    .venv/bin/python scripts/make_recordings.py --shapes --release 0.30.0
 `--staging` records vllm-0.32.0-staging.db: 30 users of a staging day
 (tests/real/workload.py: staging) between the Python frontend and a 0.32.0
 engine, the session the real shrink test cuts down. The second form records a release's own Python frontend and engine
@@ -19,6 +20,11 @@ frontend sends against every engine.
 lora, pooling) instead, the frontend and engine serving it, into
 vllm-X-python-lora.db (-pooling.db): the matrix judges each kind of request from
 its own recordings.
+`--shapes` records, for each --release, the shapes of request that are not
+matrix kinds (docs/matrix.md says why): vllm-X-python-varied.db (structured
+outputs in each form, prompt embeds, a three-turn chat: tests/real/workload.py
+varied, both peers with --enable-prompt-embeds) and vllm-X-python-fan-out.db
+(beam search, n=2, ngram speculative decoding: fan_out).
 """
 
 import argparse
@@ -54,18 +60,29 @@ def compact(db: Path) -> None:
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
-           serving=peers.NO_KIND) -> Path:
+           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = ()) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
         seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
-                              serving=serving)
+                              engine_flags=engine_flags, serving=serving)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
     print(f"{name}: {seen}")
     return db
+
+
+def record_shapes(release: str) -> None:
+    """``release``'s varied and fan-out sessions (see the module's docstring), each pair started with the flags
+    its workload needs."""
+    embeds, _ = workload.prompt_embeds(release)
+    for name, work, flags in (("varied", functools.partial(workload.varied, embeds=embeds), workload.PROMPT_EMBEDS),
+                              ("fan-out", workload.fan_out, workload.NGRAM)):
+        record(f"vllm-{release}-python-{name}.db", "python-frontend",
+               functools.partial(peers.python_frontend, release=release, flags=flags), release, work=work,
+               engine_flags=flags)
 
 
 def nearest_engine(release: str) -> str:
@@ -85,6 +102,8 @@ def main() -> None:
                         help="record the 30-request staging session (vllm-0.32.0-staging.db) instead")
     parser.add_argument("--kind", choices=list(KINDS), default="completion",
                         help="with --release: the kind of request whose workload is recorded")
+    parser.add_argument("--shapes", action="store_true",
+                        help="with --release: record the shapes of request that are not matrix kinds instead")
     args = parser.parse_args()
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
@@ -94,6 +113,9 @@ def main() -> None:
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():
             sys.exit(f"vLLM {release} is not installed: run scripts/setup-vllm.sh {release}")
+        if args.shapes:
+            record_shapes(release)
+            continue
         if args.kind != "completion":
             serving = SERVING[args.kind]
             record(f"vllm-{release}-python{KINDS[args.kind]}.db", "python-frontend",

@@ -8,7 +8,6 @@ nothing regresses.
 """
 
 import functools
-import json
 import sqlite3
 
 import pytest
@@ -18,8 +17,7 @@ from tests.real.test_oracle_vllm import read_as_vllm_does
 
 pytestmark = pytest.mark.real_vllm
 
-NGRAM = ("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2,
-                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
+NGRAM = workload.NGRAM
 
 
 @pytest.fixture(scope="module")

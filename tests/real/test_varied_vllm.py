@@ -48,13 +48,8 @@ def test_each_shape_is_served_and_recorded_as_that_releases_decoder_reads_it(var
                               ).fetchone() == (0,)
     connection.close()
     adds = [fields for kind, fields in read_as_vllm_does(db, release) if kind == "ADD"]
-    forms = [{form: value for form, value in a["sampling_params"]["structured_outputs"].items()
-              if value not in (None, False) and not form.startswith("_")} for a in adds
-             if (a["sampling_params"] or {}).get("structured_outputs")]
-    # The frontend hands a choice to its backend as the grammar of its alternatives: that is what crosses.
-    assert forms == [{"json": workload.COLOUR}, {"regex": workload.STRUCTURED["regex"][0]},
-                     {"grammar": 'root ::= "red" | "green" | "blue"'},
-                     {"grammar": workload.STRUCTURED["grammar"][0]}], forms
+    forms = workload.structured_forms(adds)
+    assert forms == workload.STRUCTURED_ON_THE_WIRE, forms
     [embeds] = [a["prompt_embeds"] for a in adds if a.get("prompt_embeds") is not None]
     assert (embeds.dtype, embeds.values) == ("float32", array.array("f", raw).tolist())
 

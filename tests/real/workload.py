@@ -115,6 +115,11 @@ def lora(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
     return _each(steps)
 
 
+# What the frontend and the engine need for ngram speculative decoding (``fan_out``'s repeating prompt).
+NGRAM = ("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2,
+                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
+
+
 def fan_out(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
     """Requests the frontend fans out (beam search, n=2) and one an ngram drafter proposes for (its prompt
     repeats itself): each step's JSON answer, or its HTTP status. (No abort: ``run``'s keywords are accepted
@@ -154,6 +159,19 @@ STRUCTURED = {  # the four forms of StructuredOutputsParams a completion request
 COLOUR = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}  # a JSON schema
 WORDS_OF_A_CHAT = "the quick brown fox jumps over the lazy dog while seven wise owls watch from the old oak tree"
 OPENING = " ".join([WORDS_OF_A_CHAT] * 4)  # more than one 128-token block: what prefix caching shares
+
+
+# What crosses for ``varied``'s structured outputs, in order: the frontend hands a choice to its backend as
+# the grammar of its alternatives.
+STRUCTURED_ON_THE_WIRE = [{"json": COLOUR}, {"regex": STRUCTURED["regex"][0]},
+                          {"grammar": 'root ::= "red" | "green" | "blue"'}, {"grammar": STRUCTURED["grammar"][0]}]
+
+
+def structured_forms(adds: list[dict]) -> list[dict]:
+    """The structured outputs each ADD (named fields) asked for: the forms it set, not the backend's own keys."""
+    return [{form: value for form, value in a["sampling_params"]["structured_outputs"].items()
+             if value not in (None, False) and not form.startswith("_")} for a in adds
+            if (a["sampling_params"] or {}).get("structured_outputs")]
 
 
 def prompt_embeds(release: str = "0.32.0") -> tuple[str, bytes]:
