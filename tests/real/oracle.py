@@ -155,5 +155,6 @@ def tolerate(cases: dict) -> dict:
 
 if __name__ == "__main__":
     modes = {"encode": lambda: encode(), "decode": lambda: decode(json.load(sys.stdin)),
-             "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin)), "multimodal": multimodal}
+             "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin)),
+             "multimodal": multimodal}
     json.dump(modes[sys.argv[1]](), out)

@@ -192,9 +192,10 @@ def chat_turns(http_port: int, model: Path = MODEL, turns: int = 3) -> list[str]
     the engine's cache serves): each turn's answer."""
     messages, answers = [{"role": "user", "content": OPENING}], []
     for turn in range(turns):
-        answers.append(post(http_port, "/v1/chat/completions", {"model": str(model), "messages": messages,
-                                                                "max_tokens": 6, **GREEDY})["choices"][0]["message"]["content"])
-        messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": f"and {turn} more"}]
+        answer = post(http_port, "/v1/chat/completions", {"model": str(model), "messages": messages, "max_tokens": 6,
+                                                          **GREEDY})["choices"][0]["message"]["content"]
+        answers.append(answer)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and {turn} more"}]
     return answers
 
 
