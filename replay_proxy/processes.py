@@ -110,9 +110,32 @@ class Child:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, from below the kernel's ephemeral range.
+
+    A process that binds port 0 is handed a port from that range, and so are vLLM's own random ports (its
+    get_open_port binds port 0, lets go, and binds again later) and libzmq's. A port taken from the same
+    range could be handed to one of those between our check and its use: seen in CI, a frontend's HTTP
+    port answered by a ZMQ socket. Below the range, only another caller of this function can pick it.
+    """
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low = ephemeral_ports().start
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT
+                continue
+        return port
+    raise OSError(f"no free TCP port in the 12,000 below {low}")
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for port 0 (Linux's ip_local_port_range; its default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
