@@ -1,8 +1,9 @@
 """From one captured frame to the rows it contributes to each table.
 
-A conforming EngineCoreOutputs (nearly every frame of a busy engine) is read
-by the typed fast path (``wire/typed.py``); every other frame is named by the
-generic decoder. Both end in the same row builders here.
+A conforming EngineCoreOutputs or request (nearly every frame of a busy
+engine and its frontend) is read by the typed fast path (``wire/typed.py``);
+every other frame is named by the generic decoder. Both end in the same row
+builders here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import (
     ENGINE_CORE_DEAD, HANDSHAKE_KINDS, Channel, Direction, Kind, Message, WireDecoder)
 from replay_proxy.wire.schema import Flag, Schema
-from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs
+from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs, typed_requests
 from replay_proxy.wire.values import decode_msgpack, to_json
 
 _raw = msgspec.msgpack.Encoder()
@@ -66,10 +67,11 @@ class Rows:
         self.newest_ts_ns = 0  # when the newest of these frames crossed the proxy
         # Frames their schema does not describe, with that schema (the one in use when each was named).
         self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...], Schema]] = []
+        self._defaults: dict[int, dict[str, Any]] = {}  # by id(schema): the schemas of a batch outlive it
 
     def _add(self, table: str, **row: Any) -> None:
-        values = [row.get(c) for c in TABLES[table][0]]
-        self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v for v in values]))
+        self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v
+                                         for v in map(row.get, TABLES[table][0])]))
 
     def add(self, session_id: int, frame: CapturedFrame, decoder: WireDecoder) -> Kind:
         """Decode a captured frame and add its rows; return its kind."""
@@ -82,7 +84,10 @@ class Rows:
                 self._frame(session_id, frame, Kind.OUTPUTS, to_json(_compact(read.fields)), None, read.flags,
                             _engine_time(read.fields.get("timestamp")), decoder.schema)
                 return Kind.OUTPUTS
-        message = decoder.decode(frame.channel, frame.direction, frame.parts)
+        message = typed_requests(decoder.schema).read(frame.parts) \
+            if frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE else None
+        if message is None:
+            message = decoder.decode(frame.channel, frame.direction, frame.parts)
         self.add_frame(session_id, frame, message, decoder.schema)
         return message.kind
 
@@ -180,9 +185,11 @@ class Rows:
     def _request(self, where: dict, fields: dict, schema: Schema) -> None:
         params = fields.get("sampling_params")
         effective = {}
-        if isinstance(params, dict):
-            effective = {c: schema.sampling_value(params, c) for c in sampling_columns()}
-            effective = {c: v for c, v in effective.items() if v is None or not isinstance(v, (list, dict))}
+        if isinstance(params, dict):  # each column's value in effect: as sent, else the release's default
+            effective = self._sampling_defaults(schema).copy()
+            for column in params.keys() & effective.keys():
+                value = params[column]
+                effective[column] = None if isinstance(value, (list, dict)) else value
         prompt = fields.get("prompt_token_ids")
         self._add("requests", **where, **effective, request_id=fields.get("request_id"),
                   external_req_id=fields.get("external_req_id"),
@@ -190,6 +197,15 @@ class Rows:
                   prompt_token_ids=to_json(prompt), arrival_time=fields.get("arrival_time"),
                   data_parallel_rank=fields.get("data_parallel_rank"), priority=fields.get("priority"),
                   sampling_params=to_json(params))
+
+    def _sampling_defaults(self, schema: Schema) -> dict[str, Any]:
+        """The release's default of each sampling column (None for a list or a map: no column holds those)."""
+        defaults = self._defaults.get(id(schema))
+        if defaults is None:
+            defaults = self._defaults[id(schema)] = {
+                c: None if isinstance(v, (list, dict)) else v
+                for c in sampling_columns() for v in [schema.sampling_defaults.get(c)]}
+        return defaults
 
     def _outputs(self, where: dict, fields: dict, schema: Schema) -> bool:
         utility = fields.get("utility_output")

@@ -30,6 +30,11 @@ class Field(msgspec.Struct, frozen=True):
     struct: str | None = None  # the nested struct this field (or its items) holds
     tensor: bool = False
 
+    @property
+    def resolved(self) -> bool:
+        """The Namer resolves this field's value (a tensor, a multimodal item): never named as decoded."""
+        return self.tensor or self.type.startswith("MultiModalKwargsItem")
+
 
 class StructSchema(msgspec.Struct, frozen=True, dict=True):
     """One vLLM struct: how it is encoded and its fields in order."""

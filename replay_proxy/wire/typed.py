@@ -1,21 +1,28 @@
-"""The fast path for the bulk of the traffic: EngineCoreOutputs that conform to their release's schema.
+"""The fast path for the bulk of the traffic: outputs and requests that conform to their release's schema.
 
 A busy engine sends one EngineCoreOutputs per step with an output per
-running request: nearly every frame and row a recording holds. Naming those
+running request, and its frontend an EngineCoreRequest (an ADD) per
+request: nearly every frame and row a recording holds. Naming those
 generically (``schema.Namer``: a Python call per field) is most of a
 writer's CPU. Here the same schema generates msgspec Structs, so msgspec
 decodes and checks a conforming frame in C:
 
 * every position the release defines must be there, and no more;
-* a scalar field must have one of its schema kinds (msgspec's own check);
+* a field that holds no struct must have one of its schema kinds (msgspec's
+  own check);
+* a field that holds one (sampling parameters, scheduler stats...) is read
+  raw and checked in C against a Struct that accepts exactly what the Namer
+  would give back as decoded; where no msgspec type says that (a positional
+  nested struct, a tensor that is not nil), the Namer names that field alone;
 * an output's nested or opaque fields (logprobs, events, tensors, transfer
-  params...) must be nil, and the frame must have no aux frames.
+  params...) must be nil, and a frame must have no aux frames.
 
-Whatever does not conform (a drifted peer, logprobs, a utility answer, the
-odd frame with events) makes ``read`` return None, and the caller names it
-generically: the result is the same either way, this way is only faster
-(``tests/wire/test_typed.py`` holds the two against each other). A frame's
-own nested fields (scheduler stats) are named generically, one per frame.
+ABORT and UTILITY bodies are flat arrays, read by one typed decoder each.
+Whatever does not conform (a drifted peer, logprobs, a utility answer, an
+``add_lora`` call, whose argument is a struct) makes ``read`` return None,
+and the caller names it generically: the result is the same either way, this
+way is only faster (``tests/wire/test_typed.py`` holds the two against each
+other).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from replay_proxy.wire.messages import UTILITY_ARGUMENTS, UTILITY_CALL_FIELDS, Kind, Message, RequestType
 from replay_proxy.wire.schema import Flag, Namer, Schema
 from replay_proxy.wire.values import decode_msgpack
 
@@ -44,6 +52,45 @@ def _scalar_type(kinds: tuple[str, ...]) -> Any:
     return _kinds_type(kinds) if set(kinds) <= _SCALARS.keys() else None
 
 
+class _Positional:
+    """One array-encoded struct of a release, read by msgspec: a field that holds no struct typed by its
+    kinds (the Namer gives those back as decoded), every other field raw, then checked in C or, where no
+    msgspec type can check it, named by the Namer (the module's docstring)."""
+
+    def __init__(self, schema: Schema, name: str, given: dict[str, Any]):
+        """``given``: the msgspec type of some fields, by name, instead of the one made here."""
+        self.schema, self.name = schema, name
+        fields = schema.structs[name].fields
+        self.names = [field.name for field in fields]
+        self._raw: list[tuple[Any, Any]] = []  # (Field, a decoder that checks its raw value conforms, or None)
+        kinds, made = [], {}
+        for field in fields:
+            kind = given[field.name] if field.name in given else \
+                _kinds_type(field.kinds) if field.struct is None and not field.resolved else None
+            if kind is None and field.name not in given:
+                kind = msgspec.Raw
+                check = _field_type(schema, field, made)
+                self._raw.append((field, None if check is None else msgspec.msgpack.Decoder(check).decode))
+            kinds.append(kind)
+        self.decode = msgspec.msgpack.Decoder(_positional(f"Typed{name}", kinds)).decode
+
+    def named(self, value: tuple, frames: list[bytes]) -> tuple[dict[str, Any], list[Flag]]:
+        """The fields of a decoded value by name, each as the Namer names it; the flags of those it named."""
+        fields = dict(zip(self.names, value))
+        namer = Namer(self.schema, frames)
+        for field, check in self._raw:
+            raw = fields[field.name]
+            if check is not None:
+                try:
+                    check(raw)  # it conforms: the Namer would give back the value as decoded
+                    fields[field.name] = decode_msgpack(raw)
+                    continue
+                except msgspec.DecodeError:
+                    pass
+            fields[field.name] = namer.field(self.name, field, decode_msgpack(raw), f"$[{field.position}]")
+        return fields, namer.flags
+
+
 # The EngineCoreOutput fields a row of output_rows holds as columns, in the order ``read`` gives them.
 OUTPUT_COLUMNS = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "num_nans_in_logits")
 
@@ -52,11 +99,10 @@ class TypedOutputs:
     """Reads conforming EngineCoreOutputs frames of one release (see the module's docstring)."""
 
     def __init__(self, schema: Schema):
-        self.schema = schema
-        frame, output = schema.structs["EngineCoreOutputs"], schema.structs["EngineCoreOutput"]
+        output = schema.structs["EngineCoreOutput"]
         output_fields = []
         for field in output.fields:
-            scalar = _scalar_type(field.kinds) if field.struct is None and not field.tensor else None
+            scalar = _scalar_type(field.kinds) if field.struct is None and not field.resolved else None
             if field.name == "new_token_ids" and field.kinds == ("array",):
                 scalar = list
             if field.name in OUTPUT_COLUMNS:
@@ -72,32 +118,16 @@ class TypedOutputs:
             raise ValueError(f"{schema.release}: EngineCoreOutput lacks some of {OUTPUT_COLUMNS}")
         self._columns = operator.attrgetter(*(f"f{names.index(c)}" for c in OUTPUT_COLUMNS))  # _positional's names
         output_struct = _positional("TypedOutput", [kind for _, kind in output_fields])
-        # Frame fields read raw: (position, Field, a decoder that checks the value conforms, or None).
-        self._named: list[tuple[int, Any, Any]] = []
-        frame_fields = []
-        for field in frame.fields:
-            if field.name == "outputs":
-                kind = list[output_struct]
-            elif field.name == "utility_output":
-                kind = None  # a utility answer: the generic path's
-            else:
-                kind = _scalar_type(field.kinds) if field.struct is None and not field.tensor else None
-                if kind is None:
-                    kind = msgspec.Raw
-                    check = _field_type(schema, field, {})
-                    self._named.append((field.position, field,
-                                        None if check is None else msgspec.msgpack.Decoder(check).decode))
-            frame_fields.append((field.name, kind))
-        self._frame_names = [name for name, _ in frame_fields]
-        self._outputs_at = self._frame_names.index("outputs")
-        self._decode = msgspec.msgpack.Decoder(_positional("TypedOutputs", [kind for _, kind in frame_fields])).decode
+        # A utility answer is the generic path's: the frame must not hold one.
+        self._frame = _Positional(schema, "EngineCoreOutputs", {"outputs": list[output_struct], "utility_output": None})
+        self._outputs_at = self._frame.names.index("outputs")
 
     def read(self, parts: list[bytes]) -> Outputs | None:
         """The frame read, or None if it does not conform (then name it generically)."""
         if len(parts) != 1:
             return None
         try:
-            value = astuple(self._decode(parts[0]))
+            value = astuple(self._frame.decode(parts[0]))
         except msgspec.DecodeError:  # ValidationError included
             return None
         if value[-1] is not UNSET:
@@ -108,20 +138,46 @@ class TypedOutputs:
             if output.extra is not UNSET:
                 return None
             outputs.append(columns(output))
-        fields = dict(zip(self._frame_names, value))
+        fields, flags = self._frame.named(value, parts)
         del fields["outputs"]
-        namer = Namer(self.schema, parts)
-        for position, field, check in self._named:
-            raw = fields[field.name]
-            if check is not None:
-                try:
-                    check(raw)  # it conforms: the Namer would give back the value as decoded
-                    fields[field.name] = decode_msgpack(raw)
-                    continue
-                except msgspec.DecodeError:
-                    pass
-            fields[field.name] = namer.field("EngineCoreOutputs", field, decode_msgpack(raw), f"$[{position}]")
-        return Outputs(fields, outputs, tuple(namer.flags))
+        return Outputs(fields, outputs, tuple(flags))
+
+
+_UTILITY_CALL = msgspec.defstruct("TypedUtilityCall", [("client_index", int), ("call_id", int), ("method", str),
+                                                       ("args", list)], array_like=True, gc=False)
+
+
+class TypedRequests:
+    """Reads conforming ADD, ABORT and UTILITY messages of one release into the ``Message`` the generic
+    decoder gives (see the module's docstring)."""
+
+    def __init__(self, schema: Schema):
+        self._add = _Positional(schema, "EngineCoreRequest", {})
+        self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
+        self._decode_utility = msgspec.msgpack.Decoder(_UTILITY_CALL).decode
+
+    def read(self, parts: list[bytes]) -> Message | None:
+        """The message read, or None if it does not conform (then name it generically)."""
+        if len(parts) != 2:  # the request type and its body: no aux frames
+            return None
+        request_type, body = parts
+        try:
+            if request_type == RequestType.ADD.value:
+                value = astuple(self._add.decode(body))
+                if value[-1] is not UNSET:
+                    return None
+                fields, flags = self._add.named(value, parts[1:])  # tensor references count from the body
+                return Message(kind=Kind.ADD, fields=fields, flags=tuple(flags))
+            if request_type == RequestType.ABORT.value:
+                return Message(kind=Kind.ABORT, fields={"request_ids": self._decode_abort(body)})
+            if request_type == RequestType.UTILITY.value:
+                call = self._decode_utility(body)
+                if call.method in UTILITY_ARGUMENTS:
+                    return None
+                return Message(kind=Kind.UTILITY, fields=dict(zip(UTILITY_CALL_FIELDS, astuple(call))))
+        except msgspec.DecodeError:
+            return None
+        return None
 
 
 astuple, UNSET = msgspec.structs.astuple, msgspec.UNSET
@@ -131,13 +187,13 @@ _OTHER_KINDS = {"bin": bytes, "ext": msgspec.msgpack.Ext, "map": dict, "array": 
 def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
     """A msgspec type that accepts exactly the values the Namer names without a flag and gives back as
     decoded, for one field; None where no msgspec type says that (then the Namer checks it)."""
-    if field.tensor:
-        return None  # the Namer resolves tensors: never the value as decoded
+    if field.resolved:  # only nil is named as decoded
+        return type(None) if "nil" in field.kinds else None
     if field.struct is None:
         return _kinds_type(field.kinds)
     nested = _struct_type(schema, field.struct, made)
-    if nested is None:
-        return None
+    if nested is None:  # only nil is named as decoded
+        return type(None) if "nil" in field.kinds else None
     container = field.type.split("[", 1)[0]
     if container in ("list", "set", "frozenset", "tuple") and field.kinds == ("array",):
         return list[nested]
@@ -191,16 +247,25 @@ def _positional(name: str, kinds: list[Any]) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, fields, array_like=True, gc=False)
 
 
-_made: dict[int, tuple[Schema, TypedOutputs | None]] = {}  # by id: a Schema holds dicts, so it has no hash
+_made: dict[tuple[int, type], tuple[Schema, Any]] = {}  # by id: a Schema holds dicts, so it has no hash
+
+
+def _typed(reader: type, schema: Schema) -> Any:
+    made = _made.get((id(schema), reader))
+    if made is None or made[0] is not schema:
+        try:
+            typed = reader(schema)
+        except ValueError:
+            typed = None
+        made = _made[(id(schema), reader)] = (schema, typed)
+    return made[1]
 
 
 def typed_outputs(schema: Schema) -> TypedOutputs | None:
-    """The fast path for ``schema``'s release; None where its outputs cannot be typed (then all is generic)."""
-    made = _made.get(id(schema))
-    if made is None or made[0] is not schema:
-        try:
-            typed = TypedOutputs(schema)
-        except ValueError:
-            typed = None
-        made = _made[id(schema)] = (schema, typed)
-    return made[1]
+    """The fast path for ``schema``'s outputs; None where they cannot be typed (then all is generic)."""
+    return _typed(TypedOutputs, schema)
+
+
+def typed_requests(schema: Schema) -> TypedRequests:
+    """The fast path for ``schema``'s requests."""
+    return _typed(TypedRequests, schema)
