@@ -10,7 +10,10 @@ msgspec decoding into typed array-like Structs, one tuple per output row,
 ``executemany`` into a table of the same columns, a transaction per 500
 frames, the same SQLite page size and journal settings. Both are timed in
 CPU seconds of this one process (one core), and the rate is output rows per
-second.
+second. Then as many ADDs, shaped as vLLM 0.32.0's Python frontend sends a
+completion's, go through the writer from the input link: an ADD's CPU is given
+beside an output row's of the same run (an ADD makes a frames row and a
+requests row; an output row is 1/32 of an engine step).
 
     .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
 """
@@ -33,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.store.tables import open_database  # noqa: E402
 from replay_proxy.store.writer import Writer  # noqa: E402
 from replay_proxy.wire.capture import capture_tag, encode_entries  # noqa: E402
-from replay_proxy.wire.encode import encode  # noqa: E402
+from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
+from scripts.bench.busy import SCHEMA  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
 from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
@@ -53,19 +57,34 @@ def c_batch(messages: list[tuple[int, int, list[bytes]]]) -> bytes:
     return struct.pack("<IQ", len(messages), sum(len(p) for _, _, parts in messages for p in parts)) + body
 
 
-def tap_messages(frames: list[bytes]) -> list[tuple[int, bytes]]:
-    """The frames as the tap passes them on: batches of copies from the output link, 2,048 frames a message
+def python_frontend_add(k: int) -> list[bytes]:
+    """An ADD as vLLM 0.32.0's Python frontend sends it for a completion (the sampling parameters of the
+    recordings' ADDs: the frontend sends the fields it sets, defaults or not)."""
+    return [b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
+        "request_id": f"cmpl-{k:016x}-0-{k % 65536:08x}", "prompt_token_ids": [100 + (k + i) % 800 for i in range(16)],
+        "mm_features": None, "sampling_params": {
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 0.0,
+            "watermarking": False, "stop": [], "stop_token_ids": [], "max_tokens": 16, "output_kind": 2,
+            "skip_clone": True, "_eos_token_id": 1, "_all_stop_token_ids": [1], "bad_words": [],
+            "skip_reading_prefix_cache": False},
+        "pooling_params": None, "arrival_time": 1_796_143_721.171 + k / 1000, "lora_request": None,
+        "cache_salt": None, "data_parallel_rank": None, "external_req_id": f"cmpl-{k:016x}-0"}))]
+
+
+def tap_messages(frames: list[list[bytes]], channel: Channel) -> list[tuple[int, bytes]]:
+    """The frames as the tap passes them on: batches of copies from one link, 2,048 frames a message
     (each as the writer holds it: its frames, its entries)."""
-    tag = capture_tag(Channel.OUTPUT, 0, 0)
-    numbered = [(seq, 1_700_000_000_000_000_000 + seq * 10_000_000, [frame]) for seq, frame in enumerate(frames, 2)]
+    tag = capture_tag(channel, 0, 0)
+    numbered = [(seq, 1_700_000_000_000_000_000 + seq * 10_000_000, parts) for seq, parts in enumerate(frames, 2)]
     return [(min(TAP_FRAMES, len(numbered) - start),
              encode_entries([[tag, c_batch(numbered[i:i + 64])]
                              for i in range(start, min(start + TAP_FRAMES, len(numbered)), 64)]))
             for start in range(0, len(numbered), TAP_FRAMES)]
 
 
-def run_writer(frames: list[bytes], folder: Path) -> float:
-    """CPU seconds for the writer to keep and decode every frame (after the registration, on the input link)."""
+def run_writer(frames: list[list[bytes]], channel: Channel, folder: Path) -> float:
+    """CPU seconds for the writer to keep and decode every frame, crossing ``channel`` (after the
+    registration, on the input link)."""
     db_path = folder / "writer.db"
     db = open_database(db_path)
     session = db["sessions"].insert({"name": "bench", "mode": "record", "status": "recording"}).last_pk
@@ -73,7 +92,7 @@ def run_writer(frames: list[bytes], folder: Path) -> float:
     writer = Writer(str(db_path), session)
     input_tag = capture_tag(Channel.INPUT, 0, 0)
     writer.write([(1, encode_entries([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration()])])]]))])
-    messages = tap_messages(frames)
+    messages = tap_messages(frames, channel)
     start = time.process_time()
     for message in messages:  # as the writer's loop takes them when it keeps up: about DECODE_FRAMES at once
         writer.write([message])
@@ -81,11 +100,15 @@ def run_writer(frames: list[bytes], folder: Path) -> float:
     assert writer.write_error is None, writer.write_error
     writer.finish()
     connection = sqlite3.connect(db_path)
-    rows = connection.execute("SELECT COUNT(*) FROM outputs").fetchone()[0]
-    assert rows == len(frames) * ARGS.outputs, (rows, len(frames))  # every output row is there
-    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    if channel is Channel.INPUT:
+        rows = connection.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+        assert rows == len(frames), (rows, len(frames))  # every request row is there
+    else:
+        rows = connection.execute("SELECT COUNT(*) FROM outputs").fetchone()[0]
+        assert rows == len(frames) * ARGS.outputs, (rows, len(frames))  # every output row is there
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        DISK_BYTES.append(db_path.stat().st_size)
     connection.close()
-    DISK_BYTES.append(db_path.stat().st_size)
     return seconds
 
 
@@ -112,19 +135,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     ARGS = parser.parse_args()
     frames = [engine_step(k, ARGS.outputs) for k in range(ARGS.frames)]
+    adds = [python_frontend_add(k) for k in range(ARGS.frames)]
     rows = ARGS.frames * ARGS.outputs
     wire = sum(map(len, frames))
-    writer_s, floor_s = [], []
-    for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on both
+    writer_s, floor_s, adds_s = [], [], []
+    for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on all
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
-            writer_s.append(run_writer(frames, Path(folder)))
+            writer_s.append(run_writer([[frame] for frame in frames], Channel.OUTPUT, Path(folder)))
             floor_s.append(run_floor(frames, Path(folder)))
+        with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
+            adds_s.append(run_writer(adds, Channel.INPUT, Path(folder)))
     writer_rate, floor_rate = rows / statistics.median(writer_s), rows / statistics.median(floor_s)
+    add_us, row_us = statistics.median(adds_s) / ARGS.frames * 1e6, 1e6 / writer_rate
     print(f"{ARGS.frames:,} engine steps of {ARGS.outputs} outputs ({rows:,} output rows, {wire / 1e6:.1f} MB on "
           f"the wire); medians of {ARGS.rounds} rounds, CPU seconds of one process")
     print(f"minimal pipeline (msgspec typed, executemany): {floor_rate:>10,.0f} output rows/s")
     print(f"replay-proxy writer (decode + write):          {writer_rate:>10,.0f} output rows/s  "
           f"= {writer_rate / floor_rate:.2f}x the floor (target >= 0.7x and >= 200,000 rows/s)")
+    print(f"replay-proxy writer, {ARGS.frames:,} ADDs as the Python frontend sends them: {add_us:.1f} us an ADD "
+          f"= {add_us / row_us:.2f}x an output row's {row_us:.1f} us (target <= 1.5x), "
+          f"{add_us / (row_us * ARGS.outputs):.2f}x an engine step's")
     disk = statistics.median(DISK_BYTES)
     print(f"database {disk / 1e6:.1f} MB for {wire / 1e6:.1f} MB on the wire = {disk / wire:.2f}x (target <= 2x)")
 
