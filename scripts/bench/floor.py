@@ -5,6 +5,12 @@ fields it does not tabulate left encoded), a tuple is made per output row,
 and ``executemany`` inserts them into a keyless table of ``output_rows``'
 columns; with ``frames``, every message's raw bytes go into a keyless table
 as well. No checks, no other tables: what any recorder must at least do.
+
+``MinimalRequests`` is the same for ADDs: each EngineCoreRequest decoded
+into a typed Struct, a tuple a request with ``requests``' columns (the
+sampling columns as sent, JSON where the table keeps JSON), inserted into a
+table of those columns with its key and index (a request is looked up by
+its id), and each message's raw bytes into a keyless table.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from replay_proxy.store.tables import PAGE_BYTES, TABLES  # noqa: E402
+from replay_proxy.store.tables import INDEXES, PAGE_BYTES, TABLES, sampling_columns  # noqa: E402
 
 
 class Output(msgspec.Struct, array_like=True):
@@ -44,14 +50,74 @@ class Outputs(msgspec.Struct, array_like=True):
     timestamp: float = 0.0
 
 
+class Request(msgspec.Struct, array_like=True):
+    """An EngineCoreRequest up to the last field the requests table holds (msgspec ignores what follows)."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    mm_features: msgspec.Raw
+    sampling_params: dict | None
+    pooling_params: msgspec.Raw
+    arrival_time: float
+    lora_request: msgspec.Raw
+    cache_salt: msgspec.Raw
+    data_parallel_rank: int | None
+    prompt_embeds: msgspec.Raw
+    prompt_is_token_ids: msgspec.Raw
+    client_index: msgspec.Raw
+    current_wave: msgspec.Raw
+    priority: int
+    trace_headers: msgspec.Raw
+    resumable: msgspec.Raw
+    external_req_id: str | None
+
+
+def _connect(db_path: Path) -> sqlite3.Connection:
+    connection = sqlite3.connect(db_path)
+    connection.execute(f"PRAGMA page_size={PAGE_BYTES}")
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=NORMAL")
+    return connection
+
+
+class MinimalRequests:
+    """Decode, a tuple a request, ``executemany``; one transaction a ``write`` call."""
+
+    def __init__(self, db_path: Path):
+        self.connection = _connect(db_path)
+        columns, key = TABLES["requests"]
+        self.connection.execute(f"CREATE TABLE requests ({', '.join(columns)}, PRIMARY KEY ({', '.join(key)}))")
+        for k, index in enumerate(INDEXES["requests"]):
+            self.connection.execute(f"CREATE INDEX requests_{k} ON requests ({', '.join(index)})")
+        self.connection.execute("CREATE TABLE frames (seq, raw)")
+        self.insert = f"INSERT INTO requests VALUES ({', '.join('?' for _ in columns)})"
+        self.sampling = list(sampling_columns())
+        self.decode = msgspec.msgpack.Decoder(Request).decode
+        self.json = msgspec.json.Encoder().encode
+
+    def write(self, messages: list[tuple[int, list[bytes]]]) -> None:
+        """Messages as (seq, parts): each an ADD's request type and body."""
+        rows, frames, sampling, json = [], [], self.sampling, self.json
+        for seq, parts in messages:
+            frames.append((seq, b"".join(parts)))
+            r = self.decode(parts[1])
+            params = r.sampling_params or {}
+            rows.append((1, seq, seq, 0, 0, r.request_id, r.external_req_id, len(r.prompt_token_ids),
+                         json(r.prompt_token_ids).decode(), r.arrival_time, r.data_parallel_rank, r.priority,
+                         *[params.get(c) for c in sampling], json(params).decode()))
+        with self.connection:
+            self.connection.executemany(self.insert, rows)
+            self.connection.executemany("INSERT INTO frames VALUES (?, ?)", frames)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 class MinimalPipeline:
     """Decode, a tuple a row, ``executemany``; one transaction a ``write`` call."""
 
     def __init__(self, db_path: Path, *, frames: bool):
-        self.connection = sqlite3.connect(db_path)
-        self.connection.execute(f"PRAGMA page_size={PAGE_BYTES}")
-        self.connection.execute("PRAGMA journal_mode=WAL")
-        self.connection.execute("PRAGMA synchronous=NORMAL")
+        self.connection = _connect(db_path)
         columns = TABLES["output_rows"][0]
         self.connection.execute(f"CREATE TABLE output_rows ({', '.join(columns)})")
         self.insert = f"INSERT INTO output_rows VALUES ({', '.join('?' for _ in columns)})"

@@ -11,9 +11,10 @@ msgspec decoding into typed array-like Structs, one tuple per output row,
 frames, the same SQLite page size and journal settings. Both are timed in
 CPU seconds of this one process (one core), and the rate is output rows per
 second. Then as many ADDs, shaped as vLLM 0.32.0's Python frontend sends a
-completion's, go through the writer from the input link: an ADD's CPU is given
-beside an output row's of the same run (an ADD makes a frames row and a
-requests row; an output row is 1/32 of an engine step).
+completion's, go through the writer from the input link and through the
+minimal pipeline of ADDs (``floor.py``): an ADD's CPU is given beside that
+floor's and beside an output row's of the same run (an ADD makes a frames
+row and a keyed requests row; an output row is 1/32 of an engine step).
 
     .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
 """
@@ -40,7 +41,7 @@ from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
 from scripts.bench.busy import SCHEMA  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
-from scripts.bench.floor import MinimalPipeline  # noqa: E402
+from scripts.bench.floor import MinimalPipeline, MinimalRequests  # noqa: E402
 
 TAP_FRAMES = 2048  # frames per tap message (32 batches of 64): about what the writer decodes at once
 
@@ -127,6 +128,18 @@ def run_floor(frames: list[bytes], folder: Path) -> float:
     return seconds
 
 
+def run_floor_adds(adds: list[list[bytes]], folder: Path) -> float:
+    """CPU seconds for the minimal pipeline of ADDs (``floor.py``), a transaction per 500 frames."""
+    pipeline = MinimalRequests(folder / "floor-adds.db")
+    numbered = list(enumerate(adds))
+    start = time.process_time()
+    for first in range(0, len(numbered), 500):
+        pipeline.write(numbered[first:first + 500])
+    seconds = time.process_time() - start
+    pipeline.close()
+    return seconds
+
+
 def main() -> None:
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -138,23 +151,27 @@ def main() -> None:
     adds = [python_frontend_add(k) for k in range(ARGS.frames)]
     rows = ARGS.frames * ARGS.outputs
     wire = sum(map(len, frames))
-    writer_s, floor_s, adds_s = [], [], []
+    writer_s, floor_s, adds_s, floor_adds_s = [], [], [], []
     for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on all
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
             writer_s.append(run_writer([[frame] for frame in frames], Channel.OUTPUT, Path(folder)))
             floor_s.append(run_floor(frames, Path(folder)))
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
             adds_s.append(run_writer(adds, Channel.INPUT, Path(folder)))
+            floor_adds_s.append(run_floor_adds(adds, Path(folder)))
     writer_rate, floor_rate = rows / statistics.median(writer_s), rows / statistics.median(floor_s)
     add_us, row_us = statistics.median(adds_s) / ARGS.frames * 1e6, 1e6 / writer_rate
+    floor_add_us = statistics.median(floor_adds_s) / ARGS.frames * 1e6
     print(f"{ARGS.frames:,} engine steps of {ARGS.outputs} outputs ({rows:,} output rows, {wire / 1e6:.1f} MB on "
           f"the wire); medians of {ARGS.rounds} rounds, CPU seconds of one process")
     print(f"minimal pipeline (msgspec typed, executemany): {floor_rate:>10,.0f} output rows/s")
     print(f"replay-proxy writer (decode + write):          {writer_rate:>10,.0f} output rows/s  "
           f"= {writer_rate / floor_rate:.2f}x the floor (target >= 0.7x and >= 200,000 rows/s)")
-    print(f"replay-proxy writer, {ARGS.frames:,} ADDs as the Python frontend sends them: {add_us:.1f} us an ADD "
-          f"= {add_us / row_us:.2f}x an output row's {row_us:.1f} us (target <= 1.5x), "
-          f"{add_us / (row_us * ARGS.outputs):.2f}x an engine step's")
+    print(f"{ARGS.frames:,} ADDs as vLLM's Python frontend sends them, through each:")
+    print(f"minimal pipeline of ADDs (msgspec typed, executemany): {floor_add_us:>5.1f} us an ADD")
+    print(f"replay-proxy writer:                                   {add_us:>5.1f} us an ADD = "
+          f"{add_us / floor_add_us:.2f}x the floor's; {add_us / row_us:.2f}x the writer's output row "
+          f"({row_us:.1f} us; target <= 1.5x), {add_us / (row_us * ARGS.outputs):.2f}x its engine step")
     disk = statistics.median(DISK_BYTES)
     print(f"database {disk / 1e6:.1f} MB for {wire / 1e6:.1f} MB on the wire = {disk / wire:.2f}x (target <= 2x)")
 
