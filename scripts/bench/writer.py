@@ -116,22 +116,9 @@ def run_writer(frames: list[list[bytes]], channel: Channel, folder: Path) -> flo
 DISK_BYTES: list[int] = []  # the database file of each writer run, checkpointed
 
 
-def run_floor(frames: list[bytes], folder: Path) -> float:
-    """CPU seconds for the minimal pipeline (``floor.py``), a transaction per 500 frames."""
-    pipeline = MinimalPipeline(folder / "floor.db", frames=False)
-    numbered = [(seq, [frame]) for seq, frame in enumerate(frames)]
-    start = time.process_time()
-    for first in range(0, len(numbered), 500):
-        pipeline.write(numbered[first:first + 500])
-    seconds = time.process_time() - start
-    pipeline.close()
-    return seconds
-
-
-def run_floor_adds(adds: list[list[bytes]], folder: Path) -> float:
-    """CPU seconds for the minimal pipeline of ADDs (``floor.py``), a transaction per 500 frames."""
-    pipeline = MinimalRequests(folder / "floor-adds.db")
-    numbered = list(enumerate(adds))
+def run_floor(pipeline: MinimalPipeline | MinimalRequests, frames: list[list[bytes]]) -> float:
+    """CPU seconds for a minimal pipeline (``floor.py``) to write the frames, a transaction per 500."""
+    numbered = list(enumerate(frames))
     start = time.process_time()
     for first in range(0, len(numbered), 500):
         pipeline.write(numbered[first:first + 500])
@@ -148,17 +135,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     ARGS = parser.parse_args()
     frames = [engine_step(k, ARGS.outputs) for k in range(ARGS.frames)]
+    steps = [[frame] for frame in frames]  # each message of one frame
     adds = [python_frontend_add(k) for k in range(ARGS.frames)]
     rows = ARGS.frames * ARGS.outputs
     wire = sum(map(len, frames))
     writer_s, floor_s, adds_s, floor_adds_s = [], [], [], []
     for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on all
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
-            writer_s.append(run_writer([[frame] for frame in frames], Channel.OUTPUT, Path(folder)))
-            floor_s.append(run_floor(frames, Path(folder)))
+            writer_s.append(run_writer(steps, Channel.OUTPUT, Path(folder)))
+            floor_s.append(run_floor(MinimalPipeline(Path(folder) / "floor.db", frames=False), steps))
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
             adds_s.append(run_writer(adds, Channel.INPUT, Path(folder)))
-            floor_adds_s.append(run_floor_adds(adds, Path(folder)))
+            floor_adds_s.append(run_floor(MinimalRequests(Path(folder) / "floor-adds.db"), adds))
     writer_rate, floor_rate = rows / statistics.median(writer_s), rows / statistics.median(floor_s)
     add_us, row_us = statistics.median(adds_s) / ARGS.frames * 1e6, 1e6 / writer_rate
     floor_add_us = statistics.median(floor_adds_s) / ARGS.frames * 1e6
