@@ -8,6 +8,7 @@ builders here.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from typing import Any
 
@@ -26,6 +27,7 @@ _json = msgspec.json.Encoder()
 # EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
 REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
                              "data_parallel_rank", "priority", "sampling_params"})
+_request_row = operator.itemgetter(*TABLES["requests"][0])  # a requests row in column order, every column named
 
 
 def _sqlite_value(value: int) -> int | str:
@@ -184,19 +186,20 @@ class Rows:
 
     def _request(self, where: dict, fields: dict, schema: Schema) -> None:
         params = fields.get("sampling_params")
-        effective = {}
         if isinstance(params, dict):  # each column's value in effect: as sent, else the release's default
-            effective = self._sampling_defaults(schema).copy()
-            for column in params.keys() & effective.keys():
+            row = self._sampling_defaults(schema).copy()
+            for column in params.keys() & row.keys():
                 value = params[column]
-                effective[column] = None if isinstance(value, (list, dict)) else value
+                row[column] = None if isinstance(value, (list, dict)) else value
+        else:
+            row = dict.fromkeys(sampling_columns())
         prompt = fields.get("prompt_token_ids")
-        self._add("requests", **where, **effective, request_id=fields.get("request_id"),
-                  external_req_id=fields.get("external_req_id"),
-                  prompt_len=len(prompt) if isinstance(prompt, list) else None,
-                  prompt_token_ids=to_json(prompt), arrival_time=fields.get("arrival_time"),
-                  data_parallel_rank=fields.get("data_parallel_rank"), priority=fields.get("priority"),
-                  sampling_params=to_json(params))
+        row.update(where, request_id=fields.get("request_id"), external_req_id=fields.get("external_req_id"),
+                   prompt_len=len(prompt) if isinstance(prompt, list) else None, prompt_token_ids=to_json(prompt),
+                   arrival_time=fields.get("arrival_time"), data_parallel_rank=fields.get("data_parallel_rank"),
+                   priority=fields.get("priority"), sampling_params=to_json(params))
+        self.tables["requests"].append(tuple([_sqlite_value(v) if type(v) is int else v
+                                              for v in _request_row(row)]))
 
     def _sampling_defaults(self, schema: Schema) -> dict[str, Any]:
         """The release's default of each sampling column (None for a list or a map: no column holds those)."""
