@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -33,6 +34,10 @@ _request_row = operator.itemgetter(*TABLES["requests"][0])  # a requests row in 
 def _sqlite_value(value: int) -> int | str:
     """SQLite integers are signed 64-bit; Python's utility call ids are u64: keep those as text."""
     return value if -(2**63) <= value < 2**63 else str(value)
+
+
+def _sqlite_row(values: Iterable[Any]) -> tuple:
+    return tuple([_sqlite_value(v) if type(v) is int else v for v in values])
 
 
 def _engine_time(stamp: Any) -> float | None:
@@ -72,8 +77,7 @@ class Rows:
         self._defaults: dict[int, dict[str, Any]] = {}  # by id(schema): the schemas of a batch outlive it
 
     def _add(self, table: str, **row: Any) -> None:
-        self.tables[table].append(tuple([_sqlite_value(v) if type(v) is int else v
-                                         for v in map(row.get, TABLES[table][0])]))
+        self.tables[table].append(_sqlite_row(map(row.get, TABLES[table][0])))
 
     def add(self, session_id: int, frame: CapturedFrame, decoder: WireDecoder) -> Kind:
         """Decode a captured frame and add its rows; return its kind."""
@@ -198,8 +202,7 @@ class Rows:
                    prompt_len=len(prompt) if isinstance(prompt, list) else None, prompt_token_ids=to_json(prompt),
                    arrival_time=fields.get("arrival_time"), data_parallel_rank=fields.get("data_parallel_rank"),
                    priority=fields.get("priority"), sampling_params=to_json(params))
-        self.tables["requests"].append(tuple([_sqlite_value(v) if type(v) is int else v
-                                              for v in _request_row(row)]))
+        self.tables["requests"].append(_sqlite_row(_request_row(row)))
 
     def _sampling_defaults(self, schema: Schema) -> dict[str, Any]:
         """The release's default of each sampling column (None for a list or a map: no column holds those)."""
