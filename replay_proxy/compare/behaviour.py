@@ -3,9 +3,9 @@
 Tokens must be identical for greedy or seeded requests (else the first
 divergence is reported), finish reasons the same, logprobs within a
 tolerance, an ABORT where it was recorded; utility calls must get the same
-results. Greedy requests that ran batched do not reproduce on vLLM's CPU
-build, so their divergence is a warning unless repeat runs of the baseline
-(``noise``) show them stable.
+results. Greedy requests that ran batched, in either session, do not
+reproduce on vLLM's CPU build, so their divergence is a warning unless repeat
+runs of the baseline (``noise``) show them stable.
 """
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                 "the candidate has a request the baseline does not", message_kind="ADD",
                                 request_id=request.request_id))
     # Batched requests do not reproduce on vLLM's CPU build: noise, unless repeat runs show them stable.
+    # A slower candidate batches requests that ran alone when recorded: those are noise too.
     unstable = _unstable(baseline, noise, rules.match_sampling_keys)
-    noisy = {rid for rid in batched(baseline) if not noise or rid in unstable}
+    batched_in_candidate = batched(candidate)
+    ran_batched = batched(baseline) | {a.request_id for a, b in matching.pairs
+                                       if b.request_id in batched_in_candidate}
+    noisy = {rid for rid in ran_batched if not noise or rid in unstable}
     for a, b in matching.pairs:
         rid = a.request_id
         if a.frontend_aborted or b.frontend_aborted:

@@ -14,11 +14,13 @@ from tests.conftest import RecordedSession
 RULES = load_rules()
 
 
-async def record(nursery, db, name, **drift):
+async def record(nursery, db, name, overlapping=(), **drift):
     session = await RecordedSession(nursery, db, name=name, **drift).start()
     frontend = session.frontend
-    for k in range(6):  # one at a time, like the real-vLLM workload
+    for k in range(6):  # one at a time, like the real-vLLM workload, but those overlapping the next
         await frontend.add(f"r{k}", [3, 4, 5 + k], max_tokens=4 + k, temperature=0.0, seed=k if k % 2 else None)
+        if k in overlapping:
+            continue
         with trio.move_on_after(2):  # a drifted peer may never answer
             await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
     call = await frontend.utility("get_supported_tasks")
@@ -27,10 +29,10 @@ async def record(nursery, db, name, **drift):
     return load_session(db, name)
 
 
-async def diff(db, **drift):
+async def diff(db, overlapping_in_candidate=(), **drift):
     async with trio.open_nursery() as nursery:
         baseline = await record(nursery, db, "baseline")
-        candidate = await record(nursery, db, "candidate", **drift)
+        candidate = await record(nursery, db, "candidate", overlapping_in_candidate, **drift)
         nursery.cancel_scope.cancel()
     findings = build_report("diff", baseline, candidate, RULES).findings
     return [f for f in findings if f.severity >= Severity.WARNING and f.category != "performance"], findings
@@ -76,6 +78,14 @@ async def test_changed_tokens_are_a_behaviour_regression_with_the_divergence_poi
     mismatches = [f for f in significant if f.code == "token_mismatch"]
     assert len(mismatches) == 6 and all(f.position == 0 and f.severity == Severity.REGRESSION for f in mismatches)
     assert exit_code(findings) is ExitCode.BEHAVIOUR
+
+
+async def test_changed_tokens_of_requests_the_candidate_ran_batched_are_only_warnings(db_path):
+    # Each ran alone when recorded; a slower candidate ran r1 and r2 beside each other.
+    with trio.fail_after(30):
+        significant, _ = await diff(db_path, overlapping_in_candidate={1}, engine_drift=EngineDrift(token_offset=1))
+    severity = {f.request_id: f.severity for f in significant if f.code == "token_mismatch"}
+    assert severity == {f"r{k}": Severity.WARNING if k in (1, 2) else Severity.REGRESSION for k in range(6)}
 
 
 async def test_a_renamed_sampling_key_shows_both_sides(db_path):
