@@ -15,7 +15,11 @@ also pushes ``--busy-rate`` busy steps a second (32 outputs each), so the
 writer decodes at full load while round trips are timed. For each:
 round-trip latency (frontend ROUTER -> engine DEALER, engine PUSH ->
 frontend PULL) p50/p99, pipelined throughput, and a paced run at a fixed
-rate of 600-byte outputs whose dropped frames are counted.
+rate of 600-byte outputs whose dropped frames are counted. For the
+recording cases and their floor recorders, also the CPU seconds per million
+frames of the forwarding process and of the recording one (read from /proc,
+start-up left out): the ratio that holds on any machine, whatever the
+latency on one whose cores the peers share.
 
     .venv/bin/python scripts/bench/forward.py [--round-trips 5000] [--rate 10000] [--rounds 3]
         [--busy-rate 2000] [--scrape-every 1] [--skip direct] [--skip drain] [--skip recorder] [--skip relay]
@@ -44,7 +48,7 @@ from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
 from replay_proxy.wire.schema import load_schema  # noqa: E402
-from scripts.bench.busy import engine_handshake, step as busy_step  # noqa: E402
+from scripts.bench.busy import child_pid, engine_handshake, read_cpu, step as busy_step  # noqa: E402
 from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
 IDENTITY = engine_identity(0)
@@ -273,20 +277,33 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
                     scraper = threading.Thread(target=scrape, args=(f"http://{metrics}/metrics", args.scrape_every,
                                                                      scraping), daemon=True)
             children.append(Child(argv, logs / f"{name}.log", name=name))
+            if name != "replay-proxy relay":
+                children[-1].wait_for_log("listening on", timeout=60)  # its writer started
             if name == SCRAPED:
-                children[-1].wait_for_log("listening on", timeout=60)
                 scraper.start()
         front = subprocess.Popen([*me, "frontend", ",".join(map(str, ports)), init_inputs, init_outputs,
                                   str(args.round_trips), str(args.pipelined), str(args.rate), str(args.rate_seconds)],
                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        # The forwarding and the recording process of the cases held to each other on CPU per frame.
+        if name in RECORDER_FLOORS:
+            measured = {"forwarding": children[-1].process.pid,
+                        "recording": child_pid(children[-1].process.pid, "replay_proxy.store.writer")}
+        elif name in RECORDER_FLOORS.values():
+            measured = {"forwarding": children[-1].process.pid, "recording": children[0].process.pid}
+        else:
+            measured = {}
+        started_cpu = settled_cpu(measured)
         busy = str(args.busy_rate) if name in BUSY_CASES else "0"
-        children.append(Child([*me, "engine", dial, busy], logs / f"engine-{name}.log", name="engine"))
+        engine_peer = Child([*me, "engine", dial, busy], logs / f"engine-{name}.log", name="engine")
+        children.append(engine_peer)
         try:
             out, _ = front.communicate(timeout=180)
         finally:
             if front.poll() is None:
                 front.kill()
         result = json.loads(out)
+        engine_peer.stop(timeout=20)  # no more frames: the recorder writes out what it holds, then idles
+        cpu = {k: v - started_cpu[k] for k, v in settled_cpu(measured).items()}
     finally:
         scraping.set()
         for child in reversed(children):
@@ -295,7 +312,33 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         row = sqlite3_row(db)
         result["dropped"] = row["frames_dropped"]
         result["recorded"] = row["frames_recorded"]
+    if cpu:
+        frames = result["recorded"] if "recorded" in result else floor_frames(db)
+        result |= {f"{k}_cpu_s_per_million_frames": seconds / frames * 1e6 for k, seconds in cpu.items()}
     return result
+
+
+def settled_cpu(processes: dict[str, int | None], timeout_s: float = 60) -> dict[str, float]:
+    """The CPU seconds of each process once all of them are idle (start-up done, queues written out): less
+    than 10 ms of CPU between two reads 0.3 s apart, or what they have at ``timeout_s``."""
+    last, deadline = read_cpu(processes), time.monotonic() + timeout_s
+    while processes and time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = read_cpu(processes)
+        if sum(now.values()) - sum(last.values()) < 0.01:
+            return now
+        last = now
+    return last
+
+
+def floor_frames(db: Path) -> int:
+    """The frames the floor recorder wrote: every one the C forwarder passed on."""
+    import sqlite3
+
+    connection = sqlite3.connect(db)
+    count = connection.execute("SELECT COUNT(*) FROM frames").fetchone()[0]
+    connection.close()
+    return count
 
 
 def scrape(url: str, every_s: float, stop: threading.Event) -> None:
@@ -354,12 +397,15 @@ def main() -> None:
               f"{r['p50_us'] / floor['p50_us']:>6.2f} {r['p99_us'] / floor['p99_us']:>6.2f} "
               f"{r['throughput'] / floor['throughput']:>6.2f}  {paced}")
     print("\nrecording beside the minimal recorder under the same load, and scraped beside not "
-          "(p50, p99, throughput ratios):")
+          "(p50, p99, throughput ratios; for the recorders, CPU seconds per million frames of forwarding and "
+          "of recording, and their ratios):")
     for name, floor_name in [*RECORDER_FLOORS.items(), (SCRAPED, "replay-proxy recording")]:
         if name in results and floor_name in results:
             r, f = results[name], results[floor_name]
+            cpu = "".join(f"  {k} {r[c]:.0f} s vs {f[c]:.0f} s ({r[c] / f[c]:.2f})"
+                          for k in ("forwarding", "recording") for c in [f"{k}_cpu_s_per_million_frames"] if c in f)
             print(f"{name:<24} {r['p50_us'] / f['p50_us']:>6.2f} {r['p99_us'] / f['p99_us']:>6.2f} "
-                  f"{r['throughput'] / f['throughput']:>6.2f}")
+                  f"{r['throughput'] / f['throughput']:>6.2f}{cpu}")
 
 
 if __name__ == "__main__":
