@@ -15,11 +15,13 @@ every count is checked against what the peers sent.
     .venv/bin/python scripts/bench/busy.py --seconds 60 --redact-key redaction.key   # record --redact-key
     .venv/bin/python scripts/bench/busy.py --seconds 60 --sample-requests 0.25      # record --sample-requests
     .venv/bin/python scripts/bench/busy.py --seconds 1800 --rate 1000 --rotate-mb 256 --keep 4   # rotating
+    .venv/bin/python scripts/bench/busy.py --seconds 60 --rotate-every 10s --against-plain   # rotating, vs plain
 
 Prints one JSON object (on one line with --json: what the soak test reads). With
-``--redact-key`` or ``--sample-requests``, two runs: the floor (the same, plain),
-then with the option, and that run's lag, stop time and recording CPU as ratios
-to the floor's (under ``redacted`` or ``sampled``). Each run also
+``--redact-key`` or ``--sample-requests`` (or rotation with ``--against-plain``),
+two runs: the floor (the same, plain), then with the options, and that run's lag,
+stop time and recording CPU as ratios to the floor's (under the options' names:
+``redacted``, ``sampled``, ``rotated``, joined by ``+``). Each run also
 gives the CPU seconds per million frames of the proxy (forwarding), its writer
 and its redactor, read from /proc, and the cores each took at that rate: a
 process that needs less than one core keeps up live on a host that gives it
@@ -221,15 +223,20 @@ def main() -> None:
     parser.add_argument("--rotate-mb", type=float, help="record's --rotate-mb")
     parser.add_argument("--rotate-every", help="record's --rotate-every")
     parser.add_argument("--keep", type=int, help="record's --keep")
+    parser.add_argument("--against-plain", action="store_true",
+                        help="rotating, first run plain as the floor (as --redact-key and --sample-requests do)")
     args = parser.parse_args()
-    args.rotation = [arg for name in ("rotate_mb", "rotate_every", "keep") if getattr(args, name) is not None
-                     for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    rotation = [arg for name in ("rotate_mb", "rotate_every", "keep") if getattr(args, name) is not None
+                for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    if args.against_plain and not rotation:
+        parser.error("--against-plain compares a rotating run with a plain one: give --rotate-mb or --rotate-every")
     option = (["--redact-key", str(args.redact_key), "--vocab-size", str(VOCAB)] if args.redact_key else []) + (
-        ["--sample-requests", str(args.sample_requests)] if args.sample_requests else [])
-    if not option:
-        result = run(args, [])
+        ["--sample-requests", str(args.sample_requests)] if args.sample_requests else []) + rotation
+    if not (args.redact_key or args.sample_requests or args.against_plain):
+        result = run(args, option)
     else:  # the floor first: the same run, plain
-        name = "redacted" if args.redact_key else "sampled"
+        name = "+".join(name for name, on in (("redacted", args.redact_key), ("sampled", args.sample_requests),
+                                               ("rotated", rotation)) if on)
         floor, measured = run(args, []), run(args, option)
         recording_cpu = {name: sum(v for k, v in run["cpu_s_per_million_frames"].items() if k != "proxy")
                          for name, run in (("floor", floor), (name, measured))}
@@ -245,6 +252,7 @@ def main() -> None:
 def run(args: argparse.Namespace, option: list[str]) -> dict:
     """One run of ``record`` between the busy peers, with ``option`` (record's arguments): its figures."""
     steps = args.frames or int(args.rate * args.seconds)
+    rotating = "--rotate-mb" in option or "--rotate-every" in option
     logs = Path(tempfile.mkdtemp(prefix="bench-busy-"))
     db = args.db or logs / "busy.db"
     if db.exists():  # --db with an option: the floor's run made it
@@ -255,7 +263,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
                   name="busy frontend")
     proxy = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen}",
                    "--upstream", f"tcp://127.0.0.1:{upstream}", "--db", str(db), "--session", "busy",
-                   "--on-full", args.on_full, "--log-format", "json", *option, *args.rotation],
+                   "--on-full", args.on_full, "--log-format", "json", *option],
                   logs / "proxy.log", name="replay-proxy record")
     children = [front, proxy]
     try:
@@ -330,7 +338,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
               "summary": {k: summary.get(k) for k in ("frames_seen", "frames_recorded", "frames_sampled_out",
                                                       "frames_dropped", "rotations", "rotations_failed",
                                                       "files_deleted")},
-              **({"disk_mb_max": round(max(disk_mb), 1)} if args.rotation and disk_mb else {}),
+              **({"disk_mb_max": round(max(disk_mb), 1)} if rotating and disk_mb else {}),
               "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,
