@@ -104,6 +104,7 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
     inputs, outputs, handshake = socket(ctx, zmq.ROUTER), socket(ctx, zmq.PULL), socket(ctx, zmq.ROUTER)
     addresses = {"inputs": [f"tcp://127.0.0.1:{free_port()}"], "outputs": [f"tcp://127.0.0.1:{free_port()}"],
                  "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None}
+    inputs.setsockopt(zmq.LINGER, 60_000)  # its last ADDs may still be queued when it exits: deliver them
     inputs.bind(addresses["inputs"][0])
     outputs.bind(addresses["outputs"][0])
     handshake.bind(f"tcp://127.0.0.1:{handshake_port}")
@@ -153,14 +154,24 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
     frames = [step(k, per_step) for k in range(DISTINCT_STEPS)]
     # Like a real engine, it sends outputs only of requests it has been sent: it steps once the ADDs of
     # the requests its steps name have come (the frontend's first, about a second of them).
+    received = 0
     for _ in range(min(steps, DISTINCT_STEPS * per_step)):
         if not inputs.poll(60_000):
             sys.exit("engine: no ADD from the frontend within 60 s")
         inputs.recv_multipart()
+        received += 1
     for i in paced(rate, steps):
         outputs.send(frames[i % DISTINCT_STEPS])
         while inputs.poll(0):
             inputs.recv_multipart()
+            received += 1
+    # Every ADD the frontend sent has crossed the proxy once it is here: only then may the proxy be stopped.
+    deadline = time.monotonic() + 60
+    while received < steps and time.monotonic() < deadline:
+        if inputs.poll(100):
+            inputs.recv_multipart()
+            received += 1
+    print(json.dumps({"adds_received": received}), flush=True)
     time.sleep(30)  # until stopped: an engine that exits would be a lost engine
 
 
@@ -296,7 +307,10 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
             if redactor is not None and Path(f"/proc/{redactor}").exists():
                 redactor_mb.append(resident_mb(redactor))
             cpu.update(read_cpu(processes))
-        peers = json.loads(front.log_path.read_text().strip().splitlines()[-1])
+        engine = children[-1]
+        engine.wait_for_log('"adds_received"', timeout=90)
+        peers = {**json.loads(front.log_path.read_text().strip().splitlines()[-1]),
+                 **json.loads(engine.log_path.read_text().strip().splitlines()[-1])}
         stop_started = time.monotonic()
         proxy.process.send_signal(signal.SIGINT)
         while proxy.running() and time.monotonic() < stop_started + 60:

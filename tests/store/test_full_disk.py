@@ -48,7 +48,7 @@ def test_a_full_filesystem_keeps_forwarding_and_the_session_ends_counted(tmp_pat
         assert run.returncode == 0, run.stderr[-2000:]
         result = json.loads(run.stdout.strip().splitlines()[-1])
         # Forwarding never waited for the disk: every step and ADD crossed.
-        assert result["peers"] == {"adds_sent": steps, "outputs_received": steps}
+        assert result["peers"] == {"adds_sent": steps, "adds_received": steps, "outputs_received": steps}
         assert result["proxy_exit"] == 1  # an incomplete recording (docs/commands.md), not a crash
         # The session's end was written, with what crossed and what could not be kept: not left 'recording'.
         session = sqlite3.connect(db).execute(
@@ -72,7 +72,7 @@ def test_a_full_filesystem_at_a_rotation_keeps_forwarding_and_every_file_ends_co
                               "--rotate-every", "1s"], capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert run.returncode == 0, run.stderr[-2000:]
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        assert result["peers"] == {"adds_sent": steps, "outputs_received": steps}
+        assert result["peers"] == {"adds_sent": steps, "adds_received": steps, "outputs_received": steps}
         assert result["proxy_exit"] == 1  # incomplete: frames were lost to the full disk (never to forwarding)
         summary, session = result["summary"], result["session"]
         assert summary["rotations"] >= 1 and summary["rotations_failed"] >= 1, summary
