@@ -303,7 +303,10 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
                 front.kill()
         result = json.loads(out)
         engine_peer.stop(timeout=20)  # no more frames: the recorder writes out what it holds, then idles
-        cpu = {k: v - started_cpu[k] for k, v in settled_cpu(measured).items()}
+        cpu = {k: v - started_cpu[k] for k, v in settled_cpu(measured).items() if k in started_cpu}
+        if measured and cpu.keys() != measured.keys():
+            print(f"  {name}: no CPU figure for {sorted(measured.keys() - cpu.keys())} (process not found or gone)",
+                  file=sys.stderr)
     finally:
         scraping.set()
         for child in reversed(children):
@@ -384,7 +387,9 @@ def main() -> None:
         for name in cases:
             runs[name].append(run_case(name, logs, args))
             print(f"  round {round_ + 1}: measured {name}", file=sys.stderr)
-    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    # A figure a round could not take (a process gone before its CPU was read) is left out of that one median.
+    results = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in {k for r in rs for k in r}}
+               for name, rs in runs.items()}
     floor = results["zmq.proxy (C)"]
     print(f"\nmedians of {args.rounds} rounds; {args.round_trips} round trips, {args.pipelined} pipelined, "
           f"{args.rate} msg/s for {args.rate_seconds:g} s paced; ratios to zmq.proxy (C)")
@@ -403,7 +408,8 @@ def main() -> None:
         if name in results and floor_name in results:
             r, f = results[name], results[floor_name]
             cpu = "".join(f"  {k} {r[c]:.0f} s vs {f[c]:.0f} s ({r[c] / f[c]:.2f})"
-                          for k in ("forwarding", "recording") for c in [f"{k}_cpu_s_per_million_frames"] if c in f)
+                          for k in ("forwarding", "recording") for c in [f"{k}_cpu_s_per_million_frames"]
+                          if c in f and c in r)
             print(f"{name:<24} {r['p50_us'] / f['p50_us']:>6.2f} {r['p99_us'] / f['p99_us']:>6.2f} "
                   f"{r['throughput'] / f['throughput']:>6.2f}{cpu}")
 
