@@ -35,6 +35,7 @@ class Child:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        self._log_start = log.tell()  # what an earlier child wrote to the same log is not this one's
         try:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=env, cwd=cwd, start_new_session=True)
@@ -97,11 +98,13 @@ class Child:
         return "\n".join(self.log_lines()[-lines:])
 
     def wait_for_log(self, text: str, timeout: float) -> None:
-        """Wait until ``text`` appears in the log; fail early if the child exits."""
+        """Wait until ``text`` appears in what this child has logged; fail early if the child exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if text in self.log_path.read_text(errors="replace"):
-                return
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                if text in log.read().decode(errors="replace"):
+                    return
             if not self.running():
                 raise ChildError(f"{self.name} exited with {self.process.returncode} before "
                                  f"printing {text!r}:\n{self.log_tail()}")

@@ -1,5 +1,5 @@
-"""Child processes are stopped as a whole process group; the ports handed to them are never ones the
-kernel hands out for port 0."""
+"""Child processes are stopped as a whole process group and wait for their own log lines; the ports handed
+to them are never ones the kernel hands out for port 0."""
 
 import os
 import shlex
@@ -7,7 +7,9 @@ import socket
 import sys
 import time
 
-from replay_proxy.processes import Child, ephemeral_ports, free_port
+import pytest
+
+from replay_proxy.processes import Child, ChildError, ephemeral_ports, free_port
 
 IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                    "print('up', flush=True); time.sleep(60)")
@@ -32,6 +34,25 @@ def test_stop_leaves_nothing_of_the_group_behind(tmp_path):
     child.wait_for_log("up", timeout=30)
     child.stop(timeout=1)
     assert group_gone(child.pid)  # the job would sleep 60 s
+
+
+def test_a_child_waits_for_its_own_line_not_one_an_earlier_child_left_in_the_same_log(tmp_path):
+    """Benchmarks start a case's process again each round with the same log: a line from the round before
+    must not pass for this round's (forward.py read a writer's CPU before the writer had started)."""
+    log = tmp_path / "case.log"
+    first = Child([sys.executable, "-c", "print('listening', flush=True)"], log)
+    first.wait(timeout=30)
+    second = Child([sys.executable, "-c", "import time; time.sleep(60)"], log)
+    try:
+        with pytest.raises(ChildError, match="did not print 'listening' within"):
+            second.wait_for_log("listening", timeout=1)
+    finally:
+        second.stop(timeout=5)
+    third = Child([sys.executable, "-c", "import time; print('listening', flush=True); time.sleep(60)"], log)
+    try:
+        third.wait_for_log("listening", timeout=30)
+    finally:
+        third.stop(timeout=5)
 
 
 def test_a_free_port_is_bindable_and_never_one_the_kernel_hands_out_for_port_0():
