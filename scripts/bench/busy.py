@@ -124,13 +124,19 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
         while outputs.poll(0):
             outputs.recv_multipart()
             received += 1
-    deadline = time.monotonic() + 60
-    while received < steps and time.monotonic() < deadline:
-        if outputs.poll(100):
-            outputs.recv_multipart()
-            received += 1
+    received = drain(outputs, received, steps)
     print(json.dumps({"adds_sent": steps, "outputs_received": received}), flush=True)
     ctx.destroy()
+
+
+def drain(sock: zmq.Socket, received: int, expected: int, timeout_s: float = 60) -> int:
+    """Receive from ``sock`` until ``expected`` messages in all or ``timeout_s``; the count received."""
+    deadline = time.monotonic() + timeout_s
+    while received < expected and time.monotonic() < deadline:
+        if sock.poll(100):
+            sock.recv_multipart()
+            received += 1
+    return received
 
 
 def engine_handshake(ctx: zmq.Context, handshake_address: str) -> tuple[zmq.Socket, zmq.Socket]:
@@ -166,11 +172,7 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
             inputs.recv_multipart()
             received += 1
     # Every ADD the frontend sent has crossed the proxy once it is here: only then may the proxy be stopped.
-    deadline = time.monotonic() + 60
-    while received < steps and time.monotonic() < deadline:
-        if inputs.poll(100):
-            inputs.recv_multipart()
-            received += 1
+    received = drain(inputs, received, steps)
     print(json.dumps({"adds_received": received}), flush=True)
     time.sleep(30)  # until stopped: an engine that exits would be a lost engine
 
