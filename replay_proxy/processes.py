@@ -87,10 +87,19 @@ class Child:
         except ProcessLookupError:
             pass
 
-    def log_lines(self) -> list[str]:
-        """The log so far, without terminal colour codes."""
+    def log_size(self) -> int:
+        """Where the log ends now: what the child logs from here on is ``log_lines(log_size())``."""
         try:
-            return ANSI.sub("", self.log_path.read_text(errors="replace")).splitlines()
+            return self.log_path.stat().st_size
+        except OSError:
+            return self._log_start
+
+    def log_lines(self, start: int | None = None) -> list[str]:
+        """What this child has logged (from byte ``start`` of the log on), without terminal colour codes."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start if start is None else start)
+                return ANSI.sub("", log.read().decode(errors="replace")).splitlines()
         except OSError:
             return []
 
@@ -101,10 +110,8 @@ class Child:
         """Wait until ``text`` appears in what this child has logged; fail early if the child exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with open(self.log_path, "rb") as log:
-                log.seek(self._log_start)
-                if text in log.read().decode(errors="replace"):
-                    return
+            if any(text in line for line in self.log_lines()):
+                return
             if not self.running():
                 raise ChildError(f"{self.name} exited with {self.process.returncode} before "
                                  f"printing {text!r}:\n{self.log_tail()}")

@@ -91,3 +91,11 @@ def worst_first(findings: list[Finding]) -> list[Finding]:
     order = {"replay": 0, "schema": 1, "behaviour": 2, "performance": 3}
     return sorted(findings, key=lambda f: (-f.severity, order[f.category], f.struct or "", f.position or 0,
                                            f.field or "", f.request_id or ""))
+
+
+def report_json(report: Report) -> bytes:
+    """``report.json``: the report, its exit code, its findings worst first with their severity's name."""
+    return msgspec.json.format(msgspec.json.encode(
+        {**msgspec.to_builtins(report), "exit_code": int(exit_code(report.findings)),
+         "findings": [{**msgspec.to_builtins(f), "severity": f.severity.name.lower()}
+                      for f in worst_first(report.findings)]}))

@@ -125,5 +125,6 @@ class ZmqSocket:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            trio.lowlevel.notify_closing(self._fd)
+            if trio.lowlevel.in_trio_run():  # else (a kept link closed between runs) no task can be waiting
+                trio.lowlevel.notify_closing(self._fd)
             self._socket.close()

@@ -24,10 +24,21 @@ engine identity on the recorded API server's socket:
 Outputs are collected until every request has finished or been aborted and
 every utility call is answered, or until ``finish_timeout``. Everything that
 crosses is reported to the observer (``replay/player.py``).
+
+An engine can be kept for the next replay (``keep``; ``replay.run.KeptEngine``):
+the player leaves its ``EngineLink`` open, and the next player, given that
+link, skips the handshake. The engine would be sent the same INIT again (the
+player makes it from the recording's parallel config and its own sockets, not
+from the recorded bytes), so the handshake that crossed at the engine's start
+is reported again as the replay's own, with the times it crossed. Between
+the replays, the engine's prefix cache is emptied (``EngineLink.reset``: the
+utility call ``reset_prefix_cache``, part of neither replay), so each finds
+it as a freshly started engine has it.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 
 import trio
@@ -40,19 +51,73 @@ from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, Repla
 from replay_proxy.store.session import RecordedFrame, Session
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, engine_index
-from replay_proxy.wire.messages import Channel, Direction, Kind
+from replay_proxy.wire.capture import CapturedFrame
+from replay_proxy.wire.messages import Channel, Direction, Kind, RequestType, WireDecoder
 from replay_proxy.wire.values import decode_msgpack
 
 SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unrecorded ones
+RESET = "reset_prefix_cache"  # the kept engine's state a replay could see: EngineCore.reset_prefix_cache()
+
+
+class EngineNotReset(ReplayError):
+    """A kept engine did not empty its prefix cache: the next replay needs an engine of its own."""
+
+
+class EngineLink:
+    """The proxy's end of an engine's link: the sockets it bound, and what crossed in the handshake."""
+
+    def __init__(self, context: zmq.Context, api_servers: int, parallel_config: dict):
+        socket = lambda kind: ZmqSocket(context, kind, linger_ms=1000)  # noqa: E731
+        self.handshake = socket(zmq.ROUTER)
+        self.inputs = [socket(zmq.ROUTER) for _ in range(api_servers)]
+        self.outputs = [socket(zmq.PULL) for _ in range(api_servers)]
+        self.parallel_config = parallel_config
+        self.crossed: list[CapturedFrame] = []  # the handshake's frames and the engines' registrations
+        self.engines: set[int] = set()
+
+    def serves(self, session: Session) -> bool:
+        """Whether ``session``'s replay would make the same handshake: its engines, API servers and INIT."""
+        return (set(session.engines) == self.engines and len(self.inputs) == session.api_servers
+                and session.parallel_config == self.parallel_config)
+
+    async def reset(self, timeout_s: float) -> None:
+        """Empty each engine's prefix cache, waiting (bounded) for its answer. What the engines sent before
+        answering is left over from the replay before: dropped, with the call and its answers."""
+        decoder = WireDecoder()
+        for frame in self.crossed:  # learns the engines' release from their registrations
+            decoder.decode(frame.channel, frame.direction, frame.parts)
+        calls = {uuid.uuid4().int >> 64: engine for engine in self.engines}
+        for call_id, engine in calls.items():
+            await self.inputs[0].send([engine_identity(engine), RequestType.UTILITY.value,
+                                       encode([0, call_id, RESET, []])])
+        with trio.move_on_after(timeout_s) as waiting:
+            while calls:
+                message = decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, await self.outputs[0].receive())
+                utility = message.fields.get("utility_output") if isinstance(message.fields, dict) else None
+                if not isinstance(utility, dict) or utility.get("call_id") not in calls:
+                    continue
+                engine, result = calls.pop(utility["call_id"]), utility.get("result")
+                if utility.get("failure_message") or (isinstance(result, list) and result[-1] is False):
+                    raise EngineNotReset(f"engine {engine} could not {RESET}: "
+                                         f"{utility.get('failure_message') or 'it has blocks still in use'}")
+        if waiting.cancelled_caught:
+            raise EngineNotReset(f"engines {sorted(calls.values())} did not answer {RESET} within {timeout_s:g} s")
+
+    def close(self) -> None:
+        for sock in (self.handshake, *self.inputs, *self.outputs):
+            sock.close()
 
 
 class FrontendPlayer(Player):
     """Plays the frontend of ``session`` to the engine(s) that dial ``listen``."""
 
     def __init__(self, session: Session, listen: str, observer: Observer, options: ReplayOptions,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, *, link: EngineLink | None = None, keep: bool = False):
+        """``link``: a kept engine's (``link.serves(session)``), whose handshake is not made again; ``keep``:
+        leave the link open at the end (``self.link``) for the next replay."""
         super().__init__(session, observer, options, context)
-        self.listen = listen
+        self.listen, self.link, self.keep = listen, link, keep
+        self._handshaking = False
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
         self._answered: set[int] = set()
@@ -63,6 +128,7 @@ class FrontendPlayer(Player):
                                    if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
         self._pending_aborts = [f for f in session.inputs if f.kind is Kind.ABORT]
         self._recorded_lengths = {r.request_id: (len(r.tokens), r.finish_reason) for r in session.requests}
+        self._registered: dict[int, set[int]] = defaultdict(set)  # engine -> the API servers it registered with
 
     def tally(self) -> Tally:
         """Requests sent, requests finished, requests recorded, tokens received."""
@@ -72,35 +138,51 @@ class FrontendPlayer(Player):
     async def run(self) -> ReplayOutcome:
         try:
             async with trio.open_nursery() as nursery:
-                handshake = self._socket(zmq.ROUTER)
-                self.listen = handshake.bind(self.listen)
-                self.inputs = [self._socket(zmq.ROUTER) for _ in range(self.session.api_servers)]
-                outputs = [self._socket(zmq.PULL) for _ in range(self.session.api_servers)]
-                addresses = {
-                    "inputs": [s.bind(local_address_like(self.listen)) for s in self.inputs],
-                    "outputs": [s.bind(local_address_like(self.listen)) for s in outputs],
-                    "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None,
-                }
-                registered: dict[int, set[int]] = defaultdict(set)
-                for client, sock in enumerate(self.inputs):
-                    nursery.start_soon(self._registrations, client, sock, registered)
-                for client, sock in enumerate(outputs):
-                    nursery.start_soon(self._collect, client, sock)
-                await self._handshake(handshake, addresses, registered)
-                with trio.move_on_after(SETTLE_S):  # an extra engine usually says HELLO by now
-                    await self._refuse_extra_engines(handshake)
-                nursery.start_soon(self._refuse_extra_engines, handshake)
+                if self.link is None:
+                    self.link = EngineLink(self.context, self.session.api_servers, self.session.parallel_config)
+                    self.listen = self.link.handshake.bind(self.listen)
+                    self._start_reading(nursery)
+                    await self._handshake()
+                    with trio.move_on_after(SETTLE_S):  # an extra engine usually says HELLO by now
+                        await self._refuse_extra_engines()
+                else:
+                    for frame in self.link.crossed:
+                        self._report(frame.channel, frame.direction, frame.engine_index, frame.client_index,
+                                     frame.parts, frame.ts_ns)
+                    self._start_reading(nursery)
+                nursery.start_soon(self._refuse_extra_engines)
                 await self._send_inputs()
                 await self._wait_finished()
                 nursery.cancel_scope.cancel()
         finally:
-            self._close()
+            if not self.keep and self.link is not None:
+                self.link.close()
         return self.outcome
 
-    async def _handshake(self, handshake: ZmqSocket, addresses: dict, registered: dict[int, set[int]]) -> None:
-        expected = set(self.session.engines)
+    def _start_reading(self, nursery: trio.Nursery) -> None:
+        for client, sock in enumerate(self.link.inputs):
+            nursery.start_soon(self._registrations, client, sock)
+        for client, sock in enumerate(self.link.outputs):
+            nursery.start_soon(self._collect, client, sock)
+
+    def _report(self, channel: Channel, direction: Direction, engine: int | None, client: int | None,
+                parts: list[bytes], ts_ns: int | None = None) -> CapturedFrame:
+        frame = super()._report(channel, direction, engine, client, parts, ts_ns)
+        if self._handshaking:
+            self.link.crossed.append(frame)
+        return frame
+
+    async def _handshake(self) -> None:
+        link, handshake = self.link, self.link.handshake
+        addresses = {
+            "inputs": [s.bind(local_address_like(self.listen)) for s in link.inputs],
+            "outputs": [s.bind(local_address_like(self.listen)) for s in link.outputs],
+            "coordinator_input": None, "coordinator_output": None, "frontend_stats_publish_address": None,
+        }
+        expected, registered = set(self.session.engines), self._registered
         states: dict[int, str] = {}
-        init = encode({"addresses": addresses, "parallel_config": self.session.parallel_config})
+        init = encode({"addresses": addresses, "parallel_config": link.parallel_config})
+        self._handshaking = True
         with trio.move_on_after(self.ready_timeout) as waiting:
             while not (states.keys() == expected and all(s == "READY" for s in states.values())
                        and all(len(registered[e]) == self.session.api_servers for e in expected)):
@@ -119,6 +201,8 @@ class FrontendPlayer(Player):
                         self._report(Channel.HANDSHAKE, Direction.TO_ENGINE, index, None, [init])
                     elif status is Kind.READY:
                         states[index] = "READY"
+        self._handshaking = False
+        link.engines = expected
         if waiting.cancelled_caught:
             raise ReplayError(
                 f"the engine side was not ready after {self.ready_timeout:g} s: recorded engines "
@@ -126,19 +210,19 @@ class FrontendPlayer(Player):
                 f"{ {e: states.get(e, 'none') for e in sorted(expected)} }, registrations "
                 f"{ {e: len(registered[e]) for e in sorted(expected)} }")
 
-    async def _refuse_extra_engines(self, handshake: ZmqSocket) -> None:
-        identity, *frames = await handshake.receive()
+    async def _refuse_extra_engines(self) -> None:
+        identity, *frames = await self.link.handshake.receive()
         self._report(Channel.HANDSHAKE, Direction.TO_FRONTEND, engine_index(identity), None, frames)
         raise ReplayError(
             f"engine {engine_index(identity)} connected, but the recording has engines {self.session.engines}: "
             "start as many engines as were recorded (one per data-parallel rank)")
 
-    async def _registrations(self, client: int, sock: ZmqSocket, registered: dict[int, set[int]]) -> None:
+    async def _registrations(self, client: int, sock: ZmqSocket) -> None:
         try:
             while True:
                 identity, *frames = await sock.receive()
                 index = engine_index(identity)
-                registered[index].add(client)
+                self._registered[index].add(client)
                 self._report(Channel.INPUT, Direction.TO_FRONTEND, index, client, frames)
                 self.decoder.decode(Channel.INPUT, Direction.TO_FRONTEND, frames)  # learns vllm_version
         except SocketClosed:
@@ -208,7 +292,7 @@ class FrontendPlayer(Player):
     async def _send(self, frame: RecordedFrame) -> None:
         client = frame.client_index or 0
         parts = self._held(frame) if self.options.hold_lengths and frame.kind is Kind.ADD else frame.parts
-        await self.inputs[client].send([engine_identity(frame.engine_index), *parts])
+        await self.link.inputs[client].send([engine_identity(frame.engine_index), *parts])
         self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, parts)
         self.outcome.sent += 1
         if frame.kind is Kind.ADD and isinstance(frame.decoded, dict):

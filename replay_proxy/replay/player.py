@@ -131,5 +131,8 @@ class Player(abc.ABC):
             sock.close()
 
     def _report(self, channel: Channel, direction: Direction, engine: int | None, client: int | None,
-                parts: list[bytes]) -> None:
-        self.observer.frame(CapturedFrame(next(self._seq), time.time_ns(), channel, direction, engine, client, parts))
+                parts: list[bytes], ts_ns: int | None = None) -> CapturedFrame:
+        """Report a frame that crossed now, or at ``ts_ns``."""
+        frame = CapturedFrame(next(self._seq), ts_ns or time.time_ns(), channel, direction, engine, client, parts)
+        self.observer.frame(frame)
+        return frame

@@ -6,6 +6,13 @@ exits during the replay, the replay fails at once rather than waiting out
 its timeouts. The replay is recorded as a session of its own (mode
 ``replay``, pointing at the recorded one) in the same database, and compared
 with the recording by the same code as ``replay-proxy diff``.
+
+An engine under test can be kept for the next replay (``KeptEngine``): an
+engine takes 15-40 s to start, and replaying many recordings against one
+release (the matrix) would spend most of its time starting engines. It is
+kept only while each replay ends clean, and used again only for a session
+whose handshake would be the same, once its prefix cache is emptied
+(``play_frontend``: what a kept engine's replay reports of the handshake).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.play_engine import EnginePlayer
-from replay_proxy.replay.play_frontend import FrontendPlayer
+from replay_proxy.replay.play_frontend import EngineLink, EngineNotReset, FrontendPlayer
 from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
 from replay_proxy.store.recorder import Recorder, SessionInfo
 from replay_proxy.store.session import Session, SessionError, decode_and_load
@@ -38,13 +45,50 @@ from replay_proxy.wire.messages import Direction, Message, Side, WireDecoder
 from replay_proxy.wire.values import to_json
 
 
+class KeptEngine:
+    """An engine under test started by one replay and kept for the next (``replay_session(kept=...)``), as
+    long as each ends clean: every request finished or aborted, every call answered, the engine running.
+    The caller stops it (``stop``) when done."""
+
+    def __init__(self) -> None:
+        self.child: Child | None = None  # None with a link: an engine the user started
+        self.link: EngineLink | None = None
+
+    def ready_for(self, session: Session, timeout_s: float) -> bool:
+        """Whether it can serve ``session``'s replay: running, the same handshake (``EngineLink.serves``),
+        its prefix cache emptied. If not, it is stopped, and the replay starts an engine of its own."""
+        if self.link is None:
+            return False
+        if (self.child is None or self.child.running()) and self.link.serves(session):
+            try:
+                trio.run(self.link.reset, timeout_s)
+                return True
+            except EngineNotReset:
+                pass
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(timeout=30)
+        if self.link is not None:
+            self.link.close()
+        self.child = self.link = None
+
+
+UNCLEAN = ("finish_timeout", "engine_dead")  # a replay that ends with these leaves its engine unfit to keep
+
+
 def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, *,
-                   console: Console | None = None) -> tuple[Report, ReplayOutcome | None]:
+                   console: Console | None = None, kept: KeptEngine | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
     With ``options.noise_runs``, the session is first replayed that many times against the baseline
     build; what varies between those runs is the noise floor, not regression. With a terminal
-    ``console``, a progress bar shows while it runs."""
+    ``console``, a progress bar shows while it runs. With ``kept`` (against an engine, no noise runs), the
+    engine it holds is used if it can be, and the one this replay ran against is kept there if it ended clean."""
+    if kept is not None and peer.side is not Side.ENGINE:
+        raise ReplayError("only an engine under test can be kept for the next replay")
     recording = decode_and_load(db, session)
     if recording.init is None:
         raise SessionError(f"session {recording.name!r} has no INIT: the handshake was not recorded")
@@ -64,7 +108,7 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
         noise.append(decode_and_load(db, str(session_id)))
     name = f"{recording.name}-replay-{stamp}"
     session_id, outcome, failure, rejections = _replay_once(recording, peer, options, name,
-                                                            logs / f"{peer.side}.log", console)
+                                                            logs / f"{peer.side}.log", console, kept)
     if failure:
         return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules)), None
     report = build_report(title, recording, decode_and_load(db, str(session_id)),
@@ -76,22 +120,26 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
 
 
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
-                 console: Console | None) -> tuple[int, ReplayOutcome | None, Finding | None, list[Finding]]:
+                 console: Console | None, kept: KeptEngine | None = None,
+                 ) -> tuple[int, ReplayOutcome | None, Finding | None, list[Finding]]:
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None, the peer's
     reader's rejections of what it was sent).
 
     A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
     rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
+    reuse = kept is not None and kept.ready_for(recording, options.ready_timeout_s)
     # Its writer yields the CPU to the peer under test and the player (store/recorder.py: SCHED_IDLE).
     recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=peer.address,
                                                        baseline_session_id=recording.id))
     observer = LastSent(recorder, peer.side.reads)
     player: Player  # plays the other side: the recorded frontend to an engine, the recorded engines to a frontend
     if peer.side is Side.ENGINE:
-        player = FrontendPlayer(recording, peer.address, observer, options)
+        player = FrontendPlayer(recording, peer.address, observer, options, link=kept.link if reuse else None,
+                                keep=kept is not None)
     else:
         player = EnginePlayer(recording, peer.address, peer.http, observer, options)
-    child = None
+    child = kept.child if reuse else None
+    log_from = child.log_size() if child is not None else None  # a kept engine's log: this replay's part
 
     async def main():
         nonlocal child
@@ -100,8 +148,9 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
                 await player.run()
                 nursery.cancel_scope.cancel()  # done: stop watching the peer
 
-            if peer.command:  # ZMQ connects retry, so the peer may start before or after us
+            if peer.command and child is None:  # ZMQ connects retry, so the peer may start before or after us
                 child = Child(shlex.split(peer.command), log, name=f"{peer.side} under test")
+            if child is not None:
                 nursery.start_soon(_watch, child)
             nursery.start_soon(play)
             if console is not None and console.is_terminal:
@@ -118,18 +167,28 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
             raise
         why = f"{leaf(exc)}\n{observer.describe(peer.side)}"
         if child is not None:  # what the link did to it, else why it could not run
-            said = peer_line(child, options.rules.link_broke_patterns) or \
-                peer_line(child, options.rules.peer_cannot_run_patterns)
+            said = child.log_lines(log_from)
+            said = peer_line(said, options.rules.link_broke_patterns) or \
+                peer_line(said, options.rules.peer_cannot_run_patterns)
             why += (f"\nits log says: {said}" if said else "") + f"\n(log: {log})"
         failure = Finding("replay", Severity.REGRESSION, "replay_failed" if observer.events else "peer_not_reached",
                           why)
     finally:
         recorder.close("failed" if failure else "complete", failure and failure.message)
-        if child is not None:
+        if reuse and child is not None and log != child.log_path:  # this replay's part of the kept engine's log
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"# {child.name} (pid {child.pid}), started for an earlier replay and kept; its whole "
+                           f"log: {child.log_path}\n" + "".join(f"{line}\n" for line in child.log_lines(log_from)))
+        if kept is not None:
+            kept.child, kept.link = child, player.link
+            clean = outcome is not None and not any(f.code in UNCLEAN for f in outcome.findings)
+            if not (clean and (child is None or child.running())):
+                kept.stop()
+        elif child is not None:
             child.stop(timeout=30)
     rejections = []
     if observer.events:  # what the peer said of the link, once it had been sent something of it
-        said = child.log_lines() if child is not None else []
+        said = child.log_lines(log_from) if child is not None else []
         said += [f.message for f in (outcome.findings if outcome else [failure]) if f.code in FAILED]
         rejections = reader_rejections(said, recording.schema, peer.side, options.rules,
                                        [read_as(observer.message(f)) for f in reversed(observer.events)],
@@ -171,10 +230,10 @@ class LastSent:
         return f"{self.message(frame).kind.name} ({where})"
 
 
-def peer_line(peer: Child, patterns: list[str]) -> str | None:
-    """The first line of the peer's log that matches one of ``patterns``."""
+def peer_line(lines: list[str], patterns: list[str]) -> str | None:
+    """The first of the peer's log ``lines`` that matches one of ``patterns``."""
     found = re.compile("|".join(patterns))
-    return next((line.strip()[:300] for line in peer.log_lines() if found.search(line)), None)
+    return next((line.strip()[:300] for line in lines if found.search(line)), None)
 
 
 def _failed(title: str, baseline: str, candidate: str, findings: list[Finding]) -> Report:

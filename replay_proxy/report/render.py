@@ -7,12 +7,11 @@ import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from replay_proxy.compare.findings import Finding, Report, Severity, exit_code, worst_first
+from replay_proxy.compare.findings import Finding, Report, Severity, exit_code, report_json, worst_first
 
 SEVERITY_STYLE = {Severity.BREAKING: "bold red", Severity.REGRESSION: "red", Severity.WARNING: "yellow",
                   Severity.INFO: "dim"}
@@ -72,10 +71,7 @@ def _estimates_table(findings: list[Finding]) -> Table:
 def write_reports(report: Report, directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "report.json", directory / "junit.xml", directory / "report.html"]
-    paths[0].write_bytes(msgspec.json.format(msgspec.json.encode(
-        {**msgspec.to_builtins(report), "exit_code": int(exit_code(report.findings)),
-         "findings": [{**msgspec.to_builtins(f), "severity": f.severity.name.lower()}
-                      for f in worst_first(report.findings)]})))
+    paths[0].write_bytes(report_json(report))
     paths[1].write_bytes(junit(report))
     paths[2].write_text(html_page(report))
     return paths

@@ -162,7 +162,7 @@ class SimEngine:
                 self.running.pop(request_id, None)  # frontend-initiated: no reply, as in vLLM
         elif kind is RequestType.UTILITY:
             client, call_id, method, _args = body
-            result = ["generate"] if method == "get_supported_tasks" else None
+            result = {"get_supported_tasks": ["generate"], "reset_prefix_cache": True}.get(method)
             utility = struct_value(self.schema, "UtilityOutput", {"call_id": call_id, "result": [None, result]})
             await self._send(client, {"utility_output": utility})
         self._wake.set()

@@ -13,7 +13,7 @@ from replay_proxy.compare.findings import Severity, exit_code
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
-from replay_proxy.replay.run import replay_session
+from replay_proxy.replay.run import KeptEngine, replay_session
 from replay_proxy.wire.messages import Side
 from tests.conftest import RecordedSession
 
@@ -180,3 +180,49 @@ def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, r
     # Whichever engine says HELLO first: engine 0 is sent its INIT (the link reached the peer), engine 1
     # is refused before anything is sent (seen both ways on a busy machine).
     assert finding.code == ("replay_failed" if sent.get("handshake") else "peer_not_reached")
+
+
+
+def kept_replays(tmp_path, recorded, drifts):
+    """Replay ``recorded`` once per drift, an engine kept from one replay to the next: (the report, the PID of
+    the kept engine after it or None, its database, its folder) each. Each replay's command would start an
+    engine with its drift; a replay that reuses the kept engine runs none."""
+    kept, results = KeptEngine(), []
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        for i, drift in enumerate(drifts):
+            db, folder = tmp_path / f"replay-{i}.db", tmp_path / f"replay-{i}"
+            shutil.copy(recorded, db)
+            peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen, drift))
+            options = ReplayOptions(pace="original", ready_timeout_s=20, finish_timeout_s=10, report_dir=folder)
+            report, _ = replay_session(db, "baseline", peer, options, kept=kept)
+            results.append((report, kept.child.pid if kept.child else None, db, folder))
+    finally:
+        kept.stop()
+    return results
+
+
+def warnings(report):
+    return [f for f in report.findings if f.severity >= Severity.WARNING and f.category != "performance"]
+
+
+def test_a_kept_engine_serves_replay_after_replay_as_a_fresh_one(tmp_path, recorded):
+    results = kept_replays(tmp_path, recorded, [None, None, None])
+    assert [warnings(report) for report, *_ in results] == [[], [], []]
+    [pid] = {pid for _, pid, _, _ in results}  # one engine, started by the first replay
+    assert pid is not None
+    for _, _, db, folder in results:
+        crossed = sqlite_utils.Database(db).execute(
+            "SELECT channel, COUNT(*) FROM frames WHERE session_id = 2 GROUP BY channel").fetchall()
+        assert dict(crossed)["handshake"] == 3  # HELLO, INIT, READY: the engine's, reported by every replay
+        calls = sqlite_utils.Database(db).execute(
+            "SELECT method FROM utility_calls WHERE session_id = 2").fetchall()
+        assert calls == [("get_supported_tasks",)]  # the reset between replays is part of none
+    assert (results[1][3] / "engine.log").read_text().startswith(f"# engine under test (pid {pid}), started")
+
+
+def test_an_engine_that_died_is_not_kept_and_the_next_replay_starts_its_own(tmp_path, recorded):
+    (died, kept_after, _, _), (report, pid, _, _) = kept_replays(tmp_path, recorded,
+                                                                 [{"die_after_requests": 2}, None])
+    assert "engine_dead" in {f.code for f in died.findings} and kept_after is None
+    assert warnings(report) == [] and pid is not None
