@@ -54,6 +54,9 @@ class Serving(msgspec.Struct, frozen=True):
     flags: tuple[str, ...] = ()
     env: dict[str, str] = {}
     adapter: bool = False  # run in the cache folder, where the adapter's relative path (ADAPTER) finds it
+    # An engine can serve replay after replay (replay.run.KeptEngine): its state between them is its prefix
+    # cache, which it is asked to empty. Not where it loads adapters: no call resets those.
+    keep_engine: bool = True
 
 
 # The tiny model's LoRA adapter, in the cache. Requests name it by this path relative to the peers' working
@@ -63,7 +66,7 @@ SERVING = {
     "completion": Serving(),
     # The frontend also loads adapters through its API (/v1/load_lora_adapter: the add_lora call).
     "lora": Serving(("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"),
-                    {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, adapter=True),
+                    {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, adapter=True, keep_engine=False),
     "pooling": Serving(("--runner", "pooling", "--convert", "embed")),  # the tiny model as an embedding model
 }
 

@@ -17,6 +17,14 @@ on a copy of the recording, bounded by its ready and finish timeouts and by
 ``leg_s``; its peer is started and stopped by PID there. The replay of F's
 requests depends only on what F sent, so frontends whose recordings send the
 same messages (request ids, timestamps and addresses aside) share it.
+
+An engine takes 15-40 s to start here, longer than most replays take. So the
+replays of one kind to one engine release (``EngineBatch``) run one after
+another in this process against one engine, kept between them
+(``replay.run.KeptEngine``: the same handshake, the prefix cache emptied), and
+started again only after a replay that did not end clean (not for LoRA:
+``peers.Serving.keep_engine``). Batches go to the workers first, the longest
+work, so that none is left running alone at the end.
 """
 
 from __future__ import annotations
@@ -28,18 +36,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 
 from replay_proxy import peers
 from replay_proxy.compare.behaviour import batched, deterministic
+from replay_proxy.compare.findings import exit_code, report_json
 from replay_proxy.compare.rules import load_rules
+from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.matrix.predict import frames
 from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
+from replay_proxy.replay.run import KeptEngine, replay_session
 from replay_proxy.store.session import decode_and_load, load_session, match_requests
-from replay_proxy.wire.messages import Direction, WireDecoder
+from replay_proxy.wire.messages import Direction, Side, WireDecoder
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.wire.values import to_json
 
@@ -59,7 +72,8 @@ UNRELATED = "the replay's other findings compare the peer under test with the re
 
 
 class Leg:
-    """One replay of one direction, run once and shared by the cells it stands for."""
+    """One replay of one direction, run once and shared by the cells it stands for; a to-engine leg given an
+    engine kept from the leg before (``EngineBatch``) runs in this process."""
 
     def __init__(self, direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
                  frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion"):
@@ -67,19 +81,19 @@ class Leg:
         self.engine, self.frontend, self.ready_s, self.kind = engine, frontend, ready_s, kind
         self.result: Judgement | None = None
 
-    def run(self) -> Judgement:
+    def run(self, kept: KeptEngine | None = None) -> Judgement:
         if self.result is None:
             started = time.monotonic()
             try:
-                self.result = self._run()
+                self.result = self._run(kept)
             except ReleaseError as exc:
                 self.result = Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, str(exc))])
             self.result.seconds = round(time.monotonic() - started, 1)
         return self.result
 
-    def _run(self) -> Judgement:
+    def _run(self, kept: KeptEngine | None) -> Judgement:
         code, report, report_path = replay(self.direction, self.recording, self.workdir, engine=self.engine,
-                                           frontend=self.frontend, ready_s=self.ready_s, kind=self.kind)
+                                           frontend=self.frontend, ready_s=self.ready_s, kind=self.kind, kept=kept)
         if report is None:
             return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
         db = self.workdir / "replay.db"
@@ -143,13 +157,44 @@ def failure_evidence(direction: Direction, findings: list[dict], source: str) ->
             for f in findings if f["code"] in FAILING_CODES[direction] | WIRE_CODES[direction]]
 
 
+class EngineBatch:
+    """The to-engine legs of one engine release and kind, run one after another against one kept engine."""
+
+    def __init__(self, legs: list[Leg]):
+        self.legs = legs
+
+    def run(self, done: Callable[[Leg], None] = lambda leg: None) -> None:
+        """Run each leg, then call ``done`` with it."""
+        kept = KeptEngine()
+        try:
+            for leg in self.legs:
+                leg.run(kept)
+                done(leg)
+        finally:
+            kept.stop()
+
+
+def batched_legs(legs: list[Leg]) -> list[Leg | EngineBatch]:
+    """What the workers run: the to-engine legs of each engine release and kind as one batch where its engine
+    can be kept, the batches first; every other leg on its own."""
+    batches: dict[tuple[str, str], list[Leg]] = {}
+    alone = []
+    for leg in legs:
+        if leg.direction is Direction.TO_ENGINE and peers.SERVING[leg.kind].keep_engine:
+            batches.setdefault((leg.engine, leg.kind), []).append(leg)
+        else:
+            alone.append(leg)
+    return [EngineBatch(b) for b in sorted(batches.values(), key=len, reverse=True)] + alone
+
+
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-           frontend: Frontend | None = None, ready_s: float = peers.READY_S,
-           kind: str = "completion") -> tuple[int, dict | None, str]:
+           frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion",
+           kept: KeptEngine | None = None) -> tuple[int, dict | None, str]:
     """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
     (direction to-engine) or frontend ``frontend`` serving ``kind``'s requests, installed first if need be,
     waiting ``ready_s`` for it to be ready: (exit code, its report, the report's path) or (exit code, None,
-    why there is no report)."""
+    why there is no report). With ``kept``, the engine it holds (or one started for this replay, kept there
+    after it) runs it, in this process."""
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "replay.db"
     shutil.copy(recording[0], db)
@@ -158,8 +203,11 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
     if direction is Direction.TO_ENGINE:
         peers.ready_engine(engine, serving)
         port = free_port()
-        target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-                  "--engine-cmd", peers.command(peers.engine_argv(port, engine), scratch, serving)]
+        command = peers.command(peers.engine_argv(port, engine), scratch, serving)
+        if kept is not None:
+            return replay_on_kept(db, recording[1], f"tcp://127.0.0.1:{port}", command, scratch, ready_s, workdir,
+                                  kept)
+        target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}", "--engine-cmd", command]
     else:
         peers.ready_frontend(frontend, serving)
         http, rpc = free_port(), free_port()
@@ -181,6 +229,26 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
         said = [line.strip() for line in done.stderr.splitlines() if any(c.isalnum() for c in line)] or ["no output"]
         return done.returncode, None, f"the replay ended with {done.returncode}: {said[-1]} (its output: {output})"
     return done.returncode, json.loads(report.read_text()), str(report)
+
+
+def replay_on_kept(db: Path, session: str, listen: str, command: str, scratch: Path, ready_s: float, workdir: Path,
+                   kept: KeptEngine) -> tuple[int, dict | None, str]:
+    """``replay``'s to-engine leg in this process, against ``kept``'s engine if it can serve it, else one started
+    with ``command`` (its files in ``scratch``, removed once it has stopped), its report.json in ``workdir``."""
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=command)
+    options = ReplayOptions(ready_timeout_s=ready_s, finish_timeout_s=FINISH_S, report_dir=workdir)
+    try:
+        report, _ = replay_session(db, session, peer, options, kept=kept)
+    except ReplayProxyError as exc:  # the command's one line: why there is no report
+        return int(ExitCode.REPLAY_FAILED), None, f"the replay could not run: {exc}"
+    finally:
+        if kept.child is not None and kept.child.owns is None:  # started here and kept: its files go with it
+            kept.child.owns = scratch
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    path = workdir / "report.json"
+    path.write_bytes(report_json(report))
+    return int(exit_code(report.findings)), json.loads(path.read_bytes()), str(path)
 
 
 def sends(recording: tuple[Path, str], release: str) -> str:

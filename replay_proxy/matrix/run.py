@@ -12,11 +12,13 @@ import msgspec
 
 from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_in, parse_build, releases_in
-from replay_proxy.matrix.observe import judge, legs_of
+from replay_proxy.matrix.observe import EngineBatch, Leg, batched_legs, judge, legs_of
 from replay_proxy.matrix.predict import predict
 from replay_proxy.peers import READY_S
 
-WORKERS = 2  # replays at once: each real peer pair needs a core to start in its 25-40 s
+# Replays at once. Most of a replay is waiting at the recorded pace (a Rust frontend's: about 1 s of CPU in
+# 12), so four keep two cores busy; an engine's start (15-40 s, most of it CPU) is once per batch.
+WORKERS = 4
 
 
 def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Callable[[Frontend, str], bool] = True,
@@ -33,16 +35,25 @@ def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Call
     legs = legs_of(wanted, recordings, workdir, ready_s, kinds)
     unique = list({id(leg): leg for by_kind in legs.values() if by_kind for pair in by_kind.values()
                    for leg in pair}.values())
-    progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time), work in {workdir}")
+    work = batched_legs(unique)
+    batches = sum(isinstance(w, EngineBatch) for w in work)
+    progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time, {batches} batches "
+             f"against a kept engine), work in {workdir}")
     started = time.monotonic()
 
-    def run(leg) -> None:
-        result = leg.run()
+    def show(leg: Leg) -> None:
         progress(f"  {time.monotonic() - started:6.0f} s  {leg.recording[0].name} -> {leg.peer}: "
-                 f"{result.verdict.value} ({result.seconds:.0f} s)")
+                 f"{leg.result.verdict.value} ({leg.result.seconds:.0f} s)")
+
+    def run(unit: Leg | EngineBatch) -> None:
+        if isinstance(unit, EngineBatch):
+            unit.run(show)
+        else:
+            unit.run()
+            show(unit)
 
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(run, unique))
+        list(pool.map(run, work))
     by_cell = {(c.frontend, c.engine): c for c in cells}
     now = utc_now("seconds")
     for (frontend, engine), pair in legs.items():

@@ -26,14 +26,15 @@ READY = ("--ready-timeout", str(peers.READY_TIMEOUT_S))  # each replay's, as for
 CELLS = [("vllm-rs:0.30.0", "0.32.0", "breaks", "EngineCoreOutputs: array had incorrect length"),
          ("vllm:0.31.0", "0.28.0", "breaks", "missing required field `supports_lora`"),
          ("vllm-rs:0.32.0", "0.31.0", "works", None)]
+KEPT = "vllm-rs:0.31.0@0.31.0"  # observed too: its engine replay and vllm-rs:0.32.0's share one engine
 
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix")
     result = subprocess.run(
-        [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0,vllm-rs:0.32.0,vllm:0.31.0", "--engines", "0.28.0,0.31.0,0.32.0",
-         *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--db", str(out / "matrix.db"),
+        [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0..0.32.0,vllm:0.31.0", "--engines", "0.28.0,0.31.0,0.32.0",
+         *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--observe", KEPT, "--db", str(out / "matrix.db"),
          "--report-dir", str(out), *READY], capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return out, {(c["frontend"], c["engine"]): c for c in json.loads((out / "matrix.json").read_text())}
@@ -46,7 +47,19 @@ def test_observed_cells_agree_with_their_predictions(observed, frontend, engine,
     assert (cell["observed"]["verdict"], cell["predicted"]["verdict"], cell["agrees"]) == (verdict, verdict, True)
     messages = " ".join(e["message"] for e in cell["observed"]["evidence"])
     assert said is None or said in messages, messages
-    assert len(cells) == 9 and sum(c["observed"] is not None for c in cells.values()) == 3
+    assert len(cells) == 12 and sum(c["observed"] is not None for c in cells.values()) == 4
+
+
+def test_the_replays_to_one_engine_release_share_one_engine_kept_between_them(observed):
+    out, cells = observed
+    assert cells[("vllm-rs:0.31.0", "0.31.0")]["observed"]["verdict"] == "works"
+    logs = {r: (out / "replays" / f"vllm-rs-{r}-to-engine-0.31.0" / "engine.log") for r in ("0.31.0", "0.32.0")}
+    kept = {r: log.read_text().splitlines()[0] for r, log in logs.items()
+            if log.read_text().startswith("# engine under test (pid")}
+    [(release, first_line)] = kept.items()  # the other replay started the engine, and left it running
+    started_by = logs["0.32.0" if release == "0.31.0" else "0.31.0"]
+    assert first_line.endswith(f"kept; its whole log: {started_by}")
+    assert "Initializing a V1 LLM engine" in started_by.read_text()
 
 
 def test_a_peer_not_ready_within_the_ready_timeout_makes_the_cell_unknown_never_breaks(tmp_path):
