@@ -5,7 +5,10 @@ A minimal frontend and engine (plain pyzmq, each its own process, the real
 engine pushes EngineCoreOutputs shaped like a 0.32.0 engine's steps
 (``--outputs`` per-request outputs of one token, with scheduler stats) at
 ``--rate`` frames a second against one clock, and the frontend sends one ADD
-per step. While it runs, the newest frame in ``frames`` is compared with the
+per step. Its requests never finish, their ids cycling; with ``--finishing``,
+each request has an id of its own and runs for ``--outputs`` steps, one
+starting and one finishing in every step, as continuous batching does (what
+a rotation waits for: the previous file closes once its requests finish). While it runs, the newest frame in ``frames`` is compared with the
 clock twice a second (how far decoding is behind the wire) and the writer's
 resident memory is sampled. Then SIGINT, timed until the proxy exits, and
 every count is checked against what the peers sent.
@@ -16,6 +19,7 @@ every count is checked against what the peers sent.
     .venv/bin/python scripts/bench/busy.py --seconds 60 --sample-requests 0.25      # record --sample-requests
     .venv/bin/python scripts/bench/busy.py --seconds 1800 --rate 1000 --rotate-mb 256 --keep 4   # rotating
     .venv/bin/python scripts/bench/busy.py --seconds 60 --rotate-every 10s --against-plain   # rotating, vs plain
+    .venv/bin/python scripts/bench/busy.py --seconds 60 --rotate-every 10s --against-plain --finishing
 
 Prints one JSON object (on one line with --json: what the soak test reads). With
 ``--redact-key`` or ``--sample-requests`` (or rotation with ``--against-plain``),
@@ -39,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -74,18 +79,41 @@ def socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.So
     return sock
 
 
-def step(k: int, outputs: int) -> bytes:
+def step(k: int, outputs: int, finishing: bool = False) -> bytes:
+    """Step ``k``: each request's one token. Finishing, its outputs are those of requests k + outputs - 1
+    down to k, the last one's ending (finish reason length)."""
     stats = {"num_running_reqs": outputs, "num_waiting_reqs": 0, "step_counter": k, "current_wave": 0,
              "kv_cache_usage": 0.25, "prefix_cache_stats": {"reset": False, "requests": 0, "queries": 0, "hits": 0}}
+    named = [{"request_id": request_id(k + outputs - 1 - i), "new_token_ids": [100 + (k + i) % 800],
+              "finish_reason": 1 if i == outputs - 1 else None} if finishing else
+             {"request_id": request_id(k * outputs + i), "new_token_ids": [100 + (k + i) % 800]}
+             for i in range(outputs)]
     return encode(struct_value(SCHEMA, "EngineCoreOutputs", {
         "engine_index": 0, "timestamp": 1000.0 + k / 100, "scheduler_stats": stats,
-        "outputs": [struct_value(SCHEMA, "EngineCoreOutput", {
-            "request_id": request_id(k * outputs + i), "new_token_ids": [100 + (k + i) % 800]})
-            for i in range(outputs)]}))
+        "outputs": [struct_value(SCHEMA, "EngineCoreOutput", output) for output in named]}))
 
 
-def request_id(n: int) -> str:
-    return f"cmpl-{n % REQUEST_IDS:032x}-0"
+def request_id(n: int, cycling: bool = True) -> str:
+    return f"cmpl-{n % REQUEST_IDS if cycling else n:032x}-0"
+
+
+class Renamed:
+    """Frames encoded once, sent with other request ids: every id is as long (msgpack's framing holds), so
+    each is written over its place in a copy of the frame."""
+
+    def __init__(self, frames: list[bytes]):
+        self.frames = frames
+        self.places = [[m.start() for m in re.finditer(rb"cmpl-[0-9a-f]{32}-0", f)] for f in frames]
+
+    def frame(self, k: int, first: int) -> bytearray:
+        """Frame ``k`` (cycling) naming requests ``first``, ``first`` - 1, ... in the order it names them."""
+        frame = bytearray(self.frames[k % len(self.frames)])
+        for j, at in enumerate(self.places[k % len(self.frames)]):
+            frame[at:at + ID_LENGTH] = request_id(first - j, cycling=False).encode()
+        return frame
+
+
+ID_LENGTH = len(request_id(0))
 
 
 def paced(rate: float, count: int):
@@ -98,8 +126,9 @@ def paced(rate: float, count: int):
         yield i
 
 
-def frontend(handshake_port: int, steps: int, rate: float) -> None:
-    """Bind like vLLM's frontend, answer the handshake, send an ADD per step, count outputs; print JSON."""
+def frontend(handshake_port: int, steps: int, rate: float, finishing: bool) -> None:
+    """Bind like vLLM's frontend, answer the handshake, send an ADD per step (finishing: of request n at step
+    n), count outputs; print JSON."""
     ctx = zmq.Context()
     inputs, outputs, handshake = socket(ctx, zmq.ROUTER), socket(ctx, zmq.PULL), socket(ctx, zmq.ROUTER)
     addresses = {"inputs": [f"tcp://127.0.0.1:{free_port()}"], "outputs": [f"tcp://127.0.0.1:{free_port()}"],
@@ -118,9 +147,10 @@ def frontend(handshake_port: int, steps: int, rate: float) -> None:
         "sampling_params": {"temperature": 0.0, "max_tokens": 16}, "pooling_params": None,
         "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None}))
         for i in range(min(steps, REQUEST_IDS))]
+    renamed = Renamed(adds[:1])
     received = 0
     for i in paced(rate, steps):
-        inputs.send_multipart([IDENTITY, b"\x00", adds[i % REQUEST_IDS]])
+        inputs.send_multipart([IDENTITY, b"\x00", renamed.frame(0, i) if finishing else adds[i % REQUEST_IDS]])
         while outputs.poll(0):
             outputs.recv_multipart()
             received += 1
@@ -154,10 +184,11 @@ def engine_handshake(ctx: zmq.Context, handshake_address: str) -> tuple[zmq.Sock
     return inputs, outputs
 
 
-def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> None:
+def engine(handshake_address: str, steps: int, rate: float, per_step: int, finishing: bool) -> None:
     """Handshake like a headless engine, then push ``steps`` steps at ``rate``, reading the ADDs."""
     inputs, outputs = engine_handshake(zmq.Context(), handshake_address)
-    frames = [step(k, per_step) for k in range(DISTINCT_STEPS)]
+    frames = [step(k, per_step, finishing) for k in range(DISTINCT_STEPS)]
+    renamed = Renamed(frames)
     # Like a real engine, it sends outputs only of requests it has been sent: it steps once the ADDs of
     # the requests its steps name have come (the frontend's first, about a second of them).
     received = 0
@@ -167,7 +198,7 @@ def engine(handshake_address: str, steps: int, rate: float, per_step: int) -> No
         inputs.recv_multipart()
         received += 1
     for i in paced(rate, steps):
-        outputs.send(frames[i % DISTINCT_STEPS])
+        outputs.send(renamed.frame(i, i + per_step - 1) if finishing else frames[i % DISTINCT_STEPS])
         while inputs.poll(0):
             inputs.recv_multipart()
             received += 1
@@ -228,6 +259,8 @@ def main() -> None:
     parser.add_argument("--outputs", type=int, default=32, help="per-request outputs in each step")
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--frames", type=int, help="steps in all (instead of --seconds)")
+    parser.add_argument("--finishing", action="store_true",
+                        help="each request its own id, finishing after --outputs steps (one ends in each step)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--on-full", choices=["drop", "block"], default="drop", help="record's --on-full")
     parser.add_argument("--db", type=Path, help="record into this file and keep it (default: a temporary one)")
@@ -272,7 +305,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         db = db.with_name(f"{db.stem}-{option[0].strip('-')}{db.suffix}")
     upstream, listen = free_port(), free_port()
     me = [sys.executable, __file__]
-    front = Child([*me, "frontend", str(upstream), str(steps), str(args.rate)], logs / "frontend.log",
+    front = Child([*me, "frontend", str(upstream), str(steps), str(args.rate), str(int(args.finishing))],
+                  logs / "frontend.log",
                   name="busy frontend")
     proxy = Child([sys.executable, "-m", "replay_proxy", "record", "--listen", f"tcp://127.0.0.1:{listen}",
                    "--upstream", f"tcp://127.0.0.1:{upstream}", "--db", str(db), "--session", "busy",
@@ -282,7 +316,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
     try:
         proxy.wait_for_log('"event":"listening"', timeout=60)
         children.append(Child([*me, "engine", f"tcp://127.0.0.1:{listen}", str(steps), str(args.rate),
-                               str(args.outputs)], logs / "engine.log", name="busy engine"))
+                               str(args.outputs), str(int(args.finishing))], logs / "engine.log", name="busy engine"))
         writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}") for m in ("writer", "redactor"))
         # Each process's CPU from here (its start-up done), read last just before it exits: what it takes per
         # frame holds on any machine.
@@ -348,7 +382,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         for child in reversed(children):
             child.stop(timeout=10)
     # Steps and ADDs, plus HELLO, INIT, READY and the registration.
-    result = {"steps": steps, "outputs_per_step": args.outputs, "rate": args.rate, "peers": peers,
+    result = {"steps": steps, "outputs_per_step": args.outputs, "finishing": args.finishing, "rate": args.rate,
+              "peers": peers,
               "expected_frames": 2 * steps + 4, "proxy_exit": code, "stop_s": round(stop_s, 2),
               "session": session, "in_tables": counted, "files": len(files),
               "summary": {k: summary.get(k) for k in ("frames_seen", "frames_recorded", "frames_sampled_out",
@@ -372,8 +407,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "frontend":
-        frontend(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+        frontend(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5] == "1")
     elif len(sys.argv) > 1 and sys.argv[1] == "engine":
-        engine(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+        engine(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1")
     else:
         main()
