@@ -80,7 +80,8 @@ UNCLEAN = ("finish_timeout", "engine_dead")  # a replay that ends with these lea
 
 
 def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, *,
-                   console: Console | None = None, kept: KeptEngine | None = None) -> tuple[Report, ReplayOutcome | None]:
+                   console: Console | None = None,
+                   kept: KeptEngine | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
     With ``options.noise_runs``, the session is first replayed that many times against the baseline

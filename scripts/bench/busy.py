@@ -8,8 +8,9 @@ engine pushes EngineCoreOutputs shaped like a 0.32.0 engine's steps
 per step. Its requests never finish, their ids cycling; with ``--finishing``,
 each request has an id of its own and runs for ``--outputs`` steps, one
 starting and one finishing in every step, as continuous batching does (what
-a rotation waits for: the previous file closes once its requests finish). While it runs, the newest frame in ``frames`` is compared with the
-clock twice a second (how far decoding is behind the wire) and the writer's
+a rotation waits for: the previous file closes once its requests finish).
+While it runs, the newest frame in ``frames`` is compared with the clock
+twice a second (how far decoding is behind the wire) and the writer's
 resident memory is sampled. Then SIGINT, timed until the proxy exits, and
 every count is checked against what the peers sent.
 

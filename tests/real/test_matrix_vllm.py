@@ -34,7 +34,8 @@ def observed(tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix")
     result = subprocess.run(
         [*CLI, "matrix", "--frontends", "vllm-rs:0.30.0..0.32.0,vllm:0.31.0", "--engines", "0.28.0,0.31.0,0.32.0",
-         *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--observe", KEPT, "--db", str(out / "matrix.db"),
+         *(a for f, e, _, _ in CELLS for a in ("--observe", f"{f}@{e}")), "--observe", KEPT,
+         "--db", str(out / "matrix.db"),
          "--report-dir", str(out), *READY], capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
     assert result.returncode == 0, result.stdout + result.stderr
     return out, {(c["frontend"], c["engine"]): c for c in json.loads((out / "matrix.json").read_text())}
