@@ -23,8 +23,7 @@ replays of one kind to one engine release (``EngineBatch``) run one after
 another in this process against one engine, kept between them
 (``replay.run.KeptEngine``: the same handshake, the prefix cache emptied), and
 started again only after a replay that did not end clean (not for LoRA:
-``peers.Serving.keep_engine``). Batches go to the workers first, the longest
-work, so that none is left running alone at the end.
+``peers.Serving.keep_engine``). The longest work goes to the workers first.
 """
 
 from __future__ import annotations
@@ -176,7 +175,8 @@ class EngineBatch:
 
 def batched_legs(legs: list[Leg]) -> list[Leg | EngineBatch]:
     """What the workers run: the to-engine legs of each engine release and kind as one batch where its engine
-    can be kept, the batches first; every other leg on its own."""
+    can be kept, every other leg on its own; the longest first, so that none is left running alone at the end:
+    the batches, then what starts an engine or a Python frontend (imports of 10-20 CPU-s), then vllm-rs's."""
     batches: dict[tuple[str, str], list[Leg]] = {}
     alone = []
     for leg in legs:
@@ -184,6 +184,8 @@ def batched_legs(legs: list[Leg]) -> list[Leg | EngineBatch]:
             batches.setdefault((leg.engine, leg.kind), []).append(leg)
         else:
             alone.append(leg)
+    alone.sort(key=lambda leg: (leg.direction is not Direction.TO_ENGINE,
+                                leg.frontend is not None and leg.frontend.kind == "vllm-rs"))
     return [EngineBatch(b) for b in sorted(batches.values(), key=len, reverse=True)] + alone
 
 
