@@ -1,0 +1,45 @@
+"""scripts/matrix_diff.py: two matrix databases cell by cell, on the committed one and an edited copy."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import sqlite_utils
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "docs" / "compatibility.db"
+
+
+def diff(before: Path, after: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "matrix_diff.py"), str(before), str(after)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_run_with_the_same_verdicts_and_evidence_does_not_differ_whatever_its_messages_say(tmp_path):
+    after = tmp_path / "after.db"
+    shutil.copy(COMMITTED, after)
+    db = sqlite_utils.Database(after)
+    row = db["matrix_cells"].get(("vllm-rs:0.30.0", "0.32.0"))
+    cell = json.loads(row["cell"])
+    for evidence in cell["observed"]["evidence"]:
+        evidence["message"] += " (another port, another path)"
+    db["matrix_cells"].update(("vllm-rs:0.30.0", "0.32.0"), {"cell": json.dumps(cell)})
+    done = diff(COMMITTED, after)
+    assert (done.returncode, done.stdout.splitlines()[-1]) == (0, "154 cells in both, 0 differ")
+
+
+def test_a_cell_whose_evidence_or_verdict_changed_is_named_and_fails(tmp_path):
+    after = tmp_path / "after.db"
+    shutil.copy(COMMITTED, after)
+    db = sqlite_utils.Database(after)
+    row = db["matrix_cells"].get(("vllm-rs:0.30.0", "0.32.0"))
+    cell = json.loads(row["cell"])
+    next(e for e in cell["observed"]["evidence"] if e["verdict"] == "breaks")["rule"] = "another_rule"
+    db["matrix_cells"].update(("vllm-rs:0.30.0", "0.32.0"), {"cell": json.dumps(cell)})
+    db["matrix_cells"].update(("vllm:0.27.0", "0.27.0"), {"verdict": "breaks"})
+    done = diff(COMMITTED, after)
+    assert done.returncode == 1
+    assert done.stdout.count("\n  before ") == 2 and "vllm-rs:0.30.0 x engine 0.32.0:" in done.stdout
+    assert done.stdout.splitlines()[-1] == "154 cells in both, 2 differ"
