@@ -86,8 +86,9 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
 
     With ``options.noise_runs``, the session is first replayed that many times against the baseline
     build; what varies between those runs is the noise floor, not regression. With a terminal
-    ``console``, a progress bar shows while it runs. With ``kept`` (against an engine, no noise runs), the
-    engine it holds is used if it can be, and the one this replay ran against is kept there if it ended clean."""
+    ``console``, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds
+    is used if it can be, and the one this replay ran against is kept there if it ended clean (the noise
+    runs start baseline engines of their own)."""
     if kept is not None and peer.side is not Side.ENGINE:
         raise ReplayError("only an engine under test can be kept for the next replay")
     recording = decode_and_load(db, session)
