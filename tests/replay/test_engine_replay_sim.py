@@ -21,23 +21,24 @@ ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
 
 
 async def _record(db, engines, api_servers, coordinator=False):
-    async with trio.open_nursery() as nursery:
-        session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers, name="baseline",
-                                        coordinator=coordinator, record_coordinator=coordinator).start()
-        frontend = session.frontend
-        call = await frontend.utility("get_supported_tasks")
-        for k in range(8):  # three one at a time, then five batched together
-            await frontend.add(f"r{k}", [7, 8, k], engine=k % engines, client=k % api_servers,
-                               max_tokens=3 + k, temperature=0.0)
-            if k < 3:  # with a pause, so that a replay at the recorded pace runs them alone too
-                await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
-                await trio.sleep(0.1)
-        await frontend.add("long", [9, 9], max_tokens=500, temperature=0.0)
-        await frontend.wait_for(lambda: len(frontend.tokens["long"]) >= 4)
-        await frontend.abort(["long"])
-        await frontend.wait_for(lambda: len(frontend.finish_reasons) == 8 and call in frontend.utility_results)
-        nursery.cancel_scope.cancel()
-    session.recorder.close()
+    with trio.fail_after(60):  # the sim peers take a second or two: a hang fails here, not at CI's limit
+        async with trio.open_nursery() as nursery:
+            session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers, name="baseline",
+                                            coordinator=coordinator, record_coordinator=coordinator).start()
+            frontend = session.frontend
+            call = await frontend.utility("get_supported_tasks")
+            for k in range(8):  # three one at a time, then five batched together
+                await frontend.add(f"r{k}", [7, 8, k], engine=k % engines, client=k % api_servers,
+                                   max_tokens=3 + k, temperature=0.0)
+                if k < 3:  # with a pause, so that a replay at the recorded pace runs them alone too
+                    await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
+                    await trio.sleep(0.1)
+            await frontend.add("long", [9, 9], max_tokens=500, temperature=0.0)
+            await frontend.wait_for(lambda: len(frontend.tokens["long"]) >= 4)
+            await frontend.abort(["long"])
+            await frontend.wait_for(lambda: len(frontend.finish_reasons) == 8 and call in frontend.utility_results)
+            nursery.cancel_scope.cancel()
+        session.recorder.close()
 
 
 @pytest.fixture(scope="module")
