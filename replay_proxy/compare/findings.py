@@ -1,7 +1,8 @@
 """A finding is data: what differs, where, how bad, and for whom.
 
-Rendering (text, JSON, JUnit XML, HTML) lives in ``replay_proxy.report``; the
-exit code of a comparison follows from its worst finding.
+Rendering (text, JUnit XML, HTML) lives in ``replay_proxy.report``; report.json's
+document is here (``report_json``), for the matrix too, which sits below the
+report layer. The exit code of a comparison follows from its worst finding.
 """
 
 from __future__ import annotations
