@@ -10,6 +10,7 @@ import sqlite_utils
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / "compatibility.db"
+CELL = ("vllm-rs:0.30.0", "0.32.0")
 
 
 def diff(before: Path, after: Path) -> subprocess.CompletedProcess:
@@ -17,29 +18,32 @@ def diff(before: Path, after: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_a_run_with_the_same_verdicts_and_evidence_does_not_differ_whatever_its_messages_say(tmp_path):
+def edited(tmp_path: Path, edit) -> Path:
+    """A copy of the committed matrix whose vllm-rs:0.30.0 x 0.32.0 cell ``edit(cell, db)`` changed."""
     after = tmp_path / "after.db"
     shutil.copy(COMMITTED, after)
     db = sqlite_utils.Database(after)
-    row = db["matrix_cells"].get(("vllm-rs:0.30.0", "0.32.0"))
-    cell = json.loads(row["cell"])
-    for evidence in cell["observed"]["evidence"]:
-        evidence["message"] += " (another port, another path)"
-    db["matrix_cells"].update(("vllm-rs:0.30.0", "0.32.0"), {"cell": json.dumps(cell)})
-    done = diff(COMMITTED, after)
+    cell = json.loads(db["matrix_cells"].get(CELL)["cell"])
+    edit(cell, db)
+    db["matrix_cells"].update(CELL, {"cell": json.dumps(cell)})
+    return after
+
+
+def test_a_run_with_the_same_verdicts_and_evidence_does_not_differ_whatever_its_messages_say(tmp_path):
+    def other_messages(cell, db):
+        for evidence in cell["observed"]["evidence"]:
+            evidence["message"] += " (another port, another path)"
+
+    done = diff(COMMITTED, edited(tmp_path, other_messages))
     assert (done.returncode, done.stdout.splitlines()[-1]) == (0, "154 cells in both, 0 differ")
 
 
 def test_a_cell_whose_evidence_or_verdict_changed_is_named_and_fails(tmp_path):
-    after = tmp_path / "after.db"
-    shutil.copy(COMMITTED, after)
-    db = sqlite_utils.Database(after)
-    row = db["matrix_cells"].get(("vllm-rs:0.30.0", "0.32.0"))
-    cell = json.loads(row["cell"])
-    next(e for e in cell["observed"]["evidence"] if e["verdict"] == "breaks")["rule"] = "another_rule"
-    db["matrix_cells"].update(("vllm-rs:0.30.0", "0.32.0"), {"cell": json.dumps(cell)})
-    db["matrix_cells"].update(("vllm:0.27.0", "0.27.0"), {"verdict": "breaks"})
-    done = diff(COMMITTED, after)
+    def another_rule_and_verdict(cell, db):
+        next(e for e in cell["observed"]["evidence"] if e["verdict"] == "breaks")["rule"] = "another_rule"
+        db["matrix_cells"].update(("vllm:0.27.0", "0.27.0"), {"verdict": "breaks"})
+
+    done = diff(COMMITTED, edited(tmp_path, another_rule_and_verdict))
     assert done.returncode == 1
     assert done.stdout.count("\n  before ") == 2 and "vllm-rs:0.30.0 x engine 0.32.0:" in done.stdout
     assert done.stdout.splitlines()[-1] == "154 cells in both, 2 differ"
