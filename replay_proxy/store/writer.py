@@ -30,19 +30,35 @@ it while that process runs.
 
 After every step it reports its ``Progress`` to the recorder's tap, which
 bounds the queue with it and shows it on the status line.
+
+SCHED_IDLE is not enough to keep out of the forwarders' way. A task woken
+on the core where the writer runs waited for it up to one scheduler tick
+(4 ms on this project's machine, ``perf sched timehist``): this kernel,
+as one with lazy preemption does, switches away from a running task at
+the tick or when that task enters the kernel. So the writer enters it at
+least every tenth of a millisecond or so of its work: ``sched_yield``
+before each frame it tabulates and every ``DECODED_PER_YIELD`` frames it
+unpacks (``_giving_way``), and every ``SQLITE_STEPS_PER_YIELD`` steps of
+SQLite's virtual machine (a progress handler). For the same reason the
+objects made at start (schemas, decoders) are frozen out of the garbage
+collector's reach, so that no collection walks them. That took
+recording's idle round-trip p99 from 5x the minimal recorder's to 1.3x to
+1.5x (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
 import sqlite3
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -64,8 +80,11 @@ HOLD_BYTES = 64 * 2**20  # tap messages waiting in memory beyond this are kept o
 PROGRESS_HWM = 16  # reports waiting for the proxy to read them, at most
 STOP_DECODE_S = 2.0  # after STOP: decode this long at most, then keep the rest
 PARENT_CHECK_S = 1.0  # how often: is the proxy still there?
+SQLITE_STEPS_PER_YIELD = 1_000  # about 50 inserted rows (20 steps each): a tenth of a millisecond
+DECODED_PER_YIELD = 32  # frames unpacked from the tap's messages (about 2 us each)
 
 
+T = TypeVar("T")
 Entries = tuple[int, bytes]  # a tap message's frames, and its entries (wire/capture.py) as sent
 
 
@@ -83,6 +102,7 @@ class Writer:
         self.session_id = session_id
         self.connection = sqlite3.connect(db_path, timeout=30)
         self.connection.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints
+        self.connection.set_progress_handler(os.sched_yield, SQLITE_STEPS_PER_YIELD)  # (returns None: go on)
         self.connection.execute("PRAGMA cache_size=-32768")  # 32 MB: the tables' B-tree pages stay in memory
         if max_bytes:  # the file's own page size: an older file may have another
             page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]
@@ -165,7 +185,7 @@ class Writer:
         """Every row of these frames, in seq order; and how many were ADDs."""
         rows = Rows(self.request_numbers)
         added = 0
-        for item in sorted(captured, key=lambda numbered: numbered.seq):
+        for item in _giving_way(sorted(captured, key=lambda numbered: numbered.seq)):
             if isinstance(item, EngineLoss):
                 rows.add_engine_event(self.session_id, item.seq, item.ts_ns, item.engine_index, "lost", item.reason)
                 self.dead.add(item.engine_index)
@@ -194,7 +214,8 @@ class Writer:
 
     def write(self, messages: list[Entries]) -> None:
         """Decode the tap's messages and write them, in one transaction."""
-        self.write_frames([item for _, entries in messages for item in decode_entries(entries)])
+        self.write_frames(list(_giving_way((item for _, entries in messages for item in decode_entries(entries)),
+                                           DECODED_PER_YIELD)))
 
     def write_frames(self, captured: list[CapturedFrame | EngineLoss], *, copies: bool = False) -> None:
         """Tabulate and write captured frames, in one transaction (redacted first, if redacting); ``copies``:
@@ -309,6 +330,15 @@ class Writer:
             self.connection.execute(f"UPDATE sessions SET {assignments}, error = COALESCE(?, error) WHERE id = ?",
                                     (*values.values(), error, self.session_id))
         self.connection.close()
+
+
+def _giving_way(items: Iterable[T], every: int = 1) -> Iterator[T]:
+    """``items``, entering the kernel before every ``every``-th: a forwarder woken on this core gets it
+    then, not at the next tick (the module's docstring says why)."""
+    for i, item in enumerate(items):
+        if i % every == 0:
+            os.sched_yield()
+        yield item
 
 
 def finish_decoding(db_path: str, session_id: int) -> int:
@@ -637,4 +667,6 @@ def _running(pid: int | None) -> bool:
 
 
 if __name__ == "__main__":
-    WriterLoop(msgspec.json.decode(sys.argv[1], type=WriterStart)).run()
+    loop = WriterLoop(msgspec.json.decode(sys.argv[1], type=WriterStart))
+    gc.freeze()  # what start made lives as long as the process: no collection need walk it
+    loop.run()

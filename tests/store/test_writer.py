@@ -21,7 +21,7 @@ from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
 from replay_proxy.store.session import SessionError, decode_and_load, load_session
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.protocol import Stop
-from replay_proxy.store.writer import Writer
+from replay_proxy.store.writer import SQLITE_STEPS_PER_YIELD, Writer
 from replay_proxy.wire.capture import RELAY, CapturedFrame, capture_tag, EngineLoss, encode_entries, relay_entry
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
@@ -339,6 +339,23 @@ def test_the_writer_yields_the_cpu_by_default_and_still_records_everything(db_pa
     for seq in range(1, 101):
         recorder.frame(frame(seq))
     assert recorder.close().frames_recorded == 100
+
+
+def test_the_writer_enters_the_kernel_for_each_frame_and_within_long_sqlite_statements(db_path, monkeypatch):
+    """SCHED_IDLE alone left woken forwarders waiting for a tick (store/writer.py): the writer calls
+    sched_yield before each frame it tabulates, and SQLite's progress handler calls it within a statement."""
+    yields = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    session_id = open_database(db_path)["sessions"].insert({"name": "yields", "status": "recording"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    entries = [[RELAY, *relay_entry(frame(seq, f"r{seq}"))] for seq in range(1, 301)]
+    writer.write([(300, encode_entries(entries))])
+    assert sqlite_utils.Database(db_path)["aborts"].count == 300
+    frames_yields = len(yields)
+    assert frames_yields >= 300
+    writer.connection.execute("SELECT COUNT(*) FROM (SELECT a.seq FROM aborts a, aborts b)").fetchone()  # 90,000 rows
+    assert len(yields) - frames_yields >= 90_000 // SQLITE_STEPS_PER_YIELD  # a step a row at least
+    writer.finish()
 
 
 def _late_copies(recorder: Recorder, seqs: list[int]) -> tuple[zmq.Socket, list[bytes]]:
