@@ -12,7 +12,8 @@ Each ``Batch`` it passes on counts the frames it holds now: outputs whose
 request's ADD has not come yet wait here (they are the tap's "queued"
 frames meanwhile), and go on with a later batch. ``Stop`` goes on last,
 after what still waited (with the redaction's counts, for the session row).
-Like the writer it runs in a session of its own and SCHED_IDLE; if the
+Like the writer it runs in a session of its own and SCHED_IDLE, and enters
+the kernel before each frame it redacts, for the writer's reason; if the
 proxy dies without ``Stop``, it passes on what waited and exits, and the
 writer ends the session as interrupted.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -67,7 +69,7 @@ class RedactorLoop:
                     head, redaction_counts=redaction_counts(self.redactor))))
                 break
             self.last = head
-            self._pass_on(self.redactor.frames(decode_entries(message[1])), head)
+            self._pass_on(redacted(self.redactor.frames, decode_entries(message[1])), head)
         self.tap.close(linger=0)
         self.writer.close()
         self.context.term()
@@ -80,6 +82,17 @@ class RedactorLoop:
                    for item in redacted]
         frames = sum(type(item) is CapturedFrame for item in redacted)
         self.writer.send_multipart(batch_message(entries, Batch(frames, head.frames_seen, head.bytes_seen)))
+
+
+def redacted(redact: Callable[[list[CapturedFrame | EngineLoss]], list[CapturedFrame | EngineLoss]],
+             items: list[CapturedFrame | EngineLoss]) -> list[CapturedFrame | EngineLoss]:
+    """``redact(items)`` (a ``Redactor.frames``), a frame at a time, entering the kernel before each:
+    SCHED_IDLE alone keeps a forwarder woken on this core waiting for a tick (``store/writer.py``)."""
+    out: list[CapturedFrame | EngineLoss] = []
+    for item in sorted(items, key=lambda numbered: numbered.seq):
+        os.sched_yield()
+        out += redact([item])
+    return out
 
 
 if __name__ == "__main__":

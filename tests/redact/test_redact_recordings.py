@@ -64,3 +64,28 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     assert len(taken) == len(RECORDINGS)  # each took the fast path where it could:
     assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release
     assert unchanged["SchedulerStats"] > 0 and unchanged["SamplingParams"] > 0  # kept without a walk
+
+
+def test_the_redactor_process_redacts_a_frame_at_a_time_as_one_call_would(tmp_path, monkeypatch):
+    """The recorder's redactor process enters the kernel before each frame (store/redactor.py): its
+    frame-at-a-time calls give the same redacted frames as one call over them all."""
+    import os
+    import sqlite3
+
+    from replay_proxy.store.copy import recorded_frames
+    from replay_proxy.store.redactor import redacted
+
+    key = tmp_path / "redaction.key"
+    key.write_bytes(b"a key for the recordings' test!!")
+    redaction = Redaction(RedactionSettings(str(key), VOCAB))
+    yields = []
+    for recording in RECORDINGS:
+        frames = list(recorded_frames(sqlite3.connect(recording), 1))
+        at_once = redaction.redactor(None)
+        whole = at_once.frames(frames) + at_once.flush()
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "sched_yield", lambda: yields.append(1))
+            one_by_one = redaction.redactor(None)
+            assert redacted(one_by_one.frames, frames[::-1]) + one_by_one.flush() == whole  # (sorted by seq)
+        assert len(yields) == len(frames)
+        yields.clear()
