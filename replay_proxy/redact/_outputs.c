@@ -2,19 +2,20 @@
  *
  * At 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few
  * microseconds an output, most of it not the hashing) was the redactor's largest
- * cost. This does the same per output: a copy of the output's list with its
- * request id hashed (from the hasher's cache, else by calling it), each token
- * mapped in its context (the running keyed BLAKE2b, Python's own hashlib object:
- * its digest gives the shift, then the token's bytes extend it), the stop reason
- * hashed if it is text. TokenMap (tokens.py) holds the construction; this only
- * runs it. Every output is checked first (context_of); if any is not one it
- * takes, it returns None before touching a context, and the caller walks.
+ * cost. This does the same per output, in place (the caller decoded the
+ * outputs for this): its request id hashed (from the hasher's cache, else by
+ * calling it), each token mapped in its context (the running keyed BLAKE2b,
+ * Python's own hashlib object: its digest gives the shift, then the token's
+ * bytes extend it), the stop reason hashed if it is text. TokenMap (tokens.py)
+ * holds the construction; this only runs it. Every output is checked first
+ * (context_of); if any is not one it takes, it returns None before touching an
+ * output or a context, and the caller walks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-static PyObject *digest_name, *update_name;
+static PyObject *digest_name, *update_name, *prefix_name, *fixed_name;
 
 static uint64_t shift_of(PyObject *prefix, int *failed) {
     PyObject *state = PyObject_CallMethodNoArgs(prefix, digest_name);
@@ -94,7 +95,8 @@ static PyObject *context_of(PyObject *value, Py_ssize_t length, PyObject *nil, P
 }
 
 /* redact(outputs, length, nil, columns, live, ended, hasher, known, permutation, token_bytes)
- *   -> the outputs redacted, or None if any is not one the fast path takes (before anything is redacted). */
+ *   -> the ids of the requests that finished, the outputs redacted in place; or None if any is not one the
+ *   fast path takes (before anything is redacted). */
 static PyObject *redact(PyObject *module, PyObject *args) {
     PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation, *token_bytes;
     Py_ssize_t length, at[5];  /* request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits */
@@ -120,7 +122,7 @@ static PyObject *redact(PyObject *module, PyObject *args) {
                 return NULL;
             Py_RETURN_NONE;
         }
-        PyObject *prefix = PyObject_GetAttrString(context, "prefix"), *fixed = PyObject_GetAttrString(context, "fixed");
+        PyObject *prefix = PyObject_GetAttr(context, prefix_name), *fixed = PyObject_GetAttr(context, fixed_name);
         PyList_SET_ITEM(prefixes, i, prefix);
         PyList_SET_ITEM(fixeds, i, fixed);
         if (prefix == NULL || fixed == NULL)
@@ -130,32 +132,27 @@ static PyObject *redact(PyObject *module, PyObject *args) {
             goto fail_early;
         }
     }
-    PyObject *redacted = PyList_New(n);
-    if (redacted == NULL)
+    PyObject *finished = PyList_New(0);
+    if (finished == NULL)
         goto fail_early;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *value = PyList_GET_ITEM(outputs, i), *prefix = PyList_GET_ITEM(prefixes, i);
         PyObject *fixed = PyList_GET_ITEM(fixeds, i), *tokens = PyList_GET_ITEM(value, tokens_at);
-        PyObject *out = PyList_GetSlice(value, 0, PyList_GET_SIZE(value));
-        if (out == NULL)
+        PyObject *original_rid = PyList_GET_ITEM(value, rid_at);
+        if (PyList_GET_ITEM(value, at[2]) != Py_None && PyList_Append(finished, original_rid) < 0)
             goto fail;
-        PyList_SET_ITEM(redacted, i, out);
-        PyObject *rid = hashed(PyList_GET_ITEM(value, rid_at), known, hasher);
+        PyObject *rid = hashed(original_rid, known, hasher);
         if (rid == NULL)
             goto fail;
-        PyList_SetItem(out, rid_at, rid);
+        PyList_SetItem(value, rid_at, rid);
         PyObject *stop = PyList_GET_ITEM(value, stop_at);
         if (PyUnicode_CheckExact(stop)) {
             PyObject *stop_hashed = hashed(stop, known, hasher);
             if (stop_hashed == NULL)
                 goto fail;
-            PyList_SetItem(out, stop_at, stop_hashed);
+            PyList_SetItem(value, stop_at, stop_hashed);
         }
         Py_ssize_t count = PyList_GET_SIZE(tokens);
-        PyObject *new_tokens = PyList_New(count);
-        if (new_tokens == NULL)
-            goto fail;
-        PyList_SetItem(out, tokens_at, new_tokens);
         for (Py_ssize_t j = 0; j < count; j++) {
             PyObject *original = PyList_GET_ITEM(tokens, j);
             long token = PyLong_AsLong(original);
@@ -170,16 +167,16 @@ static PyObject *redact(PyObject *module, PyObject *args) {
             PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
             if (pseudonym == NULL)
                 goto fail;
-            PyList_SET_ITEM(new_tokens, j, pseudonym);
+            PyList_SetItem(tokens, j, pseudonym);  /* (the original's reference dropped) */
         }
     }
     Py_DECREF(prefixes);
     Py_DECREF(fixeds);
-    return redacted;
+    return finished;
 fail:
     if (!PyErr_Occurred())
         PyErr_SetString(PyExc_ValueError, "a context's digest is not bytes");
-    Py_DECREF(redacted);
+    Py_DECREF(finished);
 fail_early:
     Py_XDECREF(prefixes);
     Py_XDECREF(fixeds);
@@ -196,7 +193,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_outputs", NULL, -1,
 PyMODINIT_FUNC PyInit__outputs(void) {
     digest_name = PyUnicode_InternFromString("digest");
     update_name = PyUnicode_InternFromString("update");
-    if (digest_name == NULL || update_name == NULL)
+    prefix_name = PyUnicode_InternFromString("prefix");
+    fixed_name = PyUnicode_InternFromString("fixed");
+    if (digest_name == NULL || update_name == NULL || prefix_name == NULL || fixed_name == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -92,7 +92,7 @@ class Redactor:
         self._visited: set[int] = set()  # aux frames a walked field reached
         self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
         self._plain: dict[str, PlainOutput | None] = {}  # by release
-        self._kept: dict[tuple[str, str], tuple | None] = {}  # by release and struct: see _unchanged
+        self._kept: dict[tuple[str, str], Kept | None] = {}  # by release and struct: see _unchanged
 
     # --- the stream ---------------------------------------------------------------------------
 
@@ -201,8 +201,13 @@ class Redactor:
     def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
         value = decode_msgpack(parts[0])
         outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
-        rid_at = self.schema.position("EngineCoreOutput", "request_id")
         outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
+        if len(parts) == 1 and self._unchanged("EngineCoreOutputs", value, but=outputs_at):
+            # A busy engine's step, not walked: its outputs by the fast path (which finds every request
+            # known), the rest as it is. Else the walk, after waiting for any request not known.
+            if self._plain_outputs(outputs):
+                return [_encode(value)]
+        rid_at = self.schema.position("EngineCoreOutput", "request_id")
         for output in outputs if isinstance(outputs, list) else ():
             rid = output[rid_at] if isinstance(output, list) and len(output) > rid_at else None
             if isinstance(rid, str) and rid not in self.live and rid not in self.ended:
@@ -219,6 +224,8 @@ class Redactor:
     def _struct(self, name: str, value: Any) -> Any:
         if name not in _ENTER and self._unchanged(name, value):
             return value
+        kept = self._kept_of(name)
+        as_is = kept.as_is if kept is not None else {}  # (fields given back without a call, by their type)
         spec = self.schema.structs.get(name)
         rules = self.policy.structs.get(name, {})
         if spec is None or not isinstance(value, list if spec.encoding == "array" else dict):
@@ -230,61 +237,62 @@ class Redactor:
         if spec.encoding == "array":
             fields = spec.fields
             # (nil fields, most of an output's, are nil whatever the policy: not walked)
-            out = [None if item is None else self._field(name, fields[i], rules.get(fields[i].name), item)
+            out = [None if item is None else item if type(item) in as_is.get(i, ())
+                   else self._field(name, fields[i], rules.get(fields[i].name), item)
                    if i < len(fields) else self._blank(f"{name}[{i}]") for i, item in enumerate(value)]
         else:
             fields = spec.by_name
-            out = {key: self._field(name, fields[key], rules.get(key), item) if key in fields
-                   else self._blank(f"{name}.{key}") for key, item in value.items()}
+            out = {key: item if type(item) in as_is.get(key, ())
+                   else self._field(name, fields[key], rules.get(key), item)
+                   if key in fields else self._blank(f"{name}.{key}") for key, item in value.items()}
         if name == "EngineCoreOutput":
             self._output_done(spec, value)
         return out
 
-    def _unchanged(self, name: str, value: Any) -> bool:
+    def _unchanged(self, name: str, value: Any, but: int | None = None) -> bool:
         """Whether the walk would give ``value`` back as it is (``tests/redact``: the two agree): every
         field set is one the policy keeps, of a kind its schema takes, and holds no tensor, or is such a
-        struct itself (a busy engine's scheduler stats, each step)."""
-        kept = self._kept.get((self.schema.release, name), _UNSET)
-        if kept is _UNSET:
-            kept = self._kept[self.schema.release, name] = _kept_fields(self.schema, self.policy, name)
-        if kept is None or type(value) is not kept[0]:
+        struct itself (a busy engine's scheduler stats, each step). ``but``: a field not looked at."""
+        kept = self._kept_of(name)
+        if kept is None or type(value) is not kept.encoding:
             return False
-        fields = kept[1]
+        as_is, fields = kept.as_is, kept.fields
         for key, item in value.items() if type(value) is dict else enumerate(value):
-            if item is None:
+            if item is None or key == but or type(item) in as_is.get(key, ()):
                 continue
             field = fields.get(key)
             if field is None:
                 return False
-            kinds, struct, container, hashed = field
-            if kind_of(item) not in kinds and "any" not in kinds:
+            types, struct, container = field
+            if type(item) not in types:
                 return False
-            if struct is not None and (item if container else not self._unchanged(struct, item)):
+            if item if container else not self._unchanged(struct, item):
                 return False  # (a list or map of structs is walked unless it is empty)
-            if hashed and (item if type(item) in (list, dict) else type(item) not in (int, float, bool)):
-                return False  # (hashing keeps numbers and empty lists and maps as they are)
         return True
 
-    def _plain_outputs(self, outputs: Any) -> list | None:
-        """A busy engine's outputs, redacted as the walk would (``tests/redact``: the two agree) but faster:
-        outputs whose only set fields are their id, tokens, finish and stop reasons and NaN count, of
-        requests known. None if any is another, before anything is redacted (then all are walked)."""
+    def _kept_of(self, name: str) -> Kept | None:
+        kept = self._kept.get((self.schema.release, name), _UNSET)
+        if kept is _UNSET:
+            kept = self._kept[self.schema.release, name] = Kept.of(self.schema, self.policy, name)
+        return kept
+
+    def _plain_outputs(self, outputs: Any) -> bool:
+        """Whether ``outputs`` were a busy engine's, now redacted in place as the walk would (``tests/redact``:
+        the two agree) but faster: outputs whose only set fields are their id, tokens, finish and stop reasons
+        and NaN count, of requests known. If any is another, none is touched (then all are walked)."""
         plain = self._plain.get(self.schema.release, _UNSET)
         if plain is _UNSET:
             plain = self._plain[self.schema.release] = PlainOutput.of(self.schema, self.policy)
         if plain is None or type(outputs) is not list:
-            return None
+            return False
         # In C (_outputs.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
         # its tokens' contexts: these have none, so none are kept.)
-        redacted = _outputs.redact(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
+        finished = _outputs.redact(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
                                    self.hasher.text, self.hasher.known, self.tokens.permutation,
                                    self.tokens.token_bytes)
-        if redacted is not None:
-            rid_at, finish_at = plain.columns[0], plain.columns[2]
-            for value in outputs:
-                if value[finish_at] is not None:
-                    self._end(value[rid_at])
-        return redacted
+        for rid in finished or ():
+            self._end(rid)
+        return finished is not None
 
     def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:
         if value is None:
@@ -292,10 +300,8 @@ class Redactor:
         if action is None or ("any" not in field.kinds and kind_of(value) not in field.kinds):
             return self._blank(f"{owner}.{field.name}")
         if action == "keep" and field.struct is not None:
-            if field.struct == "EngineCoreOutput":
-                plain = self._plain_outputs(value)
-                if plain is not None:
-                    return plain
+            if field.struct == "EngineCoreOutput" and self._plain_outputs(value):
+                return value
             container = field.type.split("[", 1)[0]
             if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
                 return [self._struct(field.struct, item) for item in value]
@@ -496,19 +502,40 @@ _ENTER = {"EngineCoreRequest": Redactor._enter_request, "EngineCoreOutput": Reda
           "EngineCoreOutputs": Redactor._enter_outputs}
 
 
-def _kept_fields(schema: Any, policy: Policy, name: str) -> tuple[type, dict] | None:
-    """For ``Redactor._unchanged``: the struct's encoding, and by name (map) or position (array) each field
-    the policy keeps or hashes: (its kinds, its struct, whether that is a list or map of them, hashed)."""
-    spec = schema.structs.get(name)
-    if spec is None:
-        return None
-    rules = policy.structs.get(name, {})
-    fields = {field.name if spec.encoding == "map" else field.position:
-              (field.kinds, field.struct, field.type.split("[", 1)[0] in ("list", "set", "frozenset", "tuple", "dict"),
-               rules[field.name] == "hash")
-              for field in spec.fields if rules.get(field.name) in ("keep", "hash") and not field.tensor
-              and not (field.struct and rules[field.name] == "hash")}
-    return (dict if spec.encoding == "map" else list), fields
+class Kept(msgspec.Struct, frozen=True):
+    """For ``Redactor._unchanged`` and ``_struct``: which of a struct's fields the walk gives back as they
+    are, by name (map) or position (array). The policy keeps or hashes them and they hold no tensor."""
+
+    encoding: type  # list or dict
+    as_is: dict[Any, frozenset[type]]  # values of these types, as they are: kept, or numbers hashed
+    # The others: (types, their struct, whether only an empty one is kept as it is: a list or map of
+    # structs, which is walked otherwise, or a list or map hashed)
+    fields: dict[Any, tuple[frozenset[type], str | None, bool]]
+
+    @classmethod
+    def of(cls, schema: Any, policy: Policy, name: str) -> Kept | None:
+        spec = schema.structs.get(name)
+        if spec is None:
+            return None
+        rules = policy.structs.get(name, {})
+        as_is, fields = {}, {}
+        for field in spec.fields:
+            action, key = rules.get(field.name), field.name if spec.encoding == "map" else field.position
+            types = frozenset(_TYPES.values()) if "any" in field.kinds else \
+                frozenset(_TYPES[kind] for kind in field.kinds if kind in _TYPES)
+            if field.tensor or action not in ("keep", "hash") or (field.struct and action == "hash"):
+                continue
+            if field.struct is not None:
+                fields[key] = types, field.struct, field.type.split("[", 1)[0] in _CONTAINERS
+            elif action == "keep":
+                as_is[key] = types
+            else:  # hashing keeps numbers, and empty lists and maps, as they are
+                as_is[key], fields[key] = types & {int, float, bool}, (types & {list, dict}, None, True)
+        return cls(list if spec.encoding == "array" else dict, as_is, fields)
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "bin": bytes, "array": list, "map": dict, "ext": Ext}
+_CONTAINERS = ("list", "set", "frozenset", "tuple", "dict")
 
 
 def _is_outputs(frame: CapturedFrame) -> bool:

@@ -70,13 +70,15 @@ def test_the_fast_path_redacts_as_the_walk_does(steps):
 def test_the_fast_path_is_taken_for_plain_outputs_and_not_for_others():
     fast = redactor()
     fast.frames([add(1, "req-0")])
-    value = [struct_value(SCHEMA, "EngineCoreOutput", {"request_id": "req-0", "new_token_ids": [9]})]
-    assert fast._plain_outputs(value) is not None  # one token, of a request known
+    plain = struct_value(SCHEMA, "EngineCoreOutput", {"request_id": "req-0", "new_token_ids": [9]})
+    value = [list(plain)]
+    assert fast._plain_outputs(value)  # one token, of a request known: redacted in place
+    assert value[0][0] == fast.hasher.text("req-0") and value[0][1] != [9]
     before = fast.live["req-0"].prefix.digest()
-    for other in ([["req-0", [VOCAB], *value[0][2:]]],  # not in the vocabulary
-                  [["unknown", [9], *value[0][2:]]],  # no ADD came
-                  [["req-0", [9], [1, 2], *value[0][3:]]],  # logprobs: walked, for their contexts
-                  [value[0][:-1]]):  # another release's length
-        assert fast._plain_outputs(other) is None
+    for other in ([["req-0", [VOCAB], *plain[2:]]],  # not in the vocabulary
+                  [["unknown", [9], *plain[2:]]],  # no ADD came
+                  [["req-0", [9], [1, 2], *plain[3:]]],  # logprobs: walked, for their contexts
+                  [plain[:-1]]):  # another release's length
+        untouched = repr(other)
+        assert not fast._plain_outputs(other) and repr(other) == untouched
     assert fast.live["req-0"].prefix.digest() == before  # and nothing was redacted on the way
-

@@ -36,8 +36,9 @@ def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tm
 
 
 def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkeypatch):
-    """Each shipped recording redacted with the fast paths (frames.PlainOutput for outputs, and structs
-    given back unchanged without a walk) and without them: the same bytes."""
+    """Each shipped recording redacted with the fast paths (frames.PlainOutput for outputs, and the
+    structs and fields frames.Kept names given back unchanged without a walk) and without them: the same
+    bytes."""
     from replay_proxy.redact import frames
 
     key = tmp_path / "redaction.key"
@@ -46,8 +47,8 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     taken, unchanged = [], collections.Counter()
     of, really_unchanged = frames.PlainOutput.of, frames.Redactor._unchanged
 
-    def counted(redactor, name, value):
-        kept = really_unchanged(redactor, name, value)
+    def counted(redactor, name, value, but=None):
+        kept = really_unchanged(redactor, name, value, but)
         unchanged[name] += kept
         return kept
     monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: taken.append(schema) or of(schema, policy))
@@ -55,7 +56,7 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     for recording in RECORDINGS:
         redact_database(recording, tmp_path / f"fast-{recording.name}", redaction)
     monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: None)
-    monkeypatch.setattr(frames.Redactor, "_unchanged", lambda redactor, name, value: False)
+    monkeypatch.setattr(frames.Kept, "of", lambda schema, policy, name: None)
     for recording in RECORDINGS:
         redact_database(recording, tmp_path / f"walked-{recording.name}", redaction)
         raw = [sqlite_utils.Database(tmp_path / f"{way}-{recording.name}").execute(
@@ -64,6 +65,7 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     assert len(taken) == len(RECORDINGS)  # each took the fast path where it could:
     assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release
     assert unchanged["SchedulerStats"] > 0 and unchanged["SamplingParams"] > 0  # kept without a walk
+    assert unchanged["EngineCoreOutputs"] > 0  # steps whose outputs alone were redacted, by the fast path
 
 
 def test_the_redactor_process_redacts_a_frame_at_a_time_as_one_call_would(tmp_path, monkeypatch):
