@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.redact import _outputs
+from replay_proxy.redact import _chain
 from replay_proxy.redact.policy import Action, Policy
 from replay_proxy.redact.tokens import Key, Prefix, RedactionError, TokenMap
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
@@ -285,9 +285,9 @@ class Redactor:
             plain = self._plain[self.schema.release] = PlainOutput.of(self.schema, self.policy)
         if plain is None or type(outputs) is not list:
             return False
-        # In C (_outputs.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
+        # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
         # its tokens' contexts: these have none, so none are kept.)
-        finished = _outputs.redact(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
+        finished = _chain.outputs(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
                                    self.hasher.text, self.hasher.known, self.tokens.permutation,
                                    self.tokens.token_bytes)
         for rid in finished or ():

@@ -1,4 +1,4 @@
-"""The fast path for a busy engine's outputs (frames.PlainOutput, in C: _outputs.c) against the walk.
+"""The fast path for a busy engine's outputs (frames.PlainOutput, in C: _chain.c) against the walk.
 
 Generated steps of outputs, one to three tokens each, some of them the requests' stop tokens, stop
 reasons of every kind, finishes, ids out of the vocabulary and outputs of unknown requests. Two redactors

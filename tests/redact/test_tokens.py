@@ -37,6 +37,24 @@ def test_fixed_points_stay_and_nothing_else_becomes_one(sequence, fixed):
             assert mapped == original
 
 
+@settings(max_examples=200)
+@given(tokens, tokens, st.frozensets(st.integers(0, VOCAB - 1), max_size=5))
+def test_the_chain_in_c_is_the_construction_the_module_gives(prefix, sequence, fixed):
+    """TokenMap.chain (in C) against the construction in Python: each token's shift from the state
+    before it, then its 4 bytes extend the running hash. The same tokens, states and context after."""
+    context, reference = MAP.start(), MAP.start()
+    MAP.chain(context, prefix, fixed)
+    MAP.chain(reference, prefix, fixed)
+    states, reference_states, shifts = [], [], []
+    redacted_ids = MAP.chain(context, sequence, fixed, states)
+    for token in sequence:
+        reference_states.append(reference.digest())
+        shifts.append(int.from_bytes(reference_states[-1][:8], "little"))
+        reference.update(token.to_bytes(4, "little"))
+    assert redacted_ids == MAP._map(shifts, sequence, fixed)
+    assert states == reference_states and context.digest() == reference.digest()
+
+
 @given(tokens, st.frozensets(st.integers(0, VOCAB - 1), max_size=5))
 def test_each_context_maps_the_vocabulary_one_to_one(prefix, fixed):
     context = MAP.start()

@@ -1,15 +1,16 @@
-/* A busy engine's outputs, redacted: the loop of Redactor._plain_outputs (frames.py), in C.
+/* The token chain of TokenMap.chain (tokens.py), in C, and with it a busy engine's outputs redacted:
+ * the loop of Redactor._plain_outputs (frames.py).
  *
- * At 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few
- * microseconds an output, most of it not the hashing) was the redactor's largest
- * cost. This does the same per output, in place (the caller decoded the
- * outputs for this): its request id hashed (from the hasher's cache, else by
- * calling it), each token mapped in its context (the running keyed BLAKE2b,
- * Python's own hashlib object: its digest gives the shift, then the token's
- * bytes extend it), the stop reason hashed if it is text. TokenMap (tokens.py)
- * holds the construction; this only runs it. Every output is checked first
- * (context_of); if any is not one it takes, it returns None before touching an
- * output or a context, and the caller walks.
+ * chain: each token mapped in its context, the running keyed BLAKE2b (Python's own hashlib object): its
+ * digest gives the shift, then the token's bytes extend it. TokenMap holds the construction; this only
+ * runs it, about 1 us a token faster than the Python loop (a prompt of thousands of tokens, each ADD).
+ *
+ * outputs: at 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few microseconds an
+ * output, most of it not the hashing) was the redactor's largest cost. This does the same per output, in
+ * place (the caller decoded the outputs for this): its request id hashed (from the hasher's cache, else
+ * by calling it), its tokens chained in their request's context, the stop reason hashed if it is text.
+ * Every output is checked first (context_of); if any is not one it takes, it returns None before
+ * touching an output or a context, and the caller walks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,18 +18,22 @@
 
 static PyObject *digest_name, *update_name, *prefix_name, *fixed_name;
 
-static uint64_t shift_of(PyObject *prefix, int *failed) {
+/* The context's state (its digest), or NULL with an exception set. */
+static PyObject *state_of(PyObject *prefix) {
     PyObject *state = PyObject_CallMethodNoArgs(prefix, digest_name);
-    if (state == NULL || !PyBytes_Check(state) || PyBytes_GET_SIZE(state) < 8) {
-        Py_XDECREF(state);
-        *failed = 1;
-        return 0;
+    if (state != NULL && !(PyBytes_Check(state) && PyBytes_GET_SIZE(state) >= 8)) {
+        Py_DECREF(state);
+        PyErr_SetString(PyExc_ValueError, "a context's digest is not bytes");
+        return NULL;
     }
+    return state;
+}
+
+static uint64_t shift_of(PyObject *state) {
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(state);
     uint64_t shift = 0;
     for (int i = 7; i >= 0; i--)  /* the first 8 bytes, little-endian, as int.from_bytes(state[:8], "little") */
         shift = (shift << 8) | b[i];
-    Py_DECREF(state);
     return shift;
 }
 
@@ -50,6 +55,69 @@ static PyObject *mapped(PyObject *original, long token, uint64_t shift, PyObject
         out = PyList_GET_ITEM(permutation, (Py_ssize_t)(((uint64_t)PyLong_AsLong(out) + step) % (uint64_t)size));
     }
     Py_INCREF(out);
+    return out;
+}
+
+/* The tokens of the list ``tokens`` (ints in the vocabulary: checked by the caller) chained after
+ * ``prefix``, which they extend, into the list ``out`` of the same length (which may be ``tokens``);
+ * the state before each appended to ``states`` unless it is NULL. 0, or -1 with an exception set. */
+static int chain_into(PyObject *prefix, PyObject *tokens, PyObject *out, PyObject *fixed, PyObject *permutation,
+                      PyObject *token_bytes, PyObject *states) {
+    long size = (long)PyList_GET_SIZE(permutation);
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {
+        PyObject *original = PyList_GET_ITEM(tokens, j);
+        long token = PyLong_AsLong(original);
+        PyObject *state = state_of(prefix);
+        if (state == NULL)
+            return -1;
+        uint64_t shift = shift_of(state);
+        int appended = states == NULL ? 0 : PyList_Append(states, state);
+        Py_DECREF(state);
+        if (appended < 0)
+            return -1;
+        PyObject *done = PyObject_CallMethodOneArg(prefix, update_name, PyList_GET_ITEM(token_bytes, token));
+        if (done == NULL)
+            return -1;
+        Py_DECREF(done);
+        PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
+        if (pseudonym == NULL)
+            return -1;
+        if (out == tokens)
+            PyList_SetItem(out, j, pseudonym);  /* (the original's reference dropped) */
+        else
+            PyList_SET_ITEM(out, j, pseudonym);
+    }
+    return 0;
+}
+
+/* chain(prefix, tokens, fixed, permutation, token_bytes, states) -> the tokens redacted (TokenMap.chain,
+ * which checks that they are in the vocabulary); TypeError if one is not an int. */
+static PyObject *chain(PyObject *module, PyObject *args) {
+    PyObject *prefix, *tokens, *fixed, *permutation, *token_bytes, *states;
+    if (!PyArg_ParseTuple(args, "OO!OO!O!O", &prefix, &PyList_Type, &tokens, &fixed, &PyList_Type, &permutation,
+                          &PyList_Type, &token_bytes, &states))
+        return NULL;
+    long size = (long)PyList_GET_SIZE(permutation);
+    if (PyList_GET_SIZE(token_bytes) != size || !PyAnySet_Check(fixed) || !(states == Py_None || PyList_Check(states))) {
+        PyErr_SetString(PyExc_TypeError, "chain(prefix, tokens, fixed set, permutation, token_bytes, states list)");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {  /* all checked before the context moves */
+        PyObject *token = PyList_GET_ITEM(tokens, j);
+        long t = PyLong_Check(token) ? PyLong_AsLong(token) : -1;
+        if (t < 0 || t >= size) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "a token is not an int in the vocabulary");
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(PyList_GET_SIZE(tokens));
+    if (out == NULL)
+        return NULL;
+    if (chain_into(prefix, tokens, out, fixed, permutation, token_bytes, states == Py_None ? NULL : states) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
     return out;
 }
 
@@ -94,10 +162,10 @@ static PyObject *context_of(PyObject *value, Py_ssize_t length, PyObject *nil, P
     return context;
 }
 
-/* redact(outputs, length, nil, columns, live, ended, hasher, known, permutation, token_bytes)
+/* outputs(outputs, length, nil, columns, live, ended, hasher, known, permutation, token_bytes)
  *   -> the ids of the requests that finished, the outputs redacted in place; or None if any is not one the
  *   fast path takes (before anything is redacted). */
-static PyObject *redact(PyObject *module, PyObject *args) {
+static PyObject *redact_outputs(PyObject *module, PyObject *args) {
     PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation, *token_bytes;
     Py_ssize_t length, at[5];  /* request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits */
     if (!PyArg_ParseTuple(args, "O!nO!(nnnnn)O!O!OO!O!O!", &PyList_Type, &outputs, &length, &PyTuple_Type, &nil,
@@ -152,30 +220,13 @@ static PyObject *redact(PyObject *module, PyObject *args) {
                 goto fail;
             PyList_SetItem(value, stop_at, stop_hashed);
         }
-        Py_ssize_t count = PyList_GET_SIZE(tokens);
-        for (Py_ssize_t j = 0; j < count; j++) {
-            PyObject *original = PyList_GET_ITEM(tokens, j);
-            long token = PyLong_AsLong(original);
-            int failed = 0;
-            uint64_t shift = shift_of(prefix, &failed);
-            if (failed)
-                goto fail;
-            PyObject *done = PyObject_CallMethodOneArg(prefix, update_name, PyList_GET_ITEM(token_bytes, token));
-            if (done == NULL)
-                goto fail;
-            Py_DECREF(done);
-            PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
-            if (pseudonym == NULL)
-                goto fail;
-            PyList_SetItem(tokens, j, pseudonym);  /* (the original's reference dropped) */
-        }
+        if (chain_into(prefix, tokens, tokens, fixed, permutation, token_bytes, NULL) < 0)
+            goto fail;
     }
     Py_DECREF(prefixes);
     Py_DECREF(fixeds);
     return finished;
 fail:
-    if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "a context's digest is not bytes");
     Py_DECREF(finished);
 fail_early:
     Py_XDECREF(prefixes);
@@ -184,13 +235,14 @@ fail_early:
 }
 
 static PyMethodDef methods[] = {
-    {"redact", redact, METH_VARARGS, "A busy engine's outputs, redacted (see the module's comment)."},
+    {"chain", chain, METH_VARARGS, "Tokens chained in their context (see the module's comment)."},
+    {"outputs", redact_outputs, METH_VARARGS, "A busy engine's outputs, redacted (see the module's comment)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_outputs", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chain", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__outputs(void) {
+PyMODINIT_FUNC PyInit__chain(void) {
     digest_name = PyUnicode_InternFromString("digest");
     update_name = PyUnicode_InternFromString("update");
     prefix_name = PyUnicode_InternFromString("prefix");
