@@ -1,9 +1,12 @@
 /* The token chain of TokenMap.chain (tokens.py), in C, and with it a busy engine's outputs redacted:
  * the loop of Redactor._plain_outputs (frames.py).
  *
- * chain: each token mapped in its context, the running keyed BLAKE2b (Python's own hashlib object): its
- * digest gives the shift, then the token's bytes extend it. TokenMap holds the construction; this only
- * runs it, about 1 us a token faster than the Python loop (a prompt of thousands of tokens, each ADD).
+ * Prefix: a running keyed BLAKE2b, as hashlib.blake2b (copy, update, digest) but with its state in plain
+ * memory (blake2b.h), which the chain finalizes per token on the stack: no call, no bytes object.
+ *
+ * chain: each token mapped in its context, the running hash of the tokens before it: its digest gives
+ * the shift, then the token's 4 bytes extend it. TokenMap holds the construction; this only runs it, a
+ * prompt of thousands of tokens at each ADD.
  *
  * outputs: at 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few microseconds an
  * output, most of it not the hashing) was the redactor's largest cost. This does the same per output, in
@@ -16,25 +19,84 @@
 #include <Python.h>
 #include <stdint.h>
 
-static PyObject *digest_name, *update_name, *prefix_name, *fixed_name;
+#include "blake2b.h"
 
-/* The context's state (its digest), or NULL with an exception set. */
-static PyObject *state_of(PyObject *prefix) {
-    PyObject *state = PyObject_CallMethodNoArgs(prefix, digest_name);
-    if (state != NULL && !(PyBytes_Check(state) && PyBytes_GET_SIZE(state) >= 8)) {
-        Py_DECREF(state);
-        PyErr_SetString(PyExc_ValueError, "a context's digest is not bytes");
+static PyObject *prefix_name, *fixed_name;
+
+typedef struct {
+    PyObject_HEAD
+    blake2b_state state;
+} Prefix;
+
+static PyTypeObject PrefixType;
+
+static PyObject *prefix_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"data", "key", "person", "digest_size", NULL};
+    Py_buffer data = {NULL}, key = {NULL}, person = {NULL};
+    Py_ssize_t digest_size = BLAKE2B_OUT_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|y*$y*y*n", names, &data, &key, &person, &digest_size))
         return NULL;
+    Prefix *self = NULL;
+    if (digest_size < 1 || digest_size > BLAKE2B_OUT_MAX || key.len > BLAKE2B_KEY_MAX || person.len > BLAKE2B_PERSON)
+        PyErr_SetString(PyExc_ValueError, "Prefix(data, *, key of 0-64 bytes, person of 0-16, digest_size 1-64)");
+    else if ((self = (Prefix *)type->tp_alloc(type, 0)) != NULL) {
+        blake2b_init(&self->state, (size_t)digest_size, key.buf, (size_t)key.len, person.buf, (size_t)person.len);
+        blake2b_update(&self->state, data.buf, (size_t)data.len);
     }
-    return state;
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&person);
+    return (PyObject *)self;
 }
 
-static uint64_t shift_of(PyObject *state) {
-    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(state);
-    uint64_t shift = 0;
-    for (int i = 7; i >= 0; i--)  /* the first 8 bytes, little-endian, as int.from_bytes(state[:8], "little") */
-        shift = (shift << 8) | b[i];
-    return shift;
+static PyObject *prefix_copy(Prefix *self, PyObject *unused) {
+    Prefix *copy = (Prefix *)PrefixType.tp_alloc(&PrefixType, 0);
+    if (copy != NULL)
+        copy->state = self->state;
+    return (PyObject *)copy;
+}
+
+static PyObject *prefix_update(Prefix *self, PyObject *arg) {
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    blake2b_update(&self->state, data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+static PyObject *prefix_digest(Prefix *self, PyObject *unused) {
+    uint8_t out[BLAKE2B_OUT_MAX];
+    blake2b_digest(&self->state, out);
+    return PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)self->state.outlen);
+}
+
+static PyMethodDef prefix_methods[] = {
+    {"copy", (PyCFunction)prefix_copy, METH_NOARGS, "A copy, which goes on by itself."},
+    {"update", (PyCFunction)prefix_update, METH_O, "Hash these bytes after what came before."},
+    {"digest", (PyCFunction)prefix_digest, METH_NOARGS, "The digest of what was hashed so far."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PrefixType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "replay_proxy.redact._chain.Prefix",
+    .tp_doc = "A running keyed BLAKE2b: Prefix(data=b'', *, key, person, digest_size), as hashlib.blake2b.",
+    .tp_basicsize = sizeof(Prefix),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = prefix_new,
+    .tp_methods = prefix_methods,
+};
+
+/* The first 8 bytes of the digest of what ``state`` hashed, little-endian (int.from_bytes(digest[:8],
+ * "little")), and the digest as bytes into ``*digest`` unless it is NULL; -1 only if that fails. */
+static int shift_of(const blake2b_state *state, uint64_t *shift, PyObject **digest) {
+    uint8_t out[BLAKE2B_OUT_MAX];
+    blake2b_digest(state, out);
+    *shift = blake2b_load64(out);
+    if (digest != NULL && (*digest = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)state->outlen)) == NULL)
+        return -1;
+    return 0;
 }
 
 /* pi(t) = P[(t + shift) % V], walked along its cycle past the fixed points (TokenMap._map). */
@@ -61,24 +123,23 @@ static PyObject *mapped(PyObject *original, long token, uint64_t shift, PyObject
 /* The tokens of the list ``tokens`` (ints in the vocabulary: checked by the caller) chained after
  * ``prefix``, which they extend, into the list ``out`` of the same length (which may be ``tokens``);
  * the state before each appended to ``states`` unless it is NULL. 0, or -1 with an exception set. */
-static int chain_into(PyObject *prefix, PyObject *tokens, PyObject *out, PyObject *fixed, PyObject *permutation,
-                      PyObject *token_bytes, PyObject *states) {
+static int chain_into(Prefix *prefix, PyObject *tokens, PyObject *out, PyObject *fixed, PyObject *permutation,
+                      PyObject *states) {
     long size = (long)PyList_GET_SIZE(permutation);
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {
-        PyObject *original = PyList_GET_ITEM(tokens, j);
+        PyObject *original = PyList_GET_ITEM(tokens, j), *state = NULL;
         long token = PyLong_AsLong(original);
-        PyObject *state = state_of(prefix);
-        if (state == NULL)
+        uint64_t shift;
+        if (shift_of(&prefix->state, &shift, states == NULL ? NULL : &state) < 0)
             return -1;
-        uint64_t shift = shift_of(state);
-        int appended = states == NULL ? 0 : PyList_Append(states, state);
-        Py_DECREF(state);
-        if (appended < 0)
-            return -1;
-        PyObject *done = PyObject_CallMethodOneArg(prefix, update_name, PyList_GET_ITEM(token_bytes, token));
-        if (done == NULL)
-            return -1;
-        Py_DECREF(done);
+        if (state != NULL) {
+            int appended = PyList_Append(states, state);
+            Py_DECREF(state);
+            if (appended < 0)
+                return -1;
+        }
+        const uint8_t bytes[4] = {(uint8_t)token, (uint8_t)(token >> 8), (uint8_t)(token >> 16), (uint8_t)(token >> 24)};
+        blake2b_update(&prefix->state, bytes, 4);  /* the token's 4 bytes, little-endian */
         PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
         if (pseudonym == NULL)
             return -1;
@@ -90,16 +151,16 @@ static int chain_into(PyObject *prefix, PyObject *tokens, PyObject *out, PyObjec
     return 0;
 }
 
-/* chain(prefix, tokens, fixed, permutation, token_bytes, states) -> the tokens redacted (TokenMap.chain,
- * which checks that they are in the vocabulary); TypeError if one is not an int. */
+/* chain(prefix, tokens, fixed, permutation, states) -> the tokens redacted (TokenMap.chain, which checks
+ * that they are in the vocabulary); TypeError if one is not an int. */
 static PyObject *chain(PyObject *module, PyObject *args) {
-    PyObject *prefix, *tokens, *fixed, *permutation, *token_bytes, *states;
-    if (!PyArg_ParseTuple(args, "OO!OO!O!O", &prefix, &PyList_Type, &tokens, &fixed, &PyList_Type, &permutation,
-                          &PyList_Type, &token_bytes, &states))
+    PyObject *prefix, *tokens, *fixed, *permutation, *states;
+    if (!PyArg_ParseTuple(args, "O!O!OO!O", &PrefixType, &prefix, &PyList_Type, &tokens, &fixed, &PyList_Type,
+                          &permutation, &states))
         return NULL;
     long size = (long)PyList_GET_SIZE(permutation);
-    if (PyList_GET_SIZE(token_bytes) != size || !PyAnySet_Check(fixed) || !(states == Py_None || PyList_Check(states))) {
-        PyErr_SetString(PyExc_TypeError, "chain(prefix, tokens, fixed set, permutation, token_bytes, states list)");
+    if (!PyAnySet_Check(fixed) || !(states == Py_None || PyList_Check(states))) {
+        PyErr_SetString(PyExc_TypeError, "chain(prefix, tokens, fixed set, permutation, states list)");
         return NULL;
     }
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {  /* all checked before the context moves */
@@ -114,7 +175,7 @@ static PyObject *chain(PyObject *module, PyObject *args) {
     PyObject *out = PyList_New(PyList_GET_SIZE(tokens));
     if (out == NULL)
         return NULL;
-    if (chain_into(prefix, tokens, out, fixed, permutation, token_bytes, states == Py_None ? NULL : states) < 0) {
+    if (chain_into((Prefix *)prefix, tokens, out, fixed, permutation, states == Py_None ? NULL : states) < 0) {
         Py_DECREF(out);
         return NULL;
     }
@@ -162,22 +223,18 @@ static PyObject *context_of(PyObject *value, Py_ssize_t length, PyObject *nil, P
     return context;
 }
 
-/* outputs(outputs, length, nil, columns, live, ended, hasher, known, permutation, token_bytes)
+/* outputs(outputs, length, nil, columns, live, ended, hasher, known, permutation)
  *   -> the ids of the requests that finished, the outputs redacted in place; or None if any is not one the
  *   fast path takes (before anything is redacted). */
 static PyObject *redact_outputs(PyObject *module, PyObject *args) {
-    PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation, *token_bytes;
+    PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation;
     Py_ssize_t length, at[5];  /* request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits */
-    if (!PyArg_ParseTuple(args, "O!nO!(nnnnn)O!O!OO!O!O!", &PyList_Type, &outputs, &length, &PyTuple_Type, &nil,
+    if (!PyArg_ParseTuple(args, "O!nO!(nnnnn)O!O!OO!O!", &PyList_Type, &outputs, &length, &PyTuple_Type, &nil,
                           &at[0], &at[1], &at[2], &at[3], &at[4], &PyDict_Type, &live, &PyDict_Type, &ended, &hasher,
-                          &PyDict_Type, &known, &PyList_Type, &permutation, &PyList_Type, &token_bytes))
+                          &PyDict_Type, &known, &PyList_Type, &permutation))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(outputs), rid_at = at[0], tokens_at = at[1], stop_at = at[3];
     long size = (long)PyList_GET_SIZE(permutation);
-    if (PyList_GET_SIZE(token_bytes) != size) {
-        PyErr_SetString(PyExc_ValueError, "the permutation and the tokens' bytes differ in length");
-        return NULL;
-    }
     PyObject *prefixes = PyList_New(n), *fixeds = PyList_New(n);  /* each output's context: checked first */
     if (prefixes == NULL || fixeds == NULL)
         goto fail_early;
@@ -195,8 +252,8 @@ static PyObject *redact_outputs(PyObject *module, PyObject *args) {
         PyList_SET_ITEM(fixeds, i, fixed);
         if (prefix == NULL || fixed == NULL)
             goto fail_early;
-        if (!PyAnySet_Check(fixed)) {
-            PyErr_SetString(PyExc_TypeError, "a context's fixed tokens are not a set");
+        if (!PyAnySet_Check(fixed) || !PyObject_TypeCheck(prefix, &PrefixType)) {
+            PyErr_SetString(PyExc_TypeError, "a context's prefix is not a Prefix, or its fixed tokens not a set");
             goto fail_early;
         }
     }
@@ -220,7 +277,7 @@ static PyObject *redact_outputs(PyObject *module, PyObject *args) {
                 goto fail;
             PyList_SetItem(value, stop_at, stop_hashed);
         }
-        if (chain_into(prefix, tokens, tokens, fixed, permutation, token_bytes, NULL) < 0)
+        if (chain_into((Prefix *)prefix, tokens, tokens, fixed, permutation, NULL) < 0)
             goto fail;
     }
     Py_DECREF(prefixes);
@@ -243,11 +300,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chain", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__chain(void) {
-    digest_name = PyUnicode_InternFromString("digest");
-    update_name = PyUnicode_InternFromString("update");
     prefix_name = PyUnicode_InternFromString("prefix");
     fixed_name = PyUnicode_InternFromString("fixed");
-    if (digest_name == NULL || update_name == NULL || prefix_name == NULL || fixed_name == NULL)
+    if (prefix_name == NULL || fixed_name == NULL || PyType_Ready(&PrefixType) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "Prefix", (PyObject *)&PrefixType) < 0)
+        Py_CLEAR(m);
+    return m;
 }

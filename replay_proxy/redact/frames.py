@@ -288,8 +288,7 @@ class Redactor:
         # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
         # its tokens' contexts: these have none, so none are kept.)
         finished = _chain.outputs(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
-                                   self.hasher.text, self.hasher.known, self.tokens.permutation,
-                                   self.tokens.token_bytes)
+                                   self.hasher.text, self.hasher.known, self.tokens.permutation)
         for rid in finished or ():
             self._end(rid)
         return finished is not None

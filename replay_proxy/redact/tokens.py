@@ -4,10 +4,12 @@ The token at position i of a sequence becomes ``pi_i(t)``, where ``pi_i`` is a
 bijection of the vocabulary chosen by the key and the original tokens before
 position i (Crypto-PAn's idea, for token ids instead of address bits):
 
-* the context is keyed BLAKE2b (the standard library's PRF) of the tokens
-  before position i, fed to one running hash a token at a time:
+* the context is keyed BLAKE2b of the tokens before position i (4 bytes
+  each, little-endian), fed to one running hash a token at a time:
   ``state_i = BLAKE2b(key, t_0 .. t_{i-1})``; equal prefixes give equal
-  states, across requests and sessions with one key;
+  states, across requests and sessions with one key. The running hash is
+  ``_chain.Prefix``: hashlib.blake2b's digests, with its state in memory C
+  reads per token without a call (``blake2b.h``);
 * ``pi(t) = P[(t + shift) mod V]``: a shift drawn from the state (a one-time pad
   on the vocabulary, one per context) then ``P``, a secret permutation of the
   vocabulary drawn from the key, so the difference of two tokens that follow one
@@ -28,14 +30,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Any
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact import _chain
 
 MIN_KEY_BYTES = 16
 _DIGEST = 16  # bytes of each context's state
-Prefix = Any  # a running keyed BLAKE2b: the tokens of a context so far
+Prefix = _chain.Prefix  # a running keyed BLAKE2b: the tokens of a context so far
 
 
 class RedactionError(ReplayProxyError):
@@ -78,12 +79,11 @@ class TokenMap:
         if vocab_size < 2:
             raise RedactionError(f"a vocabulary of {vocab_size} tokens cannot be redacted")
         self.vocab_size = vocab_size
-        self._root = hashlib.blake2b(vocab_size.to_bytes(8, "little"), key=key.subkey(b"tokens"), person=b"context",
-                                     digest_size=_DIGEST)
+        self._root = Prefix(vocab_size.to_bytes(8, "little"), key=key.subkey(b"tokens"), person=b"context",
+                            digest_size=_DIGEST)
         self.empty = self._root.digest()  # the context of the first token, and of token lists of no position
         order = key.subkey(b"token-order")
-        self.token_bytes = [t.to_bytes(4, "little") for t in range(vocab_size)]  # what the chain hashes, made once
-        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", self.token_bytes[t], 8))
+        self.permutation = sorted(range(vocab_size), key=lambda t: _prf(order, b"order", t.to_bytes(4, "little"), 8))
 
     def _refuse(self, tokens: Iterable[int]) -> None:
         bad = next((t for t in tokens if not (type(t) is int and 0 <= t < self.vocab_size)), tokens)
@@ -127,7 +127,7 @@ class TokenMap:
         4 bytes extend the running hash; in C (``_chain.c``), a prompt's thousands of tokens at each ADD."""
         self._check(tokens)
         try:
-            return _chain.chain(prefix, tokens, fixed, self.permutation, self.token_bytes, states)
+            return _chain.chain(prefix, tokens, fixed, self.permutation, states)
         except TypeError:  # not an int
             self._refuse(tokens)
 
