@@ -13,19 +13,15 @@ request's ADD has not come yet wait here (they are the tap's "queued"
 frames meanwhile), and go on with a later batch. ``Stop`` goes on last,
 after what still waited (with the redaction's counts, for the session row).
 Like the writer it runs in a session of its own and SCHED_IDLE, and enters
-the kernel at least every ``GIVE_WAY_NS`` of its work, for the writer's
-reason (``store/writer.py``); a busy engine's step takes a few tens of
-microseconds to redact, and yielding before each cost about an eighth of
-the process's CPU in context switches (docs/performance.md). If the proxy
-dies without ``Stop``, it passes on what waited and exits, and the writer
-ends the session as interrupted.
+the kernel before each frame it redacts, for the writer's reason; if the
+proxy dies without ``Stop``, it passes on what waited and exits, and the
+writer ends the session as interrupted.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import msgspec
@@ -38,7 +34,6 @@ from replay_proxy.wire.capture import (
 
 PARENT_CHECK_S = 1.0  # how often, while nothing comes: is the proxy still there?
 LINGER_MS = 30_000
-GIVE_WAY_NS = 100_000  # the longest stretch of redacting without entering the kernel
 
 
 class RedactorLoop:
@@ -91,15 +86,11 @@ class RedactorLoop:
 
 def redacted(redact: Callable[[list[CapturedFrame | EngineLoss]], list[CapturedFrame | EngineLoss]],
              items: list[CapturedFrame | EngineLoss]) -> list[CapturedFrame | EngineLoss]:
-    """``redact(items)`` (a ``Redactor.frames``), a frame at a time, entering the kernel before one when
-    ``GIVE_WAY_NS`` of work went by without: SCHED_IDLE alone keeps a forwarder woken on this core waiting
-    for a tick. (The message they came in just did.)"""
+    """``redact(items)`` (a ``Redactor.frames``), a frame at a time, entering the kernel before each:
+    SCHED_IDLE alone keeps a forwarder woken on this core waiting for a tick (``store/writer.py``)."""
     out: list[CapturedFrame | EngineLoss] = []
-    gave_way = time.monotonic_ns()
     for item in sorted(items, key=lambda numbered: numbered.seq):
-        if time.monotonic_ns() - gave_way >= GIVE_WAY_NS:
-            os.sched_yield()
-            gave_way = time.monotonic_ns()
+        os.sched_yield()
         out += redact([item])
     return out
 

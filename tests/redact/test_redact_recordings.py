@@ -69,30 +69,25 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
 
 
 def test_the_redactor_process_redacts_a_frame_at_a_time_as_one_call_would(tmp_path, monkeypatch):
-    """The recorder's redactor process enters the kernel before a frame when GIVE_WAY_NS of work went by
-    without (store/redactor.py): its frame-at-a-time calls give the same redacted frames as one call over
-    them all."""
-    import itertools
+    """The recorder's redactor process enters the kernel before each frame (store/redactor.py): its
+    frame-at-a-time calls give the same redacted frames as one call over them all."""
     import os
     import sqlite3
-    import types
 
-    from replay_proxy.store import redactor
     from replay_proxy.store.copy import recorded_frames
+    from replay_proxy.store.redactor import redacted
 
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
     redaction = Redaction(RedactionSettings(str(key), VOCAB))
     yields = []
-    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
     for recording in RECORDINGS:
         frames = list(recorded_frames(sqlite3.connect(recording), 1))
         at_once = redaction.redactor(None)
         whole = at_once.frames(frames) + at_once.flush()
-        for ns_a_read, expected_yields in ((redactor.GIVE_WAY_NS, len(frames)), (0, 0)):
-            clock = itertools.count(0, ns_a_read)
-            monkeypatch.setattr(redactor, "time", types.SimpleNamespace(monotonic_ns=lambda: next(clock)))
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "sched_yield", lambda: yields.append(1))
             one_by_one = redaction.redactor(None)
-            assert redactor.redacted(one_by_one.frames, frames[::-1]) + one_by_one.flush() == whole  # (by seq)
-            assert len(yields) == expected_yields
-            yields.clear()
+            assert redacted(one_by_one.frames, frames[::-1]) + one_by_one.flush() == whole  # (sorted by seq)
+        assert len(yields) == len(frames)
+        yields.clear()
