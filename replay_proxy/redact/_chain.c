@@ -1,5 +1,5 @@
-/* The token chain of TokenMap.chain (tokens.py), in C, and with it a busy engine's outputs redacted
- * (Redactor._plain_outputs, frames.py).
+/* The token chain of TokenMap.chain (tokens.py), in C, and with it a busy engine's outputs redacted:
+ * the loop of Redactor._plain_outputs (frames.py).
  *
  * Prefix: a running keyed BLAKE2b, as hashlib.blake2b (copy, update, digest) but with its state in plain
  * memory (blake2b.h), which the chain finalizes per token on the stack: no call, no bytes object.
@@ -8,20 +8,18 @@
  * the shift, then the token's 4 bytes extend it. TokenMap holds the construction; this only runs it, a
  * prompt of thousands of tokens at each ADD.
  *
- * outputs: at 2,000 steps a second of 32 outputs, decoding each step's outputs into Python objects,
- * walking them and encoding them again was most of the redactor's work. This reads the outputs' msgpack
- * and writes it redacted as the walk would, byte for byte (tests/redact/test_fast_outputs.py): each
- * output's request id hashed (from the hasher's cache, else by calling it), its tokens chained in their
- * request's context, its stop reason hashed if it is text. It reads and checks every output first; if
- * any is not one it takes, it returns None before touching a context, and the caller walks. span finds
- * the outputs in their step, whose other fields the caller checks.
+ * outputs: at 2,000 steps a second of 32 outputs, the Python loop's own overhead (a few microseconds an
+ * output, most of it not the hashing) was the redactor's largest cost. This does the same per output, in
+ * place (the caller decoded the outputs for this): its request id hashed (from the hasher's cache, else
+ * by calling it), its tokens chained in their request's context, the stop reason hashed if it is text.
+ * Every output is checked first (context_of); if any is not one it takes, it returns None before
+ * touching an output or a context, and the caller walks.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
 #include "blake2b.h"
-#include "msgpack.h"
 
 static PyObject *prefix_name, *fixed_name;
 
@@ -122,20 +120,9 @@ static PyObject *mapped(PyObject *original, long token, uint64_t shift, PyObject
     return out;
 }
 
-/* One step of the chain: the shift of the next token, drawn from the state before it (into ``*digest``
- * as bytes too, unless it is NULL), then the token's 4 bytes, little-endian, extend the state. 0, or -1
- * with an exception set if the bytes could not be made. */
-static int chain_step(blake2b_state *state, long token, uint64_t *shift, PyObject **digest) {
-    if (shift_of(state, shift, digest) < 0)
-        return -1;
-    const uint8_t bytes[4] = {(uint8_t)token, (uint8_t)(token >> 8), (uint8_t)(token >> 16), (uint8_t)(token >> 24)};
-    blake2b_update(state, bytes, 4);
-    return 0;
-}
-
 /* The tokens of the list ``tokens`` (ints in the vocabulary: checked by the caller) chained after
- * ``prefix``, which they extend, into the new list ``out`` of the same length; the state before each
- * appended to ``states`` unless it is NULL. 0, or -1 with an exception set. */
+ * ``prefix``, which they extend, into the list ``out`` of the same length (which may be ``tokens``);
+ * the state before each appended to ``states`` unless it is NULL. 0, or -1 with an exception set. */
 static int chain_into(Prefix *prefix, PyObject *tokens, PyObject *out, PyObject *fixed, PyObject *permutation,
                       PyObject *states) {
     long size = (long)PyList_GET_SIZE(permutation);
@@ -143,7 +130,7 @@ static int chain_into(Prefix *prefix, PyObject *tokens, PyObject *out, PyObject 
         PyObject *original = PyList_GET_ITEM(tokens, j), *state = NULL;
         long token = PyLong_AsLong(original);
         uint64_t shift;
-        if (chain_step(&prefix->state, token, &shift, states == NULL ? NULL : &state) < 0)
+        if (shift_of(&prefix->state, &shift, states == NULL ? NULL : &state) < 0)
             return -1;
         if (state != NULL) {
             int appended = PyList_Append(states, state);
@@ -151,10 +138,15 @@ static int chain_into(Prefix *prefix, PyObject *tokens, PyObject *out, PyObject 
             if (appended < 0)
                 return -1;
         }
+        const uint8_t bytes[4] = {(uint8_t)token, (uint8_t)(token >> 8), (uint8_t)(token >> 16), (uint8_t)(token >> 24)};
+        blake2b_update(&prefix->state, bytes, 4);  /* the token's 4 bytes, little-endian */
         PyObject *pseudonym = mapped(original, token, shift, fixed, permutation, size);
         if (pseudonym == NULL)
             return -1;
-        PyList_SET_ITEM(out, j, pseudonym);
+        if (out == tokens)
+            PyList_SetItem(out, j, pseudonym);  /* (the original's reference dropped) */
+        else
+            PyList_SET_ITEM(out, j, pseudonym);
     }
     return 0;
 }
@@ -199,242 +191,108 @@ static PyObject *hashed(PyObject *text, PyObject *known, PyObject *hasher) {
     return PyErr_Occurred() ? NULL : PyObject_CallOneArg(hasher, text);
 }
 
-/* --- the outputs of a step ------------------------------------------------------------------------ */
-
-/* span(data, at) -> (start, end) of element ``at`` of the msgpack array ``data`` (of which it must be all),
- * or None if ``data`` is not that. */
-static PyObject *span(PyObject *module, PyObject *args) {
-    Py_buffer data;
-    Py_ssize_t at;
-    if (!PyArg_ParseTuple(args, "y*n", &data, &at))
+/* The context of an output that the fast path takes, or NULL (no exception set) if it takes none: a list
+ * of the release's length, nil where the fast path has no column, with a text id of a request known,
+ * a list of ids in the vocabulary, an int NaN count, a finish reason nil or int, a stop reason nil, int
+ * or text. */
+static PyObject *context_of(PyObject *value, Py_ssize_t length, PyObject *nil, Py_ssize_t *at, PyObject *live,
+                            PyObject *ended, long size) {
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) != length)
         return NULL;
-    reader r = {data.buf, (const uint8_t *)data.buf + data.len};
-    const uint8_t *start = NULL, *end = NULL;
-    uint64_t items;
-    int whole = read_array(&r, &items) == 0 && at >= 0 && (uint64_t)at < items;
-    for (uint64_t i = 0; whole && i < items; i++) {
-        if (i == (uint64_t)at)
-            start = r.p;
-        whole = skip(&r, 0) == 0;
-        if (i == (uint64_t)at)
-            end = r.p;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(nil); k++)
+        if (PyList_GET_ITEM(value, PyLong_AsSsize_t(PyTuple_GET_ITEM(nil, k))) != Py_None)
+            return NULL;
+    PyObject *rid = PyList_GET_ITEM(value, at[0]), *tokens = PyList_GET_ITEM(value, at[1]);
+    PyObject *finish = PyList_GET_ITEM(value, at[2]), *stop = PyList_GET_ITEM(value, at[3]);
+    if (!PyUnicode_CheckExact(rid) || !PyList_CheckExact(tokens) || !PyLong_CheckExact(PyList_GET_ITEM(value, at[4]))
+            || !(finish == Py_None || PyLong_CheckExact(finish))
+            || !(stop == Py_None || PyLong_CheckExact(stop) || PyUnicode_CheckExact(stop)))
+        return NULL;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tokens); j++) {
+        PyObject *token = PyList_GET_ITEM(tokens, j);
+        if (!PyLong_CheckExact(token))
+            return NULL;
+        int overflow = 0;
+        long t = PyLong_AsLongAndOverflow(token, &overflow);
+        if (overflow || t < 0 || t >= size)
+            return NULL;
     }
-    PyObject *result = whole && r.p == r.end ? Py_BuildValue("nn", (Py_ssize_t)(start - (const uint8_t *)data.buf),
-                                                            (Py_ssize_t)(end - (const uint8_t *)data.buf))
-                                            : Py_NewRef(Py_None);
-    PyBuffer_Release(&data);
-    return result;
-}
-
-enum role { NIL, REQUEST_ID, TOKENS, FINISH_REASON, STOP_REASON, NANS };
-
-/* One output the fast path takes, as the first pass read it. */
-typedef struct {
-    PyObject *rid, *prefix, *fixed, *stop;  /* stop: text, else NULL */
-    const uint8_t *tokens, *tokens_end;  /* its token ids' msgpack */
-    uint64_t token_count;
-    int64_t finish, stop_int, nans;
-    int has_finish, has_stop_int;
-} plain_output;
-
-static void release_outputs(plain_output *outputs, uint64_t n) {
-    for (uint64_t i = 0; i < n; i++) {
-        Py_XDECREF(outputs[i].rid);
-        Py_XDECREF(outputs[i].prefix);
-        Py_XDECREF(outputs[i].fixed);
-        Py_XDECREF(outputs[i].stop);
-    }
-    PyMem_Free(outputs);
-}
-
-/* Reads one output into ``o``: 1 if the fast path takes it, 0 if not, -1 with an exception set. An output
- * it takes is an array of the release's length, nil where the fast path has no column, with a text id of
- * a request known, a list of ids in the vocabulary, an int NaN count, a finish reason nil or int, a stop
- * reason nil, int or text. */
-static int read_output(reader *r, plain_output *o, const uint8_t *roles, uint64_t length, PyObject *live,
-                       PyObject *ended, long size) {
-    uint64_t items;
-    if (read_array(r, &items) < 0 || items != length)
-        return 0;
-    for (uint64_t k = 0; k < length; k++) {
-        int nil = r->p < r->end && *r->p == 0xc0;
-        switch (roles[k]) {
-        case NIL:
-            if (!nil)
-                return 0;
-            r->p++;
-            break;
-        case REQUEST_ID:
-            if ((o->rid = read_str(r)) == NULL)
-                return 0;
-            break;
-        case TOKENS:
-            if (read_array(r, &o->token_count) < 0)
-                return 0;
-            o->tokens = r->p;
-            for (uint64_t j = 0; j < o->token_count; j++) {
-                int64_t token;
-                if (read_int(r, &token) < 0 || token < 0 || token >= size)
-                    return 0;
-            }
-            o->tokens_end = r->p;
-            break;
-        case FINISH_REASON:
-            o->has_finish = !nil;
-            if (nil ? (r->p++, 0) : read_int(r, &o->finish) < 0)
-                return 0;
-            break;
-        case STOP_REASON:
-            if (nil)
-                r->p++;
-            else if (read_int(r, &o->stop_int) == 0)
-                o->has_stop_int = 1;
-            else if ((o->stop = read_str(r)) == NULL)
-                return 0;
-            break;
-        case NANS:
-            if (read_int(r, &o->nans) < 0)
-                return 0;
-            break;
-        }
-    }
-    PyObject *context = PyDict_GetItemWithError(live, o->rid);
+    PyObject *context = PyDict_GetItemWithError(live, rid);
     if (context == NULL && !PyErr_Occurred())
-        context = PyDict_GetItemWithError(ended, o->rid);
-    if (context == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    o->prefix = PyObject_GetAttr(context, prefix_name);
-    o->fixed = PyObject_GetAttr(context, fixed_name);
-    if (o->prefix == NULL || o->fixed == NULL)
-        return -1;
-    if (!PyAnySet_Check(o->fixed) || !PyObject_TypeCheck(o->prefix, &PrefixType)) {
-        PyErr_SetString(PyExc_TypeError, "a context's prefix is not a Prefix, or its fixed tokens not a set");
-        return -1;
-    }
-    return 1;
+        context = PyDict_GetItemWithError(ended, rid);
+    return context;
 }
 
-static int put_tokens(writer *w, plain_output *o, PyObject *fixed, PyObject *permutation) {
-    long size = (long)PyList_GET_SIZE(permutation);
-    reader r = {o->tokens, o->tokens_end};  /* (read and checked by the first pass) */
-    if (put_array(w, o->token_count) < 0)
-        return -1;
-    for (uint64_t j = 0; j < o->token_count; j++) {
-        int64_t token;
-        uint64_t shift;
-        read_int(&r, &token);
-        chain_step(&((Prefix *)o->prefix)->state, (long)token, &shift, NULL);
-        PyObject *original = PyLong_FromLongLong(token), *pseudonym = NULL;
-        if (original != NULL)
-            pseudonym = mapped(original, (long)token, shift, fixed, permutation, size);
-        long out = pseudonym == NULL ? -1 : PyLong_AsLong(pseudonym);
-        Py_XDECREF(original);
-        Py_XDECREF(pseudonym);
-        if (out < 0 || put_int(w, out) < 0)
-            return -1;
-    }
-    return 0;
-}
-
-/* outputs(data, length, columns, live, ended, hasher, known, permutation)
- *   -> (the outputs redacted, as msgpack, and the ids of the requests that finished), from ``data``, the
- *   msgpack of a step's outputs; or None if it is not that, or any output is not one the fast path takes
- *   (before anything is redacted: each is read and checked first). */
+/* outputs(outputs, length, nil, columns, live, ended, hasher, known, permutation)
+ *   -> the ids of the requests that finished, the outputs redacted in place; or None if any is not one the
+ *   fast path takes (before anything is redacted). */
 static PyObject *redact_outputs(PyObject *module, PyObject *args) {
-    Py_buffer data;
-    PyObject *live, *ended, *hasher, *known, *permutation;
+    PyObject *outputs, *nil, *live, *ended, *hasher, *known, *permutation;
     Py_ssize_t length, at[5];  /* request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits */
-    if (!PyArg_ParseTuple(args, "y*n(nnnnn)O!O!OO!O!", &data, &length, &at[0], &at[1],
-                          &at[2], &at[3], &at[4], &PyDict_Type, &live, &PyDict_Type, &ended, &hasher, &PyDict_Type,
-                          &known, &PyList_Type, &permutation))
+    if (!PyArg_ParseTuple(args, "O!nO!(nnnnn)O!O!OO!O!", &PyList_Type, &outputs, &length, &PyTuple_Type, &nil,
+                          &at[0], &at[1], &at[2], &at[3], &at[4], &PyDict_Type, &live, &PyDict_Type, &ended, &hasher,
+                          &PyDict_Type, &known, &PyList_Type, &permutation))
         return NULL;
-    PyObject *result = NULL, *finished = NULL;
-    plain_output *outputs = NULL;
-    uint8_t *roles = PyMem_Calloc(length > 0 ? (size_t)length : 1, 1);
-    writer w = {NULL, 0, 0};
-    reader r = {data.buf, (const uint8_t *)data.buf + data.len};
-    uint64_t n = 0, read = 0;
-    if (roles == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int c = 0; c < 5; c++)
-        if (at[c] >= 0 && at[c] < length)
-            roles[at[c]] = (uint8_t)(REQUEST_ID + c);
-    if (read_array(&r, &n) < 0 || n > (uint64_t)data.len) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    if ((outputs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *outputs)) == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; read < n; read++) {  /* the first pass: every output read and checked, nothing redacted */
-        int takes = read_output(&r, &outputs[read], roles, (uint64_t)length, live, ended,
-                                (long)PyList_GET_SIZE(permutation));
-        if (takes <= 0) {
-            read++;  /* (its references, too, are released) */
-            result = takes < 0 ? NULL : Py_NewRef(Py_None);
-            goto done;
+    Py_ssize_t n = PyList_GET_SIZE(outputs), rid_at = at[0], tokens_at = at[1], stop_at = at[3];
+    long size = (long)PyList_GET_SIZE(permutation);
+    PyObject *prefixes = PyList_New(n), *fixeds = PyList_New(n);  /* each output's context: checked first */
+    if (prefixes == NULL || fixeds == NULL)
+        goto fail_early;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *context = context_of(PyList_GET_ITEM(outputs, i), length, nil, at, live, ended, size);
+        if (context == NULL) {
+            Py_DECREF(prefixes);
+            Py_DECREF(fixeds);
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        PyObject *prefix = PyObject_GetAttr(context, prefix_name), *fixed = PyObject_GetAttr(context, fixed_name);
+        PyList_SET_ITEM(prefixes, i, prefix);
+        PyList_SET_ITEM(fixeds, i, fixed);
+        if (prefix == NULL || fixed == NULL)
+            goto fail_early;
+        if (!PyAnySet_Check(fixed) || !PyObject_TypeCheck(prefix, &PrefixType)) {
+            PyErr_SetString(PyExc_TypeError, "a context's prefix is not a Prefix, or its fixed tokens not a set");
+            goto fail_early;
         }
     }
-    if (r.p != r.end) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    if ((finished = PyList_New(0)) == NULL || put_array(&w, n) < 0)
-        goto done;
-    for (uint64_t i = 0; i < n; i++) {  /* the second pass: each written redacted, its context moved on */
-        plain_output *o = &outputs[i];
-        if (o->has_finish && PyList_Append(finished, o->rid) < 0)
-            goto done;
-        if (put_array(&w, (uint64_t)length) < 0)
-            goto done;
-        for (Py_ssize_t k = 0; k < length; k++) {
-            int failed = 0;
-            PyObject *text = NULL;
-            switch (roles[k]) {
-            case NIL:
-                failed = put_nil(&w);
-                break;
-            case REQUEST_ID:
-                failed = (text = hashed(o->rid, known, hasher)) == NULL || put_str(&w, text) < 0;
-                break;
-            case TOKENS:
-                failed = put_tokens(&w, o, o->fixed, permutation);
-                break;
-            case FINISH_REASON:
-                failed = o->has_finish ? put_int(&w, o->finish) : put_nil(&w);
-                break;
-            case STOP_REASON:
-                if (o->stop != NULL)
-                    failed = (text = hashed(o->stop, known, hasher)) == NULL || put_str(&w, text) < 0;
-                else
-                    failed = o->has_stop_int ? put_int(&w, o->stop_int) : put_nil(&w);
-                break;
-            case NANS:
-                failed = put_int(&w, o->nans);
-                break;
-            }
-            Py_XDECREF(text);
-            if (failed)
-                goto done;
+    PyObject *finished = PyList_New(0);
+    if (finished == NULL)
+        goto fail_early;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyList_GET_ITEM(outputs, i), *prefix = PyList_GET_ITEM(prefixes, i);
+        PyObject *fixed = PyList_GET_ITEM(fixeds, i), *tokens = PyList_GET_ITEM(value, tokens_at);
+        PyObject *original_rid = PyList_GET_ITEM(value, rid_at);
+        if (PyList_GET_ITEM(value, at[2]) != Py_None && PyList_Append(finished, original_rid) < 0)
+            goto fail;
+        PyObject *rid = hashed(original_rid, known, hasher);
+        if (rid == NULL)
+            goto fail;
+        PyList_SetItem(value, rid_at, rid);
+        PyObject *stop = PyList_GET_ITEM(value, stop_at);
+        if (PyUnicode_CheckExact(stop)) {
+            PyObject *stop_hashed = hashed(stop, known, hasher);
+            if (stop_hashed == NULL)
+                goto fail;
+            PyList_SetItem(value, stop_at, stop_hashed);
         }
+        if (chain_into((Prefix *)prefix, tokens, tokens, fixed, permutation, NULL) < 0)
+            goto fail;
     }
-    result = Py_BuildValue("(y#O)", (const char *)w.data, (Py_ssize_t)w.size, finished);
-done:
-    Py_XDECREF(finished);
-    if (outputs != NULL)
-        release_outputs(outputs, read);
-    PyMem_Free(roles);
-    PyMem_Free(w.data);
-    PyBuffer_Release(&data);
-    return result;
+    Py_DECREF(prefixes);
+    Py_DECREF(fixeds);
+    return finished;
+fail:
+    Py_DECREF(finished);
+fail_early:
+    Py_XDECREF(prefixes);
+    Py_XDECREF(fixeds);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "Tokens chained in their context (see the module's comment)."},
-    {"span", span, METH_VARARGS, "Where one element of a msgpack array is (see the module's comment)."},
     {"outputs", redact_outputs, METH_VARARGS, "A busy engine's outputs, redacted (see the module's comment)."},
     {NULL, NULL, 0, NULL},
 };

@@ -199,13 +199,14 @@ class Redactor:
         return parts
 
     def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
-        outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
-        step = self._plain_step(parts[0], outputs_at) if len(parts) == 1 else None
-        if step is not None:
-            return [step]
-        # The walk, after waiting for any request not known.
         value = decode_msgpack(parts[0])
+        outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
         outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
+        if len(parts) == 1 and self._unchanged("EngineCoreOutputs", value, but=outputs_at):
+            # A busy engine's step, not walked: its outputs by the fast path (which finds every request
+            # known), the rest as it is. Else the walk, after waiting for any request not known.
+            if self._plain_outputs(outputs):
+                return [_encode(value)]
         rid_at = self.schema.position("EngineCoreOutput", "request_id")
         for output in outputs if isinstance(outputs, list) else ():
             rid = output[rid_at] if isinstance(output, list) and len(output) > rid_at else None
@@ -275,38 +276,22 @@ class Redactor:
             kept = self._kept[self.schema.release, name] = Kept.of(self.schema, self.policy, name)
         return kept
 
-    def _plain_step(self, data: bytes, outputs_at: int) -> bytes | None:
-        """A busy engine's step (``EngineCoreOutputs``) redacted without a walk: its outputs by the fast
-        path, the rest as it is, when the walk would give that back. None if it would not."""
-        span = _chain.span(data, outputs_at)
-        if span is None:
-            return None
-        start, end = span
-        if not self._unchanged("EngineCoreOutputs", decode_msgpack(b"".join((data[:start], b"\xc0", data[end:]))),
-                               but=outputs_at):
-            return None
-        outputs = self._plain_outputs(memoryview(data)[start:end])
-        return None if outputs is None else b"".join((data[:start], outputs, data[end:]))
-
-    def _plain_outputs(self, outputs: bytes | memoryview) -> bytes | None:
-        """``outputs`` (their msgpack) redacted as the walk would, byte for byte (``tests/redact``: the two
-        agree), if they were a busy engine's: outputs whose only set fields are their id, tokens, finish and
-        stop reasons and NaN count, of requests known. If any is another, None, and no context moved."""
+    def _plain_outputs(self, outputs: Any) -> bool:
+        """Whether ``outputs`` were a busy engine's, now redacted in place as the walk would (``tests/redact``:
+        the two agree) but faster: outputs whose only set fields are their id, tokens, finish and stop reasons
+        and NaN count, of requests known. If any is another, none is touched (then all are walked)."""
         plain = self._plain.get(self.schema.release, _UNSET)
         if plain is _UNSET:
             plain = self._plain[self.schema.release] = PlainOutput.of(self.schema, self.policy)
-        if plain is None:
-            return None
+        if plain is None or type(outputs) is not list:
+            return False
         # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
         # its tokens' contexts: these have none, so none are kept.)
-        redacted = _chain.outputs(outputs, plain.length, plain.columns, self.live, self.ended, self.hasher.text,
-                                  self.hasher.known, self.tokens.permutation)
-        if redacted is None:
-            return None
-        outputs, finished = redacted
-        for rid in finished:
+        finished = _chain.outputs(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
+                                   self.hasher.text, self.hasher.known, self.tokens.permutation)
+        for rid in finished or ():
             self._end(rid)
-        return outputs
+        return finished is not None
 
     def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:
         if value is None:
@@ -314,10 +299,8 @@ class Redactor:
         if action is None or ("any" not in field.kinds and kind_of(value) not in field.kinds):
             return self._blank(f"{owner}.{field.name}")
         if action == "keep" and field.struct is not None:
-            if field.struct == "EngineCoreOutput" and type(value) is list:  # in a step that is walked
-                outputs = self._plain_outputs(_encode(value))
-                if outputs is not None:
-                    return decode_msgpack(outputs)
+            if field.struct == "EngineCoreOutput" and self._plain_outputs(value):
+                return value
             container = field.type.split("[", 1)[0]
             if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
                 return [self._struct(field.struct, item) for item in value]
@@ -494,6 +477,7 @@ class PlainOutput(msgspec.Struct, frozen=True):
 
     length: int
     columns: tuple[int, int, int, int, int]  # request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits
+    nil: tuple[int, ...]
 
     @classmethod
     def of(cls, schema: Any, policy: Policy) -> PlainOutput | None:
@@ -506,7 +490,7 @@ class PlainOutput(msgspec.Struct, frozen=True):
             columns = tuple(spec.by_name[name].position for name in _PLAIN)
         except KeyError:
             return None
-        return cls(len(spec.fields), columns)
+        return cls(len(spec.fields), columns, tuple(i for i in range(len(spec.fields)) if i not in columns))
 
 
 _PLAIN = {"request_id": "hash", "new_token_ids": "tokens", "finish_reason": "keep", "stop_reason": "hash",
