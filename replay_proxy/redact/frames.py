@@ -91,7 +91,7 @@ class Redactor:
         self._payload: list[bytes] = []  # the frame's body and aux frames, as redacted so far
         self._visited: set[int] = set()  # aux frames a walked field reached
         self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
-        self._plain: dict[str, PlainOutput | None] = {}  # by release
+        self._plain: dict[tuple[str, str], PlainOutput | PlainRequest | None] = {}  # by release and struct
         self._kept: dict[tuple[str, str], Kept | None] = {}  # by release and struct: see _unchanged
 
     # --- the stream ---------------------------------------------------------------------------
@@ -181,7 +181,10 @@ class Redactor:
     def _request(self, frame: CapturedFrame, parts: list[bytes]) -> list[bytes]:
         kind = RequestType(parts[0])
         if kind is RequestType.ADD:
-            return self._message("EngineCoreRequest", decode_msgpack(parts[1]), parts, 1)
+            value = decode_msgpack(parts[1])
+            if len(parts) == 2 and self._plain_request(value):
+                return [parts[0], _encode(value)]
+            return self._message("EngineCoreRequest", value, parts, 1)
         body = decode_msgpack(parts[1])
         if kind is RequestType.ABORT:
             if not (isinstance(body, list) and all(isinstance(rid, str) for rid in body)):
@@ -202,7 +205,7 @@ class Redactor:
         value = decode_msgpack(parts[0])
         outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
         outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
-        if len(parts) == 1 and self._unchanged("EngineCoreOutputs", value, but=outputs_at):
+        if len(parts) == 1 and self._unchanged("EngineCoreOutputs", value, but=(outputs_at,)):
             # A busy engine's step, not walked: its outputs by the fast path (which finds every request
             # known), the rest as it is. Else the walk, after waiting for any request not known.
             if self._plain_outputs(outputs):
@@ -249,16 +252,16 @@ class Redactor:
             self._output_done(spec, value)
         return out
 
-    def _unchanged(self, name: str, value: Any, but: int | None = None) -> bool:
+    def _unchanged(self, name: str, value: Any, but: tuple = ()) -> bool:
         """Whether the walk would give ``value`` back as it is (``tests/redact``: the two agree): every
         field set is one the policy keeps, of a kind its schema takes, and holds no tensor, or is such a
-        struct itself (a busy engine's scheduler stats, each step). ``but``: a field not looked at."""
+        struct itself (a busy engine's scheduler stats, each step). ``but``: fields not looked at."""
         kept = self._kept_of(name)
         if kept is None or type(value) is not kept.encoding:
             return False
         as_is, fields = kept.as_is, kept.fields
         for key, item in value.items() if type(value) is dict else enumerate(value):
-            if item is None or key == but or type(item) in as_is.get(key, ()):
+            if item is None or key in but or type(item) in as_is.get(key, ()):
                 continue
             field = fields.get(key)
             if field is None:
@@ -280,9 +283,9 @@ class Redactor:
         """Whether ``outputs`` were a busy engine's, now redacted in place as the walk would (``tests/redact``:
         the two agree) but faster: outputs whose only set fields are their id, tokens, finish and stop reasons
         and NaN count, of requests known. If any is another, none is touched (then all are walked)."""
-        plain = self._plain.get(self.schema.release, _UNSET)
+        plain = self._plain.get((self.schema.release, "EngineCoreOutput"), _UNSET)
         if plain is _UNSET:
-            plain = self._plain[self.schema.release] = PlainOutput.of(self.schema, self.policy)
+            plain = self._plain[self.schema.release, "EngineCoreOutput"] = PlainOutput.of(self.schema, self.policy)
         if plain is None or type(outputs) is not list:
             return False
         # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
@@ -292,6 +295,26 @@ class Redactor:
         for rid in finished or ():
             self._end(rid)
         return finished is not None
+
+    def _plain_request(self, value: Any) -> bool:
+        """Whether ``value`` was an ADD whose fields but its prompt and texts hashed the walk gives back
+        unchanged, now redacted as the walk would (``tests/redact``: the two agree) but without one: its
+        context entered, its texts hashed, its prompt chained."""
+        at = self._plain.get((self.schema.release, "EngineCoreRequest"), _UNSET)
+        if at is _UNSET:
+            at = self._plain[self.schema.release, "EngineCoreRequest"] = PlainRequest.of(self.schema, self.policy)
+        if at is None or not self._unchanged("EngineCoreRequest", value, but=at.but):
+            return False
+        prompt = value[at.prompt] if at.prompt < len(value) else None
+        texts = [i for i in at.texts if i < len(value) and value[i] is not None]
+        if not (prompt is None or type(prompt) is list) or any(type(value[i]) is not str for i in texts):
+            return False
+        self._enter_request(self.schema.structs["EngineCoreRequest"], value)
+        for i in texts:
+            value[i] = self.hasher.text(value[i])
+        if prompt is not None:
+            value[at.prompt] = self._tokens(_PROMPT, prompt)
+        return True
 
     def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:
         if value is None:
@@ -495,6 +518,28 @@ class PlainOutput(msgspec.Struct, frozen=True):
 
 _PLAIN = {"request_id": "hash", "new_token_ids": "tokens", "finish_reason": "keep", "stop_reason": "hash",
           "num_nans_in_logits": "keep"}
+
+
+class PlainRequest(msgspec.Struct, frozen=True):
+    """Where a release's EngineCoreRequest holds its prompt, and the texts the policy hashes (its ids)."""
+
+    prompt: int
+    texts: tuple[int, ...]
+    but: tuple[int, ...]  # both: what Redactor._unchanged does not look at
+
+    @classmethod
+    def of(cls, schema: Any, policy: Policy) -> PlainRequest | None:
+        """None where the policy does not chain the prompt (as the fast path does)."""
+        spec, rules = schema.structs.get("EngineCoreRequest"), policy.structs.get("EngineCoreRequest", {})
+        if spec is None or spec.encoding != "array" or "prompt_token_ids" not in spec.by_name \
+                or rules.get("prompt_token_ids") != "tokens":
+            return None
+        prompt = spec.by_name["prompt_token_ids"].position
+        texts = tuple(f.position for f in spec.fields
+                      if rules.get(f.name) == "hash" and set(f.kinds) <= {"str", "nil"})
+        return cls(prompt, texts, (prompt, *texts))
+
+
 _UNSET = object()
 
 _ENTER = {"EngineCoreRequest": Redactor._enter_request, "EngineCoreOutput": Redactor._enter_output,

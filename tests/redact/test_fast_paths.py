@@ -1,0 +1,138 @@
+"""The fast paths against the walk: a busy engine's outputs (frames.PlainOutput, in C: _chain.c) and ADDs
+whose fields but their prompt and ids are kept as they are (frames.PlainRequest).
+
+Generated steps of outputs, one to three tokens each, some of them the requests' stop tokens, stop
+reasons of every kind, finishes, ids out of the vocabulary and outputs of unknown requests; generated ADDs
+with ids of every kind, prompts in and out of the vocabulary, and fields the walk drops. Two redactors
+with one key take the same frames, one with the fast paths, one walking: the same bytes, and the same
+contexts after (what is redacted next agrees too).
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_proxy.redact import frames
+from replay_proxy.redact.policy import load_policy
+from replay_proxy.redact.tokens import Key
+from replay_proxy.wire.capture import CapturedFrame
+from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.messages import Channel, Direction
+from replay_proxy.wire.schema import load_schema
+
+VOCAB = 50
+STOP_TOKENS = [0, 1, 2]
+SCHEMA = load_schema("0.32.0")
+KEY = Key(b"the fast path's test key, 32 b.")
+REQUESTS = [f"req-{i}" for i in range(4)]
+
+
+def request(rid: str, **fields) -> list:
+    return struct_value(SCHEMA, "EngineCoreRequest", {
+        "request_id": rid, "prompt_token_ids": [5, 6, 7], "mm_features": None,
+        "sampling_params": {"temperature": 0.0, "max_tokens": 8, "_eos_token_id": 0,
+                            "_all_stop_token_ids": STOP_TOKENS},
+        "pooling_params": None, "arrival_time": 1.0, "lora_request": None, "cache_salt": None,
+        "data_parallel_rank": None, **fields})
+
+
+def add(seq: int, rid: str, **fields) -> CapturedFrame:
+    body = request(rid, **fields)
+    return CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x00", encode(body)])
+
+
+text = st.none() | st.sampled_from(["a", "b"]) | st.integers(0, 3)  # (an int is of no kind these fields take)
+ADDS = st.lists(st.fixed_dictionaries({
+    "rid": st.sampled_from(REQUESTS) | st.integers(0, 3),
+    "prompt_token_ids": st.none() | st.lists(st.integers(0, VOCAB - 1) | st.just(VOCAB + 3), max_size=4)
+    | st.just("a prompt"),
+    "external_req_id": text, "cache_salt": text,
+    "reasoning_parser_kwargs": st.none() | st.just({}) | st.just({"chat_template_kwargs": {}}),
+    "mm_features": st.none() | st.just([]),
+}), min_size=1, max_size=6)
+
+
+output = st.fixed_dictionaries({
+    "request_id": st.sampled_from(REQUESTS + ["unknown"]),
+    "new_token_ids": st.lists(st.integers(0, VOCAB - 1) | st.just(VOCAB + 3), min_size=1, max_size=3),
+    "finish_reason": st.none() | st.integers(0, 2),
+    "stop_reason": st.none() | st.integers(0, VOCAB - 1) | st.sampled_from(["a stop string", "another"]),
+})
+STEPS = st.lists(st.lists(output, min_size=1, max_size=6), min_size=1, max_size=6)
+
+
+def outputs_frame(seq: int, outputs: list[dict]) -> CapturedFrame:
+    body = struct_value(SCHEMA, "EngineCoreOutputs", {
+        "engine_index": 0, "timestamp": 1.0, "outputs": [struct_value(SCHEMA, "EngineCoreOutput", o) for o in outputs]})
+    return CapturedFrame(seq, seq, Channel.OUTPUT, Direction.TO_FRONTEND, 0, 0, [encode(body)])
+
+
+def redactor() -> frames.Redactor:
+    return frames.Redactor(KEY, load_policy(None), VOCAB, "0.32.0")
+
+
+NO_FAST_PATH = {("0.32.0", "EngineCoreOutput"): None, ("0.32.0", "EngineCoreRequest"): None}  # all walked
+
+
+def same(fast: frames.Redactor, walked: frames.Redactor, captured: list[CapturedFrame]) -> None:
+    for_fast, for_walk = fast.frames(captured) + fast.flush(), walked.frames(captured) + walked.flush()
+    assert [f.parts for f in for_fast] == [f.parts for f in for_walk]
+    assert (dict(fast.blanked), dict(fast.dropped)) == (dict(walked.blanked), dict(walked.dropped))
+    assert fast.outputs_without_prompt == walked.outputs_without_prompt
+    for requests in ("live", "ended"):  # (a request's end found by either)
+        assert {rid: c.prefix.digest() for rid, c in getattr(fast, requests).items()} == \
+            {rid: c.prefix.digest() for rid, c in getattr(walked, requests).items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_fast_path_redacts_as_the_walk_does(steps):
+    captured = [add(i + 1, rid) for i, rid in enumerate(REQUESTS)]
+    captured += [outputs_frame(len(captured) + k + 1, step) for k, step in enumerate(steps)]
+    fast, walked = redactor(), redactor()
+    walked._plain = NO_FAST_PATH
+    same(fast, walked, captured)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ADDS, STEPS)
+def test_the_fast_path_redacts_adds_as_the_walk_does(adds, steps):
+    captured = [add(i + 1, **fields) for i, fields in enumerate(adds)]
+    captured += [outputs_frame(len(captured) + k + 1, step) for k, step in enumerate(steps)]
+    fast, walked = redactor(), redactor()
+    walked._plain = NO_FAST_PATH
+    same(fast, walked, captured)
+
+
+def test_the_fast_path_is_taken_for_plain_outputs_and_not_for_others():
+    fast = redactor()
+    fast.frames([add(1, "req-0")])
+    plain = struct_value(SCHEMA, "EngineCoreOutput", {"request_id": "req-0", "new_token_ids": [9]})
+    value = [list(plain)]
+    assert fast._plain_outputs(value)  # one token, of a request known: redacted in place
+    assert value[0][0] == fast.hasher.text("req-0") and value[0][1] != [9]
+    before = fast.live["req-0"].prefix.digest()
+    for other in ([["req-0", [VOCAB], *plain[2:]]],  # not in the vocabulary
+                  [["unknown", [9], *plain[2:]]],  # no ADD came
+                  [["req-0", [9], [1, 2], *plain[3:]]],  # logprobs: walked, for their contexts
+                  [plain[:-1]]):  # another release's length
+        untouched = repr(other)
+        assert not fast._plain_outputs(other) and repr(other) == untouched
+    assert fast.live["req-0"].prefix.digest() == before  # and nothing was redacted on the way
+
+
+def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
+    fast = redactor()
+    value = request("req-0", prompt_token_ids=[9, 10], external_req_id="ext-0")
+    taken = list(value)
+    assert fast._plain_request(taken)  # ids hashed, the prompt chained, in place
+    assert taken[0] == fast.hasher.text("req-0") and taken[1] != [9, 10] and "req-0" in fast.live
+    at = SCHEMA.structs["EngineCoreRequest"].by_name
+    for name, other in (("request_id", 7), ("external_req_id", 7),  # no kind the field takes: blanked by the walk
+                        ("prompt_token_ids", "text"),
+                        ("reasoning_parser_kwargs", {"chat_template_kwargs": {}}),  # dropped by the walk
+                        ("mm_features", [["an item"]])):  # walked
+        refused = list(value)
+        refused[at[name].position] = other
+        untouched = repr(refused)
+        assert not fast._plain_request(refused) and repr(refused) == untouched, name
+    assert list(fast.live) == ["req-0"]  # and no context was entered on the way
