@@ -8,6 +8,8 @@ with one key take the same frames, one with the fast paths, one walking: the sam
 contexts after (what is redacted next agrees too).
 """
 
+import copy
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,3 +138,22 @@ def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
         untouched = repr(refused)
         assert not fast._plain_request(refused) and repr(refused) == untouched, name
     assert list(fast.live) == ["req-0"]  # and no context was entered on the way
+
+
+SAMPLES = [None, 0, 3, 1.5, True, "", "text", b"", [], [1], ["text"], {}, {"key": 1}]  # of every kind
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["SchedulerStats", "PrefixCacheStats", "SamplingParams", "PoolingParams", "LoRARequest",
+                        "EngineZmqAddresses", "EngineHandshakeMetadata"]), st.data())
+def test_what_the_check_gives_back_unchanged_the_walk_gives_back_too(name, data):
+    """Redactor._unchanged (in C) says yes only where the whole walk, with nothing taken as kept, gives
+    the value back equal, blanking and dropping nothing."""
+    spec = SCHEMA.structs[name]
+    values = {field.name: data.draw(st.sampled_from(SAMPLES), label=field.name) for field in spec.fields}
+    value = values if spec.encoding == "map" else list(values.values())
+    walked = redactor()
+    walked._kept_of = lambda struct: None  # nothing is taken as kept: every field is walked
+    if redactor()._unchanged(name, value):
+        assert walked._struct(name, copy.deepcopy(value)) == value
+        assert not walked.blanked and not walked.dropped
