@@ -1,5 +1,5 @@
 /* The token chain of TokenMap.chain (tokens.py), in C, and with it a busy engine's outputs redacted:
- * the loop of Redactor._plain_outputs (frames.py), and the check of Redactor._unchanged.
+ * the loop of Redactor._plain_outputs (frames.py).
  *
  * Prefix: a running keyed BLAKE2b, as hashlib.blake2b (copy, update, digest) but with its state in plain
  * memory (blake2b.h), which the chain finalizes per token on the stack: no call, no bytes object.
@@ -14,9 +14,6 @@
  * by calling it), its tokens chained in their request's context, the stop reason hashed if it is text.
  * Every output is checked first (context_of); if any is not one it takes, it returns None before
  * touching an output or a context, and the caller walks.
- *
- * unchanged: whether the walk would give a struct back as it is, asked of each step (its scheduler
- * stats, nested) and each ADD before its fast path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,7 +21,7 @@
 
 #include "blake2b.h"
 
-static PyObject *prefix_name, *fixed_name, *encoding_name, *as_is_name, *fields_name, *empty_tuple;
+static PyObject *prefix_name, *fixed_name;
 
 typedef struct {
     PyObject_HEAD
@@ -294,105 +291,9 @@ fail_early:
     return NULL;
 }
 
-/* Redactor._unchanged (frames.py) in C: whether the walk gives ``value``, a ``name`` struct, back as it is.
- * kept_of(name) gives the struct's frames.Kept (or None); ``but`` the fields not looked at, at the top.
- * 1, 0, or -1 with an exception set. */
-static int is_unchanged(PyObject *value, PyObject *name, PyObject *kept_of, PyObject *but);
-
-static int item_unchanged(PyObject *key, PyObject *item, PyObject *as_is, PyObject *fields, PyObject *kept_of,
-                          PyObject *but) {
-    if (item == Py_None)
-        return 1;
-    int found = PyTuple_GET_SIZE(but) ? PySequence_Contains(but, key) : 0;
-    if (found != 0)
-        return found;
-    PyObject *types = PyDict_GetItemWithError(as_is, key);  /* values of these types, as they are */
-    if (types != NULL && (found = PySet_Contains(types, (PyObject *)Py_TYPE(item))) != 0)
-        return found;
-    if (types == NULL && PyErr_Occurred())
-        return -1;
-    PyObject *field = PyDict_GetItemWithError(fields, key);  /* (types, struct, only an empty one) */
-    if (field == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    if (!PyTuple_Check(field) || PyTuple_GET_SIZE(field) != 3) {
-        PyErr_SetString(PyExc_TypeError, "a Kept field is (types, struct, container)");
-        return -1;
-    }
-    if ((found = PySet_Contains(PyTuple_GET_ITEM(field, 0), (PyObject *)Py_TYPE(item))) <= 0)
-        return found;
-    int container = PyObject_IsTrue(PyTuple_GET_ITEM(field, 2));
-    if (container < 0)
-        return -1;
-    if (container) {  /* a list or map of structs, walked unless it is empty */
-        int full = PyObject_IsTrue(item);
-        return full < 0 ? -1 : !full;
-    }
-    return is_unchanged(item, PyTuple_GET_ITEM(field, 1), kept_of, empty_tuple);
-}
-
-static int is_unchanged(PyObject *value, PyObject *name, PyObject *kept_of, PyObject *but) {
-    PyObject *kept = PyObject_CallOneArg(kept_of, name), *encoding = NULL, *as_is = NULL, *fields = NULL;
-    if (kept == NULL)
-        return -1;
-    int result = 0;
-    if (kept == Py_None)
-        goto done;
-    result = -1;
-    if ((encoding = PyObject_GetAttr(kept, encoding_name)) == NULL || (as_is = PyObject_GetAttr(kept, as_is_name)) == NULL
-            || (fields = PyObject_GetAttr(kept, fields_name)) == NULL)
-        goto done;
-    if (!PyDict_Check(as_is) || !PyDict_Check(fields)) {
-        PyErr_SetString(PyExc_TypeError, "a Kept's as_is and fields are dicts");
-        goto done;
-    }
-    result = 0;
-    if ((PyObject *)Py_TYPE(value) != encoding)
-        goto done;
-    if (PyDict_CheckExact(value)) {
-        PyObject *key, *item;
-        Py_ssize_t at = 0;
-        while (PyDict_Next(value, &at, &key, &item))
-            if ((result = item_unchanged(key, item, as_is, fields, kept_of, but)) != 1)
-                goto done;
-    } else {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
-            PyObject *key = PyLong_FromSsize_t(i);
-            if (key == NULL) {
-                result = -1;
-                goto done;
-            }
-            result = item_unchanged(key, PyList_GET_ITEM(value, i), as_is, fields, kept_of, but);
-            Py_DECREF(key);
-            if (result != 1)
-                goto done;
-        }
-    }
-    result = 1;
-done:
-    Py_DECREF(kept);
-    Py_XDECREF(encoding);
-    Py_XDECREF(as_is);
-    Py_XDECREF(fields);
-    return result;
-}
-
-/* unchanged(value, name, kept_of, but) -> bool (is_unchanged) */
-static PyObject *unchanged(PyObject *module, PyObject *args) {
-    PyObject *value, *name, *kept_of, *but;
-    if (!PyArg_ParseTuple(args, "OOOO!", &value, &name, &kept_of, &PyTuple_Type, &but))
-        return NULL;
-    if (!PyDict_CheckExact(value) && !PyList_CheckExact(value))
-        Py_RETURN_FALSE;
-    int result = is_unchanged(value, name, kept_of, but);
-    if (result < 0)
-        return NULL;
-    return PyBool_FromLong(result);
-}
-
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "Tokens chained in their context (see the module's comment)."},
     {"outputs", redact_outputs, METH_VARARGS, "A busy engine's outputs, redacted (see the module's comment)."},
-    {"unchanged", unchanged, METH_VARARGS, "Whether the walk gives a struct back as it is (Redactor._unchanged)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -401,12 +302,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_chain", NULL, -1, m
 PyMODINIT_FUNC PyInit__chain(void) {
     prefix_name = PyUnicode_InternFromString("prefix");
     fixed_name = PyUnicode_InternFromString("fixed");
-    encoding_name = PyUnicode_InternFromString("encoding");
-    as_is_name = PyUnicode_InternFromString("as_is");
-    fields_name = PyUnicode_InternFromString("fields");
-    empty_tuple = PyTuple_New(0);
-    if (prefix_name == NULL || fixed_name == NULL || encoding_name == NULL || as_is_name == NULL
-            || fields_name == NULL || empty_tuple == NULL || PyType_Ready(&PrefixType) < 0)
+    if (prefix_name == NULL || fixed_name == NULL || PyType_Ready(&PrefixType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddObjectRef(m, "Prefix", (PyObject *)&PrefixType) < 0)

@@ -255,9 +255,23 @@ class Redactor:
     def _unchanged(self, name: str, value: Any, but: tuple = ()) -> bool:
         """Whether the walk would give ``value`` back as it is (``tests/redact``: the two agree): every
         field set is one the policy keeps, of a kind its schema takes, and holds no tensor, or is such a
-        struct itself (a busy engine's scheduler stats, each step); a list or map of structs only if it is
-        empty. ``but``: fields not looked at. In C (``_chain.c``): each step and each ADD asks it."""
-        return _chain.unchanged(value, name, self._kept_of, but)
+        struct itself (a busy engine's scheduler stats, each step). ``but``: fields not looked at."""
+        kept = self._kept_of(name)
+        if kept is None or type(value) is not kept.encoding:
+            return False
+        as_is, fields = kept.as_is, kept.fields
+        for key, item in value.items() if type(value) is dict else enumerate(value):
+            if item is None or key in but or type(item) in as_is.get(key, ()):
+                continue
+            field = fields.get(key)
+            if field is None:
+                return False
+            types, struct, container = field
+            if type(item) not in types:
+                return False
+            if item if container else not self._unchanged(struct, item):
+                return False  # (a list or map of structs is walked unless it is empty)
+        return True
 
     def _kept_of(self, name: str) -> Kept | None:
         kept = self._kept.get((self.schema.release, name), _UNSET)

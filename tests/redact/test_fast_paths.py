@@ -147,7 +147,7 @@ SAMPLES = [None, 0, 3, 1.5, True, "", "text", b"", [], [1], ["text"], {}, {"key"
 @given(st.sampled_from(["SchedulerStats", "PrefixCacheStats", "SamplingParams", "PoolingParams", "LoRARequest",
                         "EngineZmqAddresses", "EngineHandshakeMetadata"]), st.data())
 def test_what_the_check_gives_back_unchanged_the_walk_gives_back_too(name, data):
-    """Redactor._unchanged (in C) says yes only where the whole walk, with nothing taken as kept, gives
+    """Redactor._unchanged says yes only where the whole walk, with nothing taken as kept, gives
     the value back equal, blanking and dropping nothing."""
     spec = SCHEMA.structs[name]
     values = {field.name: data.draw(st.sampled_from(SAMPLES), label=field.name) for field in spec.fields}
