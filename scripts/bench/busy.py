@@ -26,7 +26,8 @@ Prints one JSON object (on one line with --json: what the soak test reads). With
 ``--redact-key`` or ``--sample-requests`` (or rotation with ``--against-plain``),
 two runs: the floor (the same, plain), then with the options, and that run's lag,
 stop time and recording CPU as ratios to the floor's (under the options' names:
-``redacted``, ``sampled``, ``rotated``, joined by ``+``). Each run also
+``redacted``, ``sampled``, ``rotated``, joined by ``+``); redacting, also the
+redactor's CPU over its own run's writer's (``redactor_per_writer_cpu``). Each run also
 gives the CPU seconds per million frames of the proxy (forwarding), its writer
 and its redactor, read from /proc, and the cores each took at that rate: a
 process that needs less than one core keeps up live on a host that gives it
@@ -292,7 +293,13 @@ def main() -> None:
             for figure in ("decode_lag_ms_p50", "decode_lag_ms_max", "stop_s")},
             # the recorder's own CPU off the forwarding path (writer, and redactor), with the option against plain
             "recording_cpu_ratio": round(recording_cpu[name] / recording_cpu["floor"], 2)
-            if recording_cpu["floor"] else None}
+            if recording_cpu["floor"] else None,
+            # The redactor against the writer of its own run: this ratio does not move with the machine's
+            # speed between the two runs, which recording_cpu_ratio does (1 + this, with the writer's own
+            # CPU unchanged by redacting).
+            **({"redactor_per_writer_cpu": round(measured["cpu_s_per_million_frames"]["redactor"]
+                                                 / measured["cpu_s_per_million_frames"]["writer"], 2)}
+               if "redactor" in measured["cpu_s_per_million_frames"] else {})}
     print(json.dumps(result, indent=None if args.json else 1))
 
 
