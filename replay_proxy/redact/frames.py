@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -279,13 +279,19 @@ class Redactor:
             kept = self._kept[self.schema.release, name] = Kept.of(self.schema, self.policy, name)
         return kept
 
+    def _plain_of(self, plain: type[PlainOutput] | type[PlainRequest]) -> PlainOutput | PlainRequest | None:
+        """``plain.of`` for this release and policy, made once (None: no fast path for this struct)."""
+        key = (self.schema.release, plain.STRUCT)
+        made = self._plain.get(key, _UNSET)
+        if made is _UNSET:
+            made = self._plain[key] = plain.of(self.schema, self.policy)
+        return made
+
     def _plain_outputs(self, outputs: Any) -> bool:
         """Whether ``outputs`` were a busy engine's, now redacted in place as the walk would (``tests/redact``:
         the two agree) but faster: outputs whose only set fields are their id, tokens, finish and stop reasons
         and NaN count, of requests known. If any is another, none is touched (then all are walked)."""
-        plain = self._plain.get((self.schema.release, "EngineCoreOutput"), _UNSET)
-        if plain is _UNSET:
-            plain = self._plain[self.schema.release, "EngineCoreOutput"] = PlainOutput.of(self.schema, self.policy)
+        plain = self._plain_of(PlainOutput)
         if plain is None or type(outputs) is not list:
             return False
         # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
@@ -300,9 +306,7 @@ class Redactor:
         """Whether ``value`` was an ADD whose fields but its prompt and texts hashed the walk gives back
         unchanged, now redacted as the walk would (``tests/redact``: the two agree) but without one: its
         context entered, its texts hashed, its prompt chained."""
-        at = self._plain.get((self.schema.release, "EngineCoreRequest"), _UNSET)
-        if at is _UNSET:
-            at = self._plain[self.schema.release, "EngineCoreRequest"] = PlainRequest.of(self.schema, self.policy)
+        at = self._plain_of(PlainRequest)
         if at is None or not self._unchanged("EngineCoreRequest", value, but=at.but):
             return False
         prompt = value[at.prompt] if at.prompt < len(value) else None
@@ -498,6 +502,7 @@ class Redactor:
 class PlainOutput(msgspec.Struct, frozen=True):
     """Where a release's EngineCoreOutput holds what a busy engine's outputs set; the rest must be nil."""
 
+    STRUCT: ClassVar[str] = "EngineCoreOutput"
     length: int
     columns: tuple[int, int, int, int, int]  # request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits
     nil: tuple[int, ...]
@@ -523,6 +528,7 @@ _PLAIN = {"request_id": "hash", "new_token_ids": "tokens", "finish_reason": "kee
 class PlainRequest(msgspec.Struct, frozen=True):
     """Where a release's EngineCoreRequest holds its prompt, and the texts the policy hashes (its ids)."""
 
+    STRUCT: ClassVar[str] = "EngineCoreRequest"
     prompt: int
     texts: tuple[int, ...]
     but: tuple[int, ...]  # both: what Redactor._unchanged does not look at

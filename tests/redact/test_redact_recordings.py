@@ -36,7 +36,7 @@ def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tm
 
 
 def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkeypatch):
-    """Each shipped recording redacted with the fast paths (frames.PlainOutput for outputs, an ADD's id and
+    """Each shipped recording redacted with the fast paths (frames.PlainOutput for outputs, an ADD's ids and
     prompt alone, and the structs and fields frames.Kept names given back unchanged without a walk) and
     without them: the same bytes."""
     from replay_proxy.redact import frames
@@ -66,7 +66,7 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release
     assert unchanged["SchedulerStats"] > 0 and unchanged["SamplingParams"] > 0  # kept without a walk
     assert unchanged["EngineCoreOutputs"] > 0  # steps whose outputs alone were redacted, by the fast path
-    assert unchanged["EngineCoreRequest"] > 0  # ADDs whose id and prompt alone were redacted
+    assert unchanged["EngineCoreRequest"] > 0  # ADDs whose ids and prompt alone were redacted
 
 
 def test_the_redactor_process_redacts_a_frame_at_a_time_as_one_call_would(tmp_path, monkeypatch):
