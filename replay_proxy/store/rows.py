@@ -8,7 +8,6 @@ builders here.
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -28,16 +27,31 @@ _json = msgspec.json.Encoder()
 # EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
 REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
                              "data_parallel_rank", "priority", "sampling_params"})
-_request_row = operator.itemgetter(*TABLES["requests"][0])  # a requests row in column order, every column named
+# Rows are built as tuples in their table's column order (no dict a row: ADDs are a busy frontend's traffic).
+_REQUEST_HEAD = ("session_id", "seq", "ts_ns", "engine_index", "client_index", "request_id", "external_req_id",
+                 "prompt_len", "prompt_token_ids", "arrival_time", "data_parallel_rank", "priority")
+assert [*TABLES["requests"][0]] == [*_REQUEST_HEAD, *sampling_columns(), "sampling_params"]
+assert [*TABLES["frames"][0]] == ["session_id", "seq", "ts_ns", "channel", "direction", "engine_index", "client_index",
+                                  "kind", "n_parts", "nbytes", "raw", "forwarded_raw", "decoded", "decode_error",
+                                  "flags", "engine_time_s"]
+_SQLITE_AS_IS = frozenset({str, float, bool, bytes, type(None)})
 
 
-def _sqlite_value(value: int) -> int | str:
-    """SQLite integers are signed 64-bit; Python's utility call ids are u64: keep those as text."""
-    return value if -(2**63) <= value < 2**63 else str(value)
+def _sqlite_value(value: Any) -> Any:
+    """A wire value as SQLite can hold it. SQLite integers are signed 64-bit (Python's utility call ids are u64):
+    those past it as text; arrays and maps (a drifted peer's, where a column wants a scalar) as JSON."""
+    if type(value) is int:
+        return value if -(2**63) <= value < 2**63 else str(value)
+    return value if type(value) in _SQLITE_AS_IS else to_json(value)
 
 
 def _sqlite_row(values: Iterable[Any]) -> tuple:
-    return tuple([_sqlite_value(v) if type(v) is int else v for v in values])
+    return tuple([v if type(v) in _SQLITE_AS_IS else _sqlite_value(v) for v in values])
+
+
+def _sampling_value(value: Any) -> Any:
+    """A sampling parameter's column: lists and maps have none (``sampling_params`` holds them)."""
+    return None if type(value) is list or type(value) is dict else _sqlite_value(value)
 
 
 def _engine_time(stamp: Any) -> float | None:
@@ -74,7 +88,7 @@ class Rows:
         self.newest_ts_ns = 0  # when the newest of these frames crossed the proxy
         # Frames their schema does not describe, with that schema (the one in use when each was named).
         self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...], Schema]] = []
-        self._defaults: dict[int, dict[str, Any]] = {}  # by id(schema): the schemas of a batch outlive it
+        self._defaults: dict[int, tuple[list[Any], dict[str, int]]] = {}  # by id(schema): they outlive a batch
 
     def _add(self, table: str, **row: Any) -> None:
         self.tables[table].append(_sqlite_row(map(row.get, TABLES[table][0])))
@@ -120,12 +134,11 @@ class Rows:
             self.flagged.append((frame, kind, flags, schema))
         self.frames_undecodable += error is not None
         self.newest_ts_ns = max(self.newest_ts_ns, frame.ts_ns)
-        self._add("frames", session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns, engine_index=frame.engine_index,
-                  client_index=frame.client_index, channel=str(frame.channel), direction=str(frame.direction),
-                  kind=str(kind), n_parts=len(frame.parts), nbytes=sum(map(len, frame.parts)),
-                  raw=_raw.encode(frame.parts), forwarded_raw=_raw.encode(frame.forwarded) if frame.forwarded else None,
-                  decoded=decoded, decode_error=error, flags=to_json(flags) if flags else None,
-                  engine_time_s=engine_time)
+        self.tables["frames"].append((
+            session_id, frame.seq, frame.ts_ns, str(frame.channel), str(frame.direction), frame.engine_index,
+            frame.client_index, str(kind), len(frame.parts), sum(map(len, frame.parts)), _raw.encode(frame.parts),
+            _raw.encode(frame.forwarded) if frame.forwarded else None, decoded, error,
+            to_json(flags) if flags else None, engine_time))
 
     def _output_rows(self, session_id: int, seq: int, outputs: list[tuple | None], schema: Schema,
                      others: list[str | None] | None = None) -> None:
@@ -190,27 +203,32 @@ class Rows:
 
     def _request(self, where: dict, fields: dict, schema: Schema) -> None:
         params = fields.get("sampling_params")
-        if isinstance(params, dict):  # each column's value in effect: as sent, else the release's default
-            row = self._sampling_defaults(schema).copy()
-            for column in params.keys() & row.keys():
-                value = params[column]
-                row[column] = None if isinstance(value, (list, dict)) else value
+        # Each sampling column's value in effect: as sent, else the release's default.
+        defaults, column_at = self._sampling_defaults(schema)
+        sampling = defaults.copy()
+        if isinstance(params, dict):
+            for key, value in params.items():
+                at = column_at.get(key)
+                if at is not None:  # (the common kinds inline: a frontend sends a dozen of these an ADD)
+                    sampling[at] = value if type(value) in _SQLITE_AS_IS else _sampling_value(value)
         else:
-            row = dict.fromkeys(sampling_columns())
+            sampling = [None] * len(defaults)
         prompt = fields.get("prompt_token_ids")
-        row.update(where, request_id=fields.get("request_id"), external_req_id=fields.get("external_req_id"),
-                   prompt_len=len(prompt) if isinstance(prompt, list) else None, prompt_token_ids=to_json(prompt),
-                   arrival_time=fields.get("arrival_time"), data_parallel_rank=fields.get("data_parallel_rank"),
-                   priority=fields.get("priority"), sampling_params=to_json(params))
-        self.tables["requests"].append(_sqlite_row(_request_row(row)))
+        self.tables["requests"].append((
+            where["session_id"], where["seq"], where["ts_ns"], where["engine_index"], where["client_index"],
+            *_sqlite_row((fields.get("request_id"), fields.get("external_req_id"))),
+            len(prompt) if isinstance(prompt, list) else None, to_json(prompt),
+            *_sqlite_row((fields.get("arrival_time"), fields.get("data_parallel_rank"), fields.get("priority"))),
+            *sampling, to_json(params)))
 
-    def _sampling_defaults(self, schema: Schema) -> dict[str, Any]:
-        """The release's default of each sampling column (None for a list or a map: no column holds those)."""
+    def _sampling_defaults(self, schema: Schema) -> tuple[list[Any], dict[str, int]]:
+        """The release's default of each sampling column, in column order, and each column's place there."""
         defaults = self._defaults.get(id(schema))
         if defaults is None:
-            defaults = self._defaults[id(schema)] = {
-                c: None if isinstance(v, (list, dict)) else v
-                for c in sampling_columns() for v in [schema.sampling_defaults.get(c)]}
+            columns = list(sampling_columns())
+            defaults = self._defaults[id(schema)] = (
+                [_sampling_value(schema.sampling_defaults.get(c)) for c in columns],
+                {c: at for at, c in enumerate(columns)})
         return defaults
 
     def _outputs(self, where: dict, fields: dict, schema: Schema) -> bool:

@@ -42,3 +42,30 @@ def test_a_stop_token_and_a_stop_string_keep_their_types(db_path, tmp_path):
     parquet = duckdb.sql(f"SELECT stop_reason FROM read_parquet('{tmp_path}/lake/outputs/*/*.parquet') ORDER BY seq, "
                          "position").fetchall()
     assert parquet == [("852",)] * 4
+
+
+def test_an_add_whose_ids_are_not_text_is_written_with_the_frames_beside_it(db_path):
+    """A drifted frontend's ADD whose request_id is an array and whose priority is text (the generic namer's
+    path, flagged): its requests row holds them as JSON and text, and no frame of its batch is lost (a list
+    bound to a column failed the whole transaction)."""
+    schema = load_schema("0.32.0")
+
+    def add(seq, **fields):
+        value = struct_value(schema, "EngineCoreRequest", {
+            "request_id": f"r-{seq}", "prompt_token_ids": [1, 2], "mm_features": None, "pooling_params": None,
+            "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None,
+            "sampling_params": {"temperature": 0.5, "seed": 7, "stop": ["x"]}, **fields})
+        return CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x00", encode(value)])
+
+    session_id = open_database(db_path)["sessions"].insert({"name": "ids", "status": "recording"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    writer.write_frames([add(1), add(2, request_id=["a", 1], priority="high"), add(3)])
+    writer.finish()
+    assert (writer.frames_written, writer.frames_failed) == (3, 0)
+    db = sqlite3.connect(db_path)
+    rows = db.execute("SELECT seq, request_id, priority, temperature, seed, sampling_params ->> '$.stop' "
+                      "FROM requests ORDER BY seq").fetchall()
+    assert rows == [(1, "r-1", 0, 0.5, 7, '["x"]'), (2, '["a",1]', "high", 0.5, 7, '["x"]'),
+                    (3, "r-3", 0, 0.5, 7, '["x"]')]
+    flags = db.execute("SELECT seq FROM frames WHERE flags IS NOT NULL").fetchall()
+    assert flags == [(2,)]
