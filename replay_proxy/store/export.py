@@ -28,7 +28,9 @@ EXPORTED = ("sessions", "frames", "handshakes", "requests", "outputs", "aborts",
 _ARROW = {int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
 # Every column's type by name (the outputs view's come from its three tables; a name means one thing). A stop
 # reason is a token or a string: text here, as Parquet has no such union (the SQLite file keeps each one's type).
-LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()} | {"stop_reason": str}
+# A call id is an integer, text in a session that holds one past int64 (as SQLite keeps it).
+LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()} | {
+    "stop_reason": str, "call_id": int}
 
 
 def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> list[Path]:

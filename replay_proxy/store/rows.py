@@ -39,7 +39,8 @@ _SQLITE_AS_IS = frozenset({str, float, bool, bytes, type(None)})
 
 def _sqlite_value(value: Any) -> Any:
     """A wire value as SQLite can hold it. SQLite integers are signed 64-bit (Python's utility call ids are u64):
-    those past it as text; arrays and maps (a drifted peer's, where a column wants a scalar) as JSON."""
+    those past it as text (exact only in a column of no affinity: ``tables.py``); arrays and maps (a drifted
+    peer's, where a column wants a scalar) as JSON."""
     if type(value) is int:
         return value if -(2**63) <= value < 2**63 else str(value)
     return value if type(value) in _SQLITE_AS_IS else to_json(value)

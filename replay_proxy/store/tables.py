@@ -89,13 +89,15 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
         "client_index": int, "request_id": str,
     }, ["session_id", "seq", "position"]),
+    # call_id: Python's frontend draws u64 ids, half of them past SQLite's integers: those are text. Declared
+    # BLOB, as stop_reason is: an INTEGER column turned such text into a REAL, losing the id's last digits.
     "utility_requests": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
-        "call_id": int, "method": str, "args": str,
+        "call_id": bytes, "method": str, "args": str,
     }, ["session_id", "seq"]),
     "utility_results": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
-        "call_id": int, "failure_message": str, "result": str,
+        "call_id": bytes, "failure_message": str, "result": str,
     }, ["session_id", "seq"]),
     "findings": ({
         "session_id": int, "baseline_session_id": int, "category": str, "severity": str, "code": str,

@@ -69,3 +69,32 @@ def test_an_add_whose_ids_are_not_text_is_written_with_the_frames_beside_it(db_p
                     (3, "r-3", 0, 0.5, 7, '["x"]')]
     flags = db.execute("SELECT seq FROM frames WHERE flags IS NOT NULL").fetchall()
     assert flags == [(2,)]
+
+
+def test_a_u64_call_id_is_kept_exactly_in_sql_and_in_parquet(db_path, tmp_path):
+    """Python's frontend draws utility call ids from 64 bits: half are past SQLite's integers. Such an id is
+    text, digit for digit (an INTEGER column made it a REAL: 1.8446744073709552e+19), and the call still
+    meets its answer in ``utility_calls``; Parquet has the session's ids as text."""
+    schema = load_schema("0.32.0")
+    big = 2**64 - 1
+
+    def call(seq, call_id):
+        return CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0,
+                             [b"\x03", encode([0, call_id, "get_supported_tasks", []])])
+
+    def answer(seq, call_id):
+        value = struct_value(schema, "EngineCoreOutputs", {"utility_output": {"call_id": call_id}})
+        return CapturedFrame(seq, seq, Channel.OUTPUT, Direction.TO_FRONTEND, 0, 0, [encode(value)])
+
+    session_id = open_database(db_path)["sessions"].insert({"name": "calls", "status": "recording"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    writer.write_frames([call(1, big), call(2, 7), answer(3, 7), answer(4, big)])
+    writer.finish()
+    rows = sqlite3.connect(db_path).execute(
+        "SELECT call_id, typeof(call_id), answered_ns FROM utility_calls ORDER BY called_ns").fetchall()
+    assert rows == [(str(big), "text", 4), (7, "integer", 3)]
+    result = cli("export", "--db", str(db_path), "--parquet", str(tmp_path / "lake"))
+    assert result.returncode == 0, result.stderr
+    parquet = duckdb.sql(f"SELECT call_id FROM read_parquet('{tmp_path}/lake/utility_requests/*/*.parquet') "
+                         "ORDER BY seq").fetchall()
+    assert parquet == [(str(big),), ("7",)]
