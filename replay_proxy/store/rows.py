@@ -248,7 +248,7 @@ class Rows:
                 others.append(None)
                 continue
             rows.append((output["request_id"], output["new_token_ids"], output.get("finish_reason"),
-                         output.get("stop_reason"), output.get("num_nans_in_logits")))
+                         output.get("stop_reason"), _sqlite_value(output.get("num_nans_in_logits"))))
             other = {k: v for k, v in output.items() if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
             others.append(to_json(other) if other else None)
         self._output_rows(where["session_id"], where["seq"], rows, schema, others)

@@ -1,8 +1,13 @@
 """What the writer's rows hold, value by value."""
 
 import sqlite3
+import tempfile
+from pathlib import Path
 
 import duckdb
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import Writer
@@ -11,6 +16,7 @@ from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction
 from replay_proxy.wire.schema import load_schema
 from tests.test_cli import cli
+from tests.wire.test_fuzz import msgpack_values
 
 
 def test_a_stop_token_and_a_stop_string_keep_their_types(db_path, tmp_path):
@@ -44,10 +50,10 @@ def test_a_stop_token_and_a_stop_string_keep_their_types(db_path, tmp_path):
     assert parquet == [("852",)] * 4
 
 
-def test_an_add_whose_ids_are_not_text_is_written_with_the_frames_beside_it(db_path):
-    """A drifted frontend's ADD whose request_id is an array and whose priority is text (the generic namer's
-    path, flagged): its requests row holds them as JSON and text, and no frame of its batch is lost (a list
-    bound to a column failed the whole transaction)."""
+def test_a_drifted_value_where_a_column_wants_a_scalar_never_fails_its_batch(db_path):
+    """A drifted frontend's ADD whose request_id is an array and priority text, and a drifted engine's output
+    whose NaN count is an array (the generic namer's path, flagged): their rows hold them as JSON and text,
+    and no frame of their batch is lost (a list bound to a column failed the whole transaction)."""
     schema = load_schema("0.32.0")
 
     def add(seq, **fields):
@@ -57,18 +63,25 @@ def test_an_add_whose_ids_are_not_text_is_written_with_the_frames_beside_it(db_p
             "sampling_params": {"temperature": 0.5, "seed": 7, "stop": ["x"]}, **fields})
         return CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [b"\x00", encode(value)])
 
-    session_id = open_database(db_path)["sessions"].insert({"name": "ids", "status": "recording"}).last_pk
+    def outputs(seq, **fields):
+        value = struct_value(schema, "EngineCoreOutputs", {"outputs": [
+            {"request_id": "r-1", "new_token_ids": [5], **fields}]})
+        return CapturedFrame(seq, seq, Channel.OUTPUT, Direction.TO_FRONTEND, 0, 0, [encode(value)])
+
+    session_id = open_database(db_path)["sessions"].insert({"name": "drift", "status": "recording"}).last_pk
     writer = Writer(str(db_path), session_id)
-    writer.write_frames([add(1), add(2, request_id=["a", 1], priority="high"), add(3)])
+    writer.write_frames([add(1), add(2, request_id=["a", 1], priority="high"), add(3),
+                         outputs(4), outputs(5, num_nans_in_logits=[1, 2])])
     writer.finish()
-    assert (writer.frames_written, writer.frames_failed) == (3, 0)
+    assert (writer.frames_written, writer.frames_failed) == (5, 0)
     db = sqlite3.connect(db_path)
     rows = db.execute("SELECT seq, request_id, priority, temperature, seed, sampling_params ->> '$.stop' "
                       "FROM requests ORDER BY seq").fetchall()
     assert rows == [(1, "r-1", 0, 0.5, 7, '["x"]'), (2, '["a",1]', "high", 0.5, 7, '["x"]'),
                     (3, "r-3", 0, 0.5, 7, '["x"]')]
+    assert db.execute("SELECT seq, num_nans_in_logits FROM outputs ORDER BY seq").fetchall() == [(4, 0), (5, "[1,2]")]
     flags = db.execute("SELECT seq FROM frames WHERE flags IS NOT NULL").fetchall()
-    assert flags == [(2,)]
+    assert flags == [(2,), (5,)]
 
 
 def test_a_u64_call_id_is_kept_exactly_in_sql_and_in_parquet(db_path, tmp_path):
@@ -98,3 +111,44 @@ def test_a_u64_call_id_is_kept_exactly_in_sql_and_in_parquet(db_path, tmp_path):
     parquet = duckdb.sql(f"SELECT call_id FROM read_parquet('{tmp_path}/lake/utility_requests/*/*.parquet') "
                          "ORDER BY seq").fetchall()
     assert parquet == [(str(big),), ("7",)]
+
+
+_SCHEMA = load_schema("0.32.0")
+_REAL_SHAPES = [  # (channel, direction, request type or None, the body), as a 0.32.0 frontend and engine send them
+    (Channel.INPUT, Direction.TO_ENGINE, b"\x00", struct_value(_SCHEMA, "EngineCoreRequest", {
+        "request_id": "r-1", "prompt_token_ids": [1, 2], "mm_features": None, "pooling_params": None,
+        "arrival_time": 1.0, "lora_request": None, "cache_salt": None, "data_parallel_rank": None,
+        "sampling_params": {"temperature": 0.5, "max_tokens": 4}})),
+    (Channel.INPUT, Direction.TO_ENGINE, b"\x01", ["r-1"]),
+    (Channel.INPUT, Direction.TO_ENGINE, b"\x03", [0, 2**64 - 1, "get_supported_tasks", []]),
+    (Channel.OUTPUT, Direction.TO_FRONTEND, None, struct_value(_SCHEMA, "EngineCoreOutputs", {"outputs": [
+        struct_value(_SCHEMA, "EngineCoreOutput", {"request_id": "r-1", "new_token_ids": [5], "finish_reason": 0,
+                                                  "stop_reason": 852})]})),
+    (Channel.OUTPUT, Direction.TO_FRONTEND, None, struct_value(_SCHEMA, "EngineCoreOutputs", {
+        "utility_output": {"call_id": 2**64 - 1, "result": None}})),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_REAL_SHAPES), st.data(), msgpack_values)
+def test_any_value_in_any_field_of_a_real_frame_is_written_with_its_batch(shape, data, value):
+    """The writer's half of "bad input loses nothing": whatever value stands in one field of a real frame's
+    shape (or of its output), the frame gets its rows, and the good frame beside it is written too."""
+    channel, direction, request_type, body = shape
+    body = msgspec.msgpack.decode(encode(body))  # a copy to change
+    target = body
+    if channel is Channel.OUTPUT and body[1] and data.draw(st.booleans()):
+        target = body[1][0]  # a field of the output itself
+    if isinstance(target, list) and target:
+        target[data.draw(st.integers(0, len(target) - 1))] = value
+    parts = [encode(body)] if request_type is None else [request_type, encode(body)]
+    good = _REAL_SHAPES[0]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "fuzz.db"
+        session_id = open_database(path)["sessions"].insert({"name": "fuzz", "status": "recording"}).last_pk
+        writer = Writer(str(path), session_id)
+        writer.write_frames([CapturedFrame(1, 1, channel, direction, 0, 0, parts),
+                             CapturedFrame(2, 2, good[0], good[1], 0, 0, [good[2], encode(good[3])])])
+        writer.finish()
+        assert (writer.frames_written, writer.frames_failed, writer.write_error) == (2, 0, None)
+        assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM frames").fetchone() == (2,)
