@@ -206,8 +206,8 @@ class Rows:
         params = fields.get("sampling_params")
         # Each sampling column's value in effect: as sent, else the release's default.
         defaults, column_at = self._sampling_defaults(schema)
-        sampling = defaults.copy()
         if isinstance(params, dict):
+            sampling = defaults.copy()
             for key, value in params.items():
                 at = column_at.get(key)
                 if at is not None:  # (the common kinds inline: a frontend sends a dozen of these an ADD)
