@@ -154,7 +154,8 @@ class _Estimate:
         draw = lambda n: rng.multinomial(n, np.full(n, 1 / n), size=RESAMPLES).astype(float)  # noqa: E731
         wa = draw(len(self.a.requests))
         wb = wa if self.paired else draw(len(self.b.requests))  # a pair is drawn on both sides at once
-        ratios = np.log(self.statistic((self.b, wb)) / self.statistic((self.a, wa)))
+        with np.errstate(divide="ignore", invalid="ignore"):  # a resample with no values: dropped just below
+            ratios = np.log(self.statistic((self.b, wb)) / self.statistic((self.a, wa)))
         ratios = ratios[np.isfinite(ratios)]
         return float(ratios.std(ddof=1)) if len(ratios) > 1 else math.inf
 

@@ -136,9 +136,9 @@ def test_any_value_in_any_field_of_a_real_frame_is_written_with_its_batch(shape,
     shape (or of its output), the frame gets its rows, and the good frame beside it is written too."""
     channel, direction, request_type, body = shape
     body = msgspec.msgpack.decode(encode(body))  # a copy to change
-    target = body
-    if channel is Channel.OUTPUT and body[1] and data.draw(st.booleans()):
-        target = body[1][0]  # a field of the output itself
+    target, outputs = body, _SCHEMA.position("EngineCoreOutputs", "outputs")
+    if channel is Channel.OUTPUT and body[outputs] and data.draw(st.booleans()):
+        target = body[outputs][0]  # a field of the output itself
     if isinstance(target, list) and target:
         target[data.draw(st.integers(0, len(target) - 1))] = value
     parts = [encode(body)] if request_type is None else [request_type, encode(body)]
