@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import msgspec
@@ -93,6 +93,7 @@ class Redactor:
         self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
         self._plain: dict[tuple[str, str], PlainOutput | PlainRequest | None] = {}  # by release and struct
         self._kept: dict[tuple[str, str], Kept | None] = {}  # by release and struct: see _unchanged
+        self._shapes: dict[tuple, _chain.Shape] = {}  # by release, struct and fields not looked at: see _shape_of
 
     # --- the stream ---------------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Redactor:
         kind = RequestType(parts[0])
         if kind is RequestType.ADD:
             value = decode_msgpack(parts[1])
-            if len(parts) == 2 and self._plain_request(value):
+            if len(parts) == 2 and self._plain_request(parts[1], value):
                 return [parts[0], _encode(value)]
             return self._message("EngineCoreRequest", value, parts, 1)
         body = decode_msgpack(parts[1])
@@ -202,14 +203,13 @@ class Redactor:
         return parts
 
     def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
-        value = decode_msgpack(parts[0])
         outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
+        step = self._plain_step(parts[0], outputs_at) if len(parts) == 1 else None
+        if step is not None:
+            return [step]
+        # The walk, after waiting for any request not known.
+        value = decode_msgpack(parts[0])
         outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
-        if len(parts) == 1 and self._unchanged("EngineCoreOutputs", value, but=(outputs_at,)):
-            # A busy engine's step, not walked: its outputs by the fast path (which finds every request
-            # known), the rest as it is. Else the walk, after waiting for any request not known.
-            if self._plain_outputs(outputs):
-                return [_encode(value)]
         rid_at = self.schema.position("EngineCoreOutput", "request_id")
         for output in outputs if isinstance(outputs, list) else ():
             rid = output[rid_at] if isinstance(output, list) and len(output) > rid_at else None
@@ -279,6 +279,14 @@ class Redactor:
             kept = self._kept[self.schema.release, name] = Kept.of(self.schema, self.policy, name)
         return kept
 
+    def _shape_of(self, name: str, but: tuple = ()) -> _chain.Shape:
+        """``Kept.compiled`` for this release and policy, made once."""
+        key = (self.schema.release, name, but)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = Kept.compiled(self.schema, self._kept_of, name, but)
+        return shape
+
     def _plain_of(self, plain: type[PlainOutput] | type[PlainRequest]) -> PlainOutput | PlainRequest | None:
         """``plain.of`` for this release and policy, made once (None: no fast path for this struct)."""
         key = (self.schema.release, plain.STRUCT)
@@ -287,27 +295,40 @@ class Redactor:
             made = self._plain[key] = plain.of(self.schema, self.policy)
         return made
 
-    def _plain_outputs(self, outputs: Any) -> bool:
-        """Whether ``outputs`` were a busy engine's, now redacted in place as the walk would (``tests/redact``:
-        the two agree) but faster: outputs whose only set fields are their id, tokens, finish and stop reasons
-        and NaN count, of requests known. If any is another, none is touched (then all are walked)."""
+    def _plain_step(self, data: bytes, outputs_at: int) -> bytes | None:
+        """A busy engine's step (``EngineCoreOutputs``) redacted without a walk: its outputs by the fast
+        path, the rest as it is, when the walk would give that back. None if it would not."""
+        span = _chain.unchanged(data, self._shape_of("EngineCoreOutputs"), outputs_at)
+        if not span:
+            return None
+        start, end = span
+        outputs = self._plain_outputs(memoryview(data)[start:end])
+        return None if outputs is None else b"".join((data[:start], outputs, data[end:]))
+
+    def _plain_outputs(self, outputs: bytes | memoryview) -> bytes | None:
+        """``outputs`` (their msgpack) redacted as the walk would, byte for byte (``tests/redact``: the two
+        agree), if they were a busy engine's: outputs whose only set fields are their id, tokens, finish and
+        stop reasons and NaN count, of requests known. If any is another, None, and no context moved."""
         plain = self._plain_of(PlainOutput)
-        if plain is None or type(outputs) is not list:
-            return False
+        if plain is None:
+            return None
         # In C (_chain.c), as TokenMap.chain and Hasher.text would do it. (An output's logprobs would need
         # its tokens' contexts: these have none, so none are kept.)
-        finished = _chain.outputs(outputs, plain.length, plain.nil, plain.columns, self.live, self.ended,
-                                   self.hasher.text, self.hasher.known, self.tokens.permutation)
-        for rid in finished or ():
+        redacted = _chain.outputs(outputs, plain.length, plain.columns, self.live, self.ended, self.hasher.text,
+                                  self.hasher.known, self.tokens.permutation)
+        if redacted is None:
+            return None
+        outputs, finished = redacted
+        for rid in finished:
             self._end(rid)
-        return finished is not None
+        return outputs
 
-    def _plain_request(self, value: Any) -> bool:
-        """Whether ``value`` was an ADD whose fields but its prompt and texts hashed the walk gives back
-        unchanged, now redacted as the walk would (``tests/redact``: the two agree) but without one: its
-        context entered, its texts hashed, its prompt chained."""
+    def _plain_request(self, data: bytes, value: Any) -> bool:
+        """Whether ``value`` (decoded from ``data``) was an ADD whose fields but its prompt and texts hashed
+        the walk gives back unchanged, now redacted as the walk would (``tests/redact``: the two agree) but
+        without one: its context entered, its texts hashed, its prompt chained."""
         at = self._plain_of(PlainRequest)
-        if at is None or not self._unchanged("EngineCoreRequest", value, but=at.but):
+        if at is None or _chain.unchanged(data, self._shape_of(at.STRUCT, but=at.but)) is False:
             return False
         prompt = value[at.prompt] if at.prompt < len(value) else None
         texts = [i for i in at.texts if i < len(value) and value[i] is not None]
@@ -326,8 +347,10 @@ class Redactor:
         if action is None or ("any" not in field.kinds and kind_of(value) not in field.kinds):
             return self._blank(f"{owner}.{field.name}")
         if action == "keep" and field.struct is not None:
-            if field.struct == "EngineCoreOutput" and self._plain_outputs(value):
-                return value
+            if field.struct == "EngineCoreOutput" and type(value) is list:  # in a step that is walked
+                outputs = self._plain_outputs(_encode(value))
+                if outputs is not None:
+                    return decode_msgpack(outputs)
             container = field.type.split("[", 1)[0]
             if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
                 return [self._struct(field.struct, item) for item in value]
@@ -505,7 +528,6 @@ class PlainOutput(msgspec.Struct, frozen=True):
     STRUCT: ClassVar[str] = "EngineCoreOutput"
     length: int
     columns: tuple[int, int, int, int, int]  # request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits
-    nil: tuple[int, ...]
 
     @classmethod
     def of(cls, schema: Any, policy: Policy) -> PlainOutput | None:
@@ -518,7 +540,7 @@ class PlainOutput(msgspec.Struct, frozen=True):
             columns = tuple(spec.by_name[name].position for name in _PLAIN)
         except KeyError:
             return None
-        return cls(len(spec.fields), columns, tuple(i for i in range(len(spec.fields)) if i not in columns))
+        return cls(len(spec.fields), columns)
 
 
 _PLAIN = {"request_id": "hash", "new_token_ids": "tokens", "finish_reason": "keep", "stop_reason": "hash",
@@ -582,6 +604,38 @@ class Kept(msgspec.Struct, frozen=True):
             else:  # hashing keeps numbers, and empty lists and maps, as they are
                 as_is[key], fields[key] = types & {int, float, bool}, (types & {list, dict}, None, True)
         return cls(list if spec.encoding == "array" else dict, as_is, fields)
+
+    @staticmethod
+    def compiled(schema: Any, kept_of: Callable[[str], Kept | None], name: str, but: tuple = ()) -> _chain.Shape:
+        """The tables of ``name`` and of the structs in it, for ``_chain.unchanged``: it checks a struct's
+        msgpack as ``Redactor._unchanged`` checks its values (``tests/redact``: the two agree). ``but``:
+        fields of ``name`` not looked at (any value but an ext, which the walk takes)."""
+        names, structs = [name], []
+        for struct in names:  # (names grows by the structs nested in those before)
+            kept = kept_of(struct)
+            if kept is None:
+                structs.append((0, []))
+                continue
+            fields = []
+            for field in schema.structs[struct].fields:
+                key = field.name if kept.encoding is dict else field.position
+                types, nested, container = kept.fields.get(key, ((), None, False))
+                if not structs and key in but:  # (of the struct asked about)
+                    fields.append((key, _kinds(_KINDS), 0, -1, False))
+                elif key in kept.as_is or key in kept.fields:
+                    if nested is not None and nested not in names:
+                        names.append(nested)
+                    fields.append((key, _kinds(kept.as_is.get(key, ())), _kinds(types),
+                                   -1 if nested is None else names.index(nested), container))
+            structs.append((_kinds((kept.encoding,)), fields))
+        return _chain.Shape(structs)
+
+
+_KINDS = {bool: 1, int: 2, float: 4, str: 8, bytes: 16, list: 32, dict: 64}  # _chain.c's (an Ext has none)
+
+
+def _kinds(types: Iterable[type]) -> int:
+    return sum(_KINDS.get(kind, 0) for kind in set(types))
 
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str, "bin": bytes, "array": list, "map": dict, "ext": Ext}

@@ -5,7 +5,8 @@ Generated steps of outputs, one to three tokens each, some of them the requests'
 reasons of every kind, finishes, ids out of the vocabulary and outputs of unknown requests; generated ADDs
 with ids of every kind, prompts in and out of the vocabulary, and fields the walk drops. Two redactors
 with one key take the same frames, one with the fast paths, one walking: the same bytes, and the same
-contexts after (what is redacted next agrees too).
+contexts after (what is redacted next agrees too). The outputs' fast path reads and writes msgpack itself,
+so msgpack it does not take, and longer forms of what it takes, are tried too.
 """
 
 import copy
@@ -13,13 +14,14 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay_proxy.redact import frames
+from replay_proxy.redact import _chain, frames
 from replay_proxy.redact.policy import load_policy
 from replay_proxy.redact.tokens import Key
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction
 from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.values import decode_msgpack
 
 VOCAB = 50
 STOP_TOKENS = [0, 1, 2]
@@ -53,11 +55,16 @@ ADDS = st.lists(st.fixed_dictionaries({
 }), min_size=1, max_size=6)
 
 
+# ints of every width, and each width's edges, which msgpack writes in different forms
+INT64 = st.integers(-2 ** 63, 2 ** 63 - 1) | st.sampled_from(
+    [edge + d for edge in (-2 ** 63, -2 ** 31, -2 ** 15, -2 ** 7, -2 ** 5, 2 ** 7, 2 ** 8, 2 ** 16, 2 ** 32, 2 ** 63)
+     for d in (-1, 0) if -2 ** 63 <= edge + d < 2 ** 63])
 output = st.fixed_dictionaries({
     "request_id": st.sampled_from(REQUESTS + ["unknown"]),
     "new_token_ids": st.lists(st.integers(0, VOCAB - 1) | st.just(VOCAB + 3), min_size=1, max_size=3),
     "finish_reason": st.none() | st.integers(0, 2),
-    "stop_reason": st.none() | st.integers(0, VOCAB - 1) | st.sampled_from(["a stop string", "another"]),
+    "stop_reason": st.none() | st.integers(0, VOCAB - 1) | st.sampled_from(["a stop string", "another"]) | INT64,
+    "num_nans_in_logits": INT64,
 })
 STEPS = st.lists(st.lists(output, min_size=1, max_size=6), min_size=1, max_size=6)
 
@@ -109,24 +116,54 @@ def test_the_fast_path_is_taken_for_plain_outputs_and_not_for_others():
     fast = redactor()
     fast.frames([add(1, "req-0")])
     plain = struct_value(SCHEMA, "EngineCoreOutput", {"request_id": "req-0", "new_token_ids": [9]})
-    value = [list(plain)]
-    assert fast._plain_outputs(value)  # one token, of a request known: redacted in place
-    assert value[0][0] == fast.hasher.text("req-0") and value[0][1] != [9]
+    redacted = decode_msgpack(fast._plain_outputs(encode([plain])))  # one token, of a request known
+    assert redacted[0][0] == fast.hasher.text("req-0") and redacted[0][1] != [9]
     before = fast.live["req-0"].prefix.digest()
     for other in ([["req-0", [VOCAB], *plain[2:]]],  # not in the vocabulary
                   [["unknown", [9], *plain[2:]]],  # no ADD came
                   [["req-0", [9], [1, 2], *plain[3:]]],  # logprobs: walked, for their contexts
-                  [plain[:-1]]):  # another release's length
-        untouched = repr(other)
-        assert not fast._plain_outputs(other) and repr(other) == untouched
+                  [plain[:-1]],  # another release's length
+                  [["req-0", [9], *plain[2:5], True, *plain[6:]]]):  # a finish reason that is no int
+        assert fast._plain_outputs(encode(other)) is None
+    whole = encode([plain])
+    for broken in (whole[:-1], whole + b"\xc0", b"\xc1", b""):  # cut short, more than one value, not msgpack
+        assert fast._plain_outputs(broken) is None
     assert fast.live["req-0"].prefix.digest() == before  # and nothing was redacted on the way
+
+
+def _uint16(n: int) -> bytes:
+    return b"\xcd" + n.to_bytes(2, "big")
+
+
+def test_outputs_written_in_longer_forms_come_out_as_the_walk_writes_them():
+    """msgpack lets a writer spend more bytes than it needs (an int 9 as uint16, a short text as str8, a
+    short array as array16); the fast path writes what the walk would, msgspec's shortest forms."""
+    columns = frames.PlainOutput.of(SCHEMA, load_policy(None))
+    rid_at, tokens_at, finish_at, stop_at, nans_at = columns.columns
+    fields = [b"\xc0"] * columns.length
+    fields[rid_at] = b"\xd9\x05req-0"
+    fields[tokens_at] = b"\xdc\x00\x02" + _uint16(9) + _uint16(3)
+    fields[finish_at] = b"\xd0\x01"  # int8
+    fields[stop_at] = b"\xd3" + (-5).to_bytes(8, "big", signed=True)  # int64
+    fields[nans_at] = b"\xcf" + (7).to_bytes(8, "big")  # uint64
+    longer = b"\x91\xdc" + columns.length.to_bytes(2, "big") + b"".join(fields)
+    fast, reference = redactor(), redactor()
+    for one in (fast, reference):
+        one.frames([add(1, "req-0")])
+    output = decode_msgpack(longer)[0]
+    assert [output[i] for i in columns.columns] == ["req-0", [9, 3], 1, -5, 7]
+    assert fast._plain_outputs(longer) == reference._plain_outputs(encode(decode_msgpack(longer)))
+    assert fast.live == {} and fast.ended.keys() == reference.ended.keys() == {"req-0"}  # finished
+    assert fast.ended["req-0"].prefix.digest() == reference.ended["req-0"].prefix.digest()
+    too_big = fields[:nans_at] + [b"\xcf" + (2 ** 63).to_bytes(8, "big")] + fields[nans_at + 1:]  # no int64
+    assert redactor()._plain_outputs(b"\x91\xdc" + columns.length.to_bytes(2, "big") + b"".join(too_big)) is None
 
 
 def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
     fast = redactor()
     value = request("req-0", prompt_token_ids=[9, 10], external_req_id="ext-0")
     taken = list(value)
-    assert fast._plain_request(taken)  # ids hashed, the prompt chained, in place
+    assert fast._plain_request(encode(taken), taken)  # ids hashed, the prompt chained, in place
     assert taken[0] == fast.hasher.text("req-0") and taken[1] != [9, 10] and "req-0" in fast.live
     at = SCHEMA.structs["EngineCoreRequest"].by_name
     for name, other in (("request_id", 7), ("external_req_id", 7),  # no kind the field takes: blanked by the walk
@@ -136,7 +173,7 @@ def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
         refused = list(value)
         refused[at[name].position] = other
         untouched = repr(refused)
-        assert not fast._plain_request(refused) and repr(refused) == untouched, name
+        assert not fast._plain_request(encode(refused), refused) and repr(refused) == untouched, name
     assert list(fast.live) == ["req-0"]  # and no context was entered on the way
 
 
@@ -164,6 +201,8 @@ def test_what_the_check_gives_back_unchanged_the_walk_gives_back_too(name, data)
     value = values if spec.encoding == "map" else list(values.values())
     walked = redactor()
     walked._kept_of = lambda struct: None  # nothing is taken as kept: every field is walked
-    if redactor()._unchanged(name, value):
+    checked = redactor()
+    assert (_chain.unchanged(encode(value), checked._shape_of(name)) is not False) == checked._unchanged(name, value)
+    if checked._unchanged(name, value):
         assert walked._struct(name, copy.deepcopy(value)) == value
         assert not walked.blanked and not walked.dropped
