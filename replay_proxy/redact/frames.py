@@ -97,10 +97,14 @@ class Redactor:
 
     # --- the stream ---------------------------------------------------------------------------
 
-    def frames(self, items: Iterable[CapturedFrame | EngineLoss]) -> list[CapturedFrame | EngineLoss]:
-        """The redacted copies of ``items`` (and of earlier outputs that were waiting), in seq order."""
+    def frames(self, items: Iterable[CapturedFrame | EngineLoss],
+               before_each: Callable[[], object] | None = None) -> list[CapturedFrame | EngineLoss]:
+        """The redacted copies of ``items`` (and of earlier outputs that were waiting), in seq order;
+        ``before_each`` is called before each item is taken (the redactor process gives way there)."""
         out: list[CapturedFrame | EngineLoss] = []
         for item in sorted(items, key=lambda numbered: numbered.seq):
+            if before_each is not None:
+                before_each()
             if isinstance(item, EngineLoss):
                 out.append(item)
             elif _is_outputs(item):
@@ -493,7 +497,10 @@ class Redactor:
         if isinstance(params, dict):
             for key in _STOP_TOKENS:
                 stops = params.get(key)
-                fixed.update(t for t in (stops if isinstance(stops, list) else [stops]) if type(t) is int)
+                if type(stops) is int:
+                    fixed.add(stops)
+                elif type(stops) is list:
+                    fixed.update(t for t in stops if type(t) is int)
         wants_prompt_logprobs = isinstance(params, dict) and params.get("prompt_logprobs") is not None
         self._current = Context(self.tokens.start(), frozenset(fixed), wants_prompt_logprobs)
         rid = _at(value, spec.by_name.get("request_id"))

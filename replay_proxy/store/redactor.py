@@ -20,9 +20,9 @@ writer ends the session as interrupted.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
-from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -69,7 +69,7 @@ class RedactorLoop:
                     head, redaction_counts=redaction_counts(self.redactor))))
                 break
             self.last = head
-            self._pass_on(redacted(self.redactor.frames, decode_entries(message[1])), head)
+            self._pass_on(self.redactor.frames(decode_entries(message[1]), before_each=os.sched_yield), head)
         self.tap.close(linger=0)
         self.writer.close()
         self.context.term()
@@ -84,16 +84,7 @@ class RedactorLoop:
         self.writer.send_multipart(batch_message(entries, Batch(frames, head.frames_seen, head.bytes_seen)))
 
 
-def redacted(redact: Callable[[list[CapturedFrame | EngineLoss]], list[CapturedFrame | EngineLoss]],
-             items: list[CapturedFrame | EngineLoss]) -> list[CapturedFrame | EngineLoss]:
-    """``redact(items)`` (a ``Redactor.frames``), a frame at a time, entering the kernel before each:
-    SCHED_IDLE alone keeps a forwarder woken on this core waiting for a tick (``store/writer.py``)."""
-    out: list[CapturedFrame | EngineLoss] = []
-    for item in sorted(items, key=lambda numbered: numbered.seq):
-        os.sched_yield()
-        out += redact([item])
-    return out
-
-
 if __name__ == "__main__":
-    RedactorLoop(msgspec.json.decode(sys.argv[1], type=RedactorStart)).run()
+    loop = RedactorLoop(msgspec.json.decode(sys.argv[1], type=RedactorStart))
+    gc.freeze()  # as the writer: the key's permutation and the rest of start are never garbage
+    loop.run()

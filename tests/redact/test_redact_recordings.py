@@ -82,26 +82,22 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     assert fast["SchedulerStats"] > 0 and fast["SamplingParams"] > 0  # and in the walk, structs kept as they are
 
 
-def test_the_redactor_process_redacts_a_frame_at_a_time_as_one_call_would(tmp_path, monkeypatch):
-    """The recorder's redactor process enters the kernel before each frame (store/redactor.py): its
-    frame-at-a-time calls give the same redacted frames as one call over them all."""
-    import os
+def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_path):
+    """The recorder's redactor process enters the kernel before each frame (store/redactor.py passes
+    os.sched_yield as ``before_each``): called once a frame, in whatever order the frames came, and the
+    redacted frames are those of a call without it."""
     import sqlite3
 
     from replay_proxy.store.copy import recorded_frames
-    from replay_proxy.store.redactor import redacted
 
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
     redaction = Redaction(RedactionSettings(str(key), VOCAB))
-    yields = []
     for recording in RECORDINGS:
         frames = list(recorded_frames(sqlite3.connect(recording), 1))
-        at_once = redaction.redactor(None)
-        whole = at_once.frames(frames) + at_once.flush()
-        with monkeypatch.context() as patched:
-            patched.setattr(os, "sched_yield", lambda: yields.append(1))
-            one_by_one = redaction.redactor(None)
-            assert redacted(one_by_one.frames, frames[::-1]) + one_by_one.flush() == whole  # (sorted by seq)
+        plain = redaction.redactor(None)
+        whole = plain.frames(frames) + plain.flush()
+        yields = []
+        giving_way = redaction.redactor(None)
+        assert giving_way.frames(frames[::-1], before_each=lambda: yields.append(1)) + giving_way.flush() == whole
         assert len(yields) == len(frames)
-        yields.clear()
