@@ -82,12 +82,16 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     assert fast["SchedulerStats"] > 0 and fast["SamplingParams"] > 0  # and in the walk, structs kept as they are
 
 
-def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_path):
-    """The recorder's redactor process enters the kernel before each frame (store/redactor.py passes
-    os.sched_yield as ``before_each``): called once a frame, in whatever order the frames came, and the
-    redacted frames are those of a call without it."""
+def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_path, monkeypatch):
+    """The recorder's redactor process gives way from ``before_each`` (store/redactor.py): it is called
+    once a frame, in whatever order the frames came, and the redacted frames are those of a call without
+    it. The process enters the kernel at every REDACTED_PER_YIELD-th of those calls."""
+    import itertools
+    import os
     import sqlite3
+    import types
 
+    from replay_proxy.store import redactor
     from replay_proxy.store.copy import recorded_frames
 
     key = tmp_path / "redaction.key"
@@ -101,3 +105,9 @@ def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_pat
         giving_way = redaction.redactor(None)
         assert giving_way.frames(frames[::-1], before_each=lambda: yields.append(1)) + giving_way.flush() == whole
         assert len(yields) == len(frames)
+    entered = []
+    monkeypatch.setattr(os, "sched_yield", lambda: entered.append(1))
+    loop = types.SimpleNamespace(redacted=itertools.count())
+    for _ in range(3 * redactor.REDACTED_PER_YIELD + 1):
+        redactor.RedactorLoop.give_way(loop)
+    assert len(entered) == 4  # before the first frame, and after each REDACTED_PER_YIELD
