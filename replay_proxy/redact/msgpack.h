@@ -136,36 +136,30 @@ static int skip_kept(reader *r, int depth) {
     return skip(r, depth);  /* a number, nil, a bool or bin */
 }
 
-static int read_array(reader *r, uint64_t *items) {
+/* Past the head of an array (``fix`` 0x90, then 0xdc and 0xdd) or a map (0x80, 0xde, 0xdf), and how many
+ * items or pairs it has. */
+static int read_head(reader *r, uint8_t fix, uint8_t head16, uint64_t *count) {
     if (r->p >= r->end)
         return -1;
     uint8_t b = *r->p;
-    if ((b & 0xf0) == 0x90) {
-        *items = b & 0x0f;
+    if ((b & 0xf0) == fix) {
+        *count = b & 0x0f;
         r->p++;
         return 0;
     }
-    if ((b != 0xdc && b != 0xdd) || r->end - r->p < 1 + length_bytes(b))
+    if ((b != head16 && b != head16 + 1) || r->end - r->p < 1 + length_bytes(b))
         return -1;
-    *items = big_endian(r->p + 1, length_bytes(b));
+    *count = big_endian(r->p + 1, length_bytes(b));
     r->p += 1 + length_bytes(b);
     return 0;
 }
 
+static int read_array(reader *r, uint64_t *items) {
+    return read_head(r, 0x90, 0xdc, items);
+}
+
 static int read_map(reader *r, uint64_t *pairs) {
-    if (r->p >= r->end)
-        return -1;
-    uint8_t b = *r->p;
-    if ((b & 0xf0) == 0x80) {
-        *pairs = b & 0x0f;
-        r->p++;
-        return 0;
-    }
-    if ((b != 0xde && b != 0xdf) || r->end - r->p < 1 + length_bytes(b))
-        return -1;
-    *pairs = big_endian(r->p + 1, length_bytes(b));
-    r->p += 1 + length_bytes(b);
-    return 0;
+    return read_head(r, 0x80, 0xde, pairs);
 }
 
 /* An int that fits in 64 signed bits (msgspec decodes it as an int); -1 if it is anything else. */
