@@ -208,7 +208,7 @@ static PyObject *hashed(PyObject *text, PyObject *known, PyObject *hasher) {
  * a struct back as it is. Shape holds frames.Kept's tables for a struct and those nested in it, compiled:
  * for each field, the kinds of value given back as they are (as_is), and the kinds (types) of one that is
  * a struct itself (nested), or a list or map of them that is given back only when empty (container). Kinds
- * are bits (KIND_BITS in frames.py); nil is always given back, an ext never here (the walk takes it). */
+ * are bits (_KINDS in frames.py); nil is always given back, an ext never here (the walk takes it). */
 enum { BOOL = 1, INT = 2, FLOAT = 4, TEXT = 8, BIN = 16, ARRAY = 32, MAP = 64 };
 
 typedef struct {
