@@ -27,7 +27,7 @@ def test_history_of_engine_core_output():
     schemas = [load_schema(r) for r in shipped_releases()]
     history = {h.field: h for h in struct_history(schemas, "EngineCoreOutput")}
     assert (history["request_id"].first, history["request_id"].last, history["request_id"].changes) == (
-        "0.22.0", "0.33.0", ())
+        "0.22.0", "0.34.0", ())
     assert (history["prompt_token_id_logprobs"].first, history["prompt_token_id_logprobs"].position) == ("0.31.0", 17)
     assert (history["error"].first, history["error"].position) == ("0.33.0", 18)
     assert [h.field for h in history.values()][:2] == ["request_id", "new_token_ids"]
@@ -36,7 +36,10 @@ def test_history_of_engine_core_output():
 def test_history_of_engine_core_request_and_the_registration():
     schemas = [load_schema(r) for r in shipped_releases()]
     request = {h.field: h for h in struct_history(schemas, "EngineCoreRequest")}
-    assert request["kv_hints"].first == "0.31.0" and request["kv_hints"].last == "0.33.0"
+    assert request["kv_hints"].first == "0.31.0" and request["kv_hints"].last == "0.34.0"
+    assert request["block_hashes"].first == "0.34.0" and request["block_hashes"].position == 22
+    assert [(c.release, c.before, c.after) for c in request["prompt_token_ids"].changes if c.what == "type"] == [
+        ("0.34.0", "list[int] | None", "ndarray | None")]  # the prompt as a numpy array
     assert all(h.first == "0.22.0" for h in list(request.values())[:9])  # the required head never moved
     registration = {h.field: h for h in struct_history(schemas, "EngineCoreReadyResponse")}
     assert registration["effective_attention_block_size"].first == "0.31.0"
@@ -45,9 +48,9 @@ def test_history_of_engine_core_request_and_the_registration():
 
 def test_schema_history_cli_table_json_and_bad_names():
     table = cli("schema", "history", "EngineCoreOutput", "prompt_token_id_logprobs")
-    assert table.returncode == 0 and "0.31.0" in table.stdout and "0.33.0" in table.stdout
+    assert table.returncode == 0 and "0.31.0" in table.stdout and "0.34.0" in table.stdout
     [row] = json.loads(cli("schema", "history", "EngineCoreOutput", "error", "--json").stdout)
-    assert (row["first"], row["last"], row["position"]) == ("0.33.0", "0.33.0", 18)
+    assert (row["first"], row["last"], row["position"]) == ("0.33.0", "0.34.0", 18)
     missing = cli("schema", "history", "EngineCoreOutput", "nope")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "EngineCoreOutput.nope" in missing.stderr
 

@@ -3,18 +3,19 @@
 from replay_proxy.wire.schema import load_schema, schema_for, shipped_releases
 
 
-def test_every_release_from_0_22_to_0_33_ships_oldest_first():
+def test_every_release_from_0_22_to_0_34_ships_oldest_first():
     assert shipped_releases() == ("0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
-                                  "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+                                  "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+                                  "0.34.0")
 
 
 def test_schema_for_picks_exact_then_nearest_older():
     assert [(s.release, exact) for s, exact in (schema_for("0.32.0"), schema_for("0.31.0+cpu"))] == [
         ("0.32.0", True), ("0.31.0", True)]
     assert (schema_for("0.32.1")[0].release, schema_for("0.32.1")[1]) == ("0.32.0", False)
-    assert (schema_for("0.34.0")[0].release, schema_for("0.34.0")[1]) == ("0.33.0", False)
+    assert (schema_for("0.35.0")[0].release, schema_for("0.35.0")[1]) == ("0.34.0", False)
     assert schema_for("0.8.5")[0].release == "0.22.0"
-    assert schema_for(None)[0].release == "0.33.0"
+    assert schema_for(None)[0].release == "0.34.0"
 
 
 def test_schemas_carry_the_release_drift_extracted_from_vllm():
