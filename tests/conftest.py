@@ -10,8 +10,10 @@ class RecordedSession:
     """Sim frontend <-> relay (recording) <-> sim engines, in one nursery."""
 
     def __init__(self, nursery, db, engines=1, api_servers=1, engine_drift=None, frontend_drift=None,
-                 name="test", coordinator=False, record_coordinator=False, **recorder_options):
+                 name="test", coordinator=False, record_coordinator=False, frontend_release="0.32.0",
+                 engine_release="0.32.0", **recorder_options):
         self.nursery, self.db, self.name = nursery, db, name
+        self.frontend_release, self.engine_release = frontend_release, engine_release
         self.n_engines, self.api_servers = engines, api_servers
         self.engine_drift, self.frontend_drift = engine_drift, frontend_drift
         self.coordinator, self.record_coordinator = coordinator, record_coordinator
@@ -20,14 +22,15 @@ class RecordedSession:
     async def start(self):
         kwargs = {"drift": self.frontend_drift} if self.frontend_drift else {}
         self.frontend = SimFrontend(engines=self.n_engines, api_servers=self.api_servers,
-                                    coordinator=self.coordinator, **kwargs)
+                                    coordinator=self.coordinator, release=self.frontend_release, **kwargs)
         upstream = await self.nursery.start(self.frontend.run)
         self.recorder = Recorder(self.db, SessionInfo(name=self.name, upstream=upstream), **self.recorder_options)
         self.relay = Relay("tcp://127.0.0.1:0", upstream, self.recorder, record_coordinator=self.record_coordinator)
         self.nursery.start_soon(self.relay.run)
         await self.relay.listening.wait()
         kwargs = {"drift": self.engine_drift} if self.engine_drift else {}
-        self.engines = [SimEngine(self.relay.listen, i, **kwargs) for i in range(self.n_engines)]
+        self.engines = [SimEngine(self.relay.listen, i, release=self.engine_release, **kwargs)
+                        for i in range(self.n_engines)]
         for engine in self.engines:
             self.nursery.start_soon(engine.run)
         await self.frontend.ready.wait()

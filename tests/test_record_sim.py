@@ -230,3 +230,36 @@ async def test_the_engine_may_start_before_the_frontend(nursery, db_path):
     recorder.close()
     kinds = [r["kind"] for r in sqlite_utils.Database(db_path).query("SELECT kind FROM frames ORDER BY seq")]
     assert kinds[:3] == ["HELLO", "INIT", "READY"] or kinds[:3] == ["HELLO", "INIT", "REGISTRATION"]
+
+
+@pytest.mark.parametrize("engine_release", ["0.34.0", "0.32.0"])
+async def test_a_0_34_frontend_is_recorded_with_its_own_release(session_factory, db_path, engine_release):
+    """0.34.0's prompts (an int32 ndarray, a long one in an aux frame) cross byte-identical and are tabulated
+    as tokens, named with the frontend's release whichever release its engines are; an engine of 0.32.0
+    rejects them, as a real one does (its input thread dies on the typed decode)."""
+    prompts = {"short": [5, 6, 7, 8], "long": [(3 * i) % 500 for i in range(200)]}
+    with trio.fail_after(30):
+        session = await session_factory(frontend_release="0.34.0", engine_release=engine_release)
+        for request_id, prompt in prompts.items():
+            await session.frontend.add(request_id, prompt, max_tokens=3, temperature=0.0)
+        engine = session.engines[0]
+        if engine_release == "0.34.0":
+            await session.frontend.wait_for(lambda: len(session.frontend.finish_reasons) == 2)
+        else:
+            while len(engine.rejected) < 2:
+                await trio.sleep(0.01)
+    session.recorder.close()
+    sent = [frames for _, frames in engine.received if frames[0] == RequestType.ADD.value]
+    assert [len(frames) for frames in sent] == [2, 3]  # the long prompt's 800 bytes in an aux frame
+    db = sqlite_utils.Database(db_path)
+    rows = {r["request_id"]: r for r in db.query("SELECT request_id, prompt_len, prompt_token_ids FROM requests")}
+    assert {rid: (r["prompt_len"], json.loads(r["prompt_token_ids"])) for rid, r in rows.items()} == {
+        rid: (len(prompt), prompt) for rid, prompt in prompts.items()}
+    raw = [msgspec.msgpack.decode(r["raw"]) for r in db.query("SELECT raw FROM frames WHERE kind = 'ADD' ORDER BY seq")]
+    assert raw == sent  # as the engine received them
+    row = db["sessions"].get(session.recorder.session_id)
+    assert (row["vllm_version"], row["frontend_release"], row["frontend_source"]) == (
+        engine_release, "0.34.0", "engines" if engine_release == "0.34.0" else "newest")
+    alarms = {(r["field"], r["issue"], r["schema_release"]) for r in db.query("SELECT * FROM drift_alarms")}
+    assert alarms == (set() if engine_release == "0.34.0" else {
+        ("prompt_token_ids", "type_mismatch", "0.32.0"), (None, "extra_position", "0.32.0")})

@@ -24,6 +24,7 @@ def sim_frontend(
     handshake: Annotated[str, typer.Option(callback=check_address, help="Handshake address to bind.")],
     engines: Annotated[int, typer.Option(min=1, help="Engines to wait for.")] = 1,
     api_servers: Annotated[int, typer.Option(min=1, help="Input/output socket pairs (API servers).")] = 1,
+    release: Annotated[str, typer.Option(help="vLLM release whose schema this frontend speaks.")] = "0.32.0",
     requests: Annotated[int, typer.Option(min=0, help="Requests in the workload.")] = 20,
     http_port: Annotated[int | None, typer.Option(
         help="Instead of running the workload, serve an OpenAI-style API on this port until SIGTERM or Ctrl-C.")]
@@ -41,8 +42,8 @@ def sim_frontend(
 
     knobs = parse_drift(drift, FrontendDrift)
     try:
-        run_frontend(handshake, engines=engines, api_servers=api_servers, requests=requests, http_port=http_port,
-                     drift=knobs, timeout_s=timeout, say=err.print)
+        run_frontend(handshake, engines=engines, api_servers=api_servers, release=release, requests=requests,
+                     http_port=http_port, drift=knobs, timeout_s=timeout, say=err.print)
     except SimTimeout as exc:
         raise fail(str(exc), ExitCode.REPLAY_FAILED) from None
 

@@ -37,6 +37,10 @@ def record(
     max_db_mb: Annotated[float | None, typer.Option(min=1,
         help="Stop recording (never forwarding) once the database file reaches this size; what does not "
              "fit is counted as dropped, as on a full disk.")] = None,
+    frontend_release: Annotated[str | None, typer.Option(
+        metavar="RELEASE",
+        help="The vLLM release of the frontend (Python or vllm-rs), which no handshake names: its frames are "
+             "decoded with it. By default it is found from its first request.")] = None,
     fail_on_drift: Annotated[bool, typer.Option(
         help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
              "(the drift alarms, in the drift_alarms table).")] = False,
@@ -83,6 +87,7 @@ def record(
     from replay_proxy.record.status import StatusLog
     from replay_proxy.store.rotation import RotationSettings, first_file
     from replay_proxy.store.sample import RequestSample
+    from replay_proxy.wire.schema import shipped_releases
 
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     redaction = redaction_settings(redact_key, redact_policy, vocab_size, "--redact-key") if redact_key else None
@@ -95,12 +100,16 @@ def record(
                                     every_s=duration_s(rotate_every, "--rotate-every") if rotate_every else None,
                                     keep=keep, max_total_bytes=int(max_total_gb * 1e9) if max_total_gb else None)
         db = first_file(str(db))
+    if frontend_release is not None and frontend_release not in shipped_releases():
+        raise fail(f"--frontend-release {frontend_release}: no schema for it (known: "
+                   f"{', '.join(shipped_releases())}; replay-proxy schema extract --release adds one)", ExitCode.USAGE)
     log = StatusLog(err, log_format, status_every)
     try:
         recorder, stats = trio.run(lambda: run_record(listen, upstream, db, session=name, on_full=on_full,
                                                       record_coordinator=record_coordinator, max_db_mb=max_db_mb,
                                                       redaction=redaction, sample=sample, rotation=rotation,
-                                                      metrics=metrics, log=log))
+                                                      metrics=metrics, frontend_release=frontend_release,
+                                                      log=log))
     except (ReplayProxyError, OSError) as exc:
         raise fail(str(exc)) from None
     so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"

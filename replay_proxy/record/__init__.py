@@ -20,11 +20,13 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
                  on_full: OnFull = OnFull.DROP, record_coordinator: bool = False, max_db_mb: float | None = None,
                  redaction: RedactionSettings | None = None, sample: RequestSample | None = None,
                  rotation: RotationSettings | None = None, metrics: str | None = None,
-                 log: StatusLog) -> tuple[Recorder, RecorderStats]:
+                 frontend_release: str | None = None, log: StatusLog) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM (or SIGHUP, when not rotating: a hangup); return the finished
     recorder and its final statistics. Rotating, SIGHUP begins the next file. With ``metrics`` (HOST:PORT),
     serve ``/metrics`` and ``/healthz`` there meanwhile."""
-    recorder = Recorder(db, SessionInfo(name=session, listen=listen, upstream=upstream), on_full=on_full,
+    info = SessionInfo(name=session, listen=listen, upstream=upstream, frontend_release=frontend_release,
+                       frontend_source="given" if frontend_release else None)
+    recorder = Recorder(db, info, on_full=on_full,
                         max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None, redaction=redaction,
                         sample=sample, rotation=rotation)
     relay = Relay(listen, upstream, recorder, record_coordinator=record_coordinator)

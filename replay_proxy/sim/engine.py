@@ -27,7 +27,7 @@ from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
 from replay_proxy.wire.schema import Namer, load_schema
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.values import decode_msgpack, token_ids
 
 VOCAB = 900
 FINISH = {"stop": 0, "length": 1, "abort": 2, "error": 3}
@@ -143,14 +143,14 @@ class SimEngine:
         except (ValueError, IndexError, msgspec.DecodeError):
             return  # kept in self.received; a real engine's input thread would choke here
         if kind is RequestType.ADD:
-            namer = Namer(self.schema)
+            namer = Namer(self.schema, frames[1:])  # tensor references count from the body
             fields = namer.struct("EngineCoreRequest", body)
             if any(f.issue in ("type_mismatch", "missing_required") for f in namer.flags):
                 self.rejected.append(frames)  # vLLM's typed decoder raises here; the request never runs
                 return
             params = fields["sampling_params"] or {}
             self.running[fields["request_id"]] = _Running(
-                prompt=fields["prompt_token_ids"] or [], seed=params.get("seed"),
+                prompt=token_ids(fields["prompt_token_ids"]) or [], seed=params.get("seed"),
                 max_tokens=params.get("max_tokens", 16), stop_token_ids=params.get("stop_token_ids") or [],
                 client=fields.get("client_index", 0),
             )

@@ -27,7 +27,7 @@ import zmq
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.sim.drift import FrontendDrift, with_inserted_field
-from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.encode import encode, struct_value, token_ids
 from replay_proxy.wire.handshake import engine_identity, engine_index
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
 from replay_proxy.wire.schema import load_schema
@@ -174,13 +174,16 @@ class SimFrontend:
             params[new] = params.pop(old)
         if self.drift.add_sampling_key:
             params[self.drift.add_sampling_key] = 1
+        aux_frames: list[bytes] = []  # (a long prompt's, from 0.34.0 on)
+        prompt_field = self.schema.structs["EngineCoreRequest"].by_name["prompt_token_ids"]
         body = struct_value(self.schema, "EngineCoreRequest", {
-            "request_id": request_id, "prompt_token_ids": prompt, "mm_features": None,
+            "request_id": request_id, "prompt_token_ids": token_ids(prompt_field, prompt, aux_frames),
+            "mm_features": None,
             "sampling_params": struct_value(self.schema, "SamplingParams", params),
             "pooling_params": None, "arrival_time": time.time(), "lora_request": None,
             "cache_salt": None, "data_parallel_rank": None, "client_index": client, **(request or {}),
         })
-        await self._send(engine, client, RequestType.ADD, body)
+        await self._send(engine, client, RequestType.ADD, body, aux_frames)
         if self.coordinator and not self.waves_started:  # wake the other (paused) engines
             self.waves_started += 1
             await self._publish.send([RequestType.START_DP_WAVE.value, encode([0, engine])])
@@ -203,8 +206,8 @@ class SimFrontend:
         await self._send(engine, client, RequestType.UTILITY, [client, call_id, method, list(args)])
         return call_id
 
-    async def _send(self, engine: int, client: int, kind: RequestType, body) -> None:
-        await self.inputs[client].send([engine_identity(engine), kind.value, encode(body)])
+    async def _send(self, engine: int, client: int, kind: RequestType, body, aux_frames: list[bytes] = ()) -> None:
+        await self.inputs[client].send([engine_identity(engine), kind.value, encode(body), *aux_frames])
 
     def _notify(self) -> None:
         self._changed.set()

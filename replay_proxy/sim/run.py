@@ -30,12 +30,13 @@ async def _until_signalled(start: Callable[[trio.Nursery], object]) -> None:
                 break
 
 
-def run_frontend(handshake: str, *, engines: int = 1, api_servers: int = 1, requests: int = 20,
+def run_frontend(handshake: str, *, engines: int = 1, api_servers: int = 1, release: str = "0.32.0", requests: int = 20,
                  http_port: int | None = None, drift: FrontendDrift | None = None, timeout_s: float = 60.0,
                  say: Callable[[str], None] = print) -> None:
     """Wait for the engines, then run ``requests`` requests (bounded by ``timeout_s``), or, with
     ``http_port``, serve an OpenAI-style API on it until signalled."""
-    frontend = SimFrontend(handshake, engines=engines, api_servers=api_servers, drift=drift or FrontendDrift())
+    frontend = SimFrontend(handshake, engines=engines, api_servers=api_servers, release=release,
+                           drift=drift or FrontendDrift())
 
     async def serve(nursery: trio.Nursery) -> None:
         await nursery.start(frontend.run)

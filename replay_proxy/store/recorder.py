@@ -145,6 +145,8 @@ class SessionInfo(msgspec.Struct, frozen=True):
     listen: str | None = None
     upstream: str | None = None
     baseline_session_id: int | None = None
+    frontend_release: str | None = None  # what the frontend writes as, where the user knows it (else found)
+    frontend_source: str | None = None
 
 
 class Recorder:

@@ -20,7 +20,7 @@ from replay_proxy.wire.messages import (
     ENGINE_CORE_DEAD, HANDSHAKE_KINDS, Channel, Direction, Kind, Message, WireDecoder)
 from replay_proxy.wire.schema import Flag, Schema
 from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs, typed_requests
-from replay_proxy.wire.values import decode_msgpack, to_json
+from replay_proxy.wire.values import decode_msgpack, to_json, token_ids
 
 _raw = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
@@ -105,11 +105,17 @@ class Rows:
                 self._frame(session_id, frame, Kind.OUTPUTS, to_json(_compact(read.fields)), None, read.flags,
                             _engine_time(read.fields.get("timestamp")), decoder.schema)
                 return Kind.OUTPUTS
-        message = typed_requests(decoder.schema).read(frame.parts) \
-            if frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE else None
+        schema = decoder.schema
+        message = None
+        if frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE:
+            schema = decoder.request_schema(frame.parts)  # the frontend's release
+            if decoder.reader_flags:  # its engines' release does not read what it sends: drift, said once
+                self.flagged.append((frame, Kind.ADD, decoder.reader_flags, decoder.schema))
+                decoder.reader_flags = ()
+            message = typed_requests(schema).read(frame.parts)
         if message is None:
             message = decoder.decode(frame.channel, frame.direction, frame.parts)
-        self.add_frame(session_id, frame, message, decoder.schema)
+        self.add_frame(session_id, frame, message, schema)
         return message.kind
 
     def add_frame(self, session_id: int, frame: CapturedFrame, message: Message, schema: Schema) -> None:
@@ -214,11 +220,12 @@ class Rows:
                     sampling[at] = value if type(value) in _SQLITE_AS_IS else _sampling_value(value)
         else:
             sampling = [None] * len(defaults)
-        prompt = fields.get("prompt_token_ids")
+        sent = fields.get("prompt_token_ids")
+        prompt = token_ids(sent)  # whichever way its release encodes it (as sent where it is not token ids)
         self.tables["requests"].append((
             where["session_id"], where["seq"], where["ts_ns"], where["engine_index"], where["client_index"],
             *_sqlite_row((fields.get("request_id"), fields.get("external_req_id"))),
-            len(prompt) if isinstance(prompt, list) else None, to_json(prompt),
+            len(prompt) if prompt is not None else None, to_json(sent if prompt is None else prompt),
             *_sqlite_row((fields.get("arrival_time"), fields.get("data_parallel_rank"), fields.get("priority"))),
             *sampling, to_json(params)))
 

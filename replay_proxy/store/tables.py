@@ -41,6 +41,10 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "schema_release": str, "schema_exact": int, "proxy_version": str, "frames_seen": int,
         "frames_recorded": int, "frames_dropped": int, "frames_undecoded": int, "bytes_seen": int,
         "engines_dead": int, "error": str,
+        # The release the frontend writes as (each side's frames are named with their writer's release), and
+        # how it was found: given (record --frontend-release), the engines' (its first ADD reads as theirs),
+        # newest (the newest shipped release that reads it without flags), unread (none does).
+        "frontend_release": str, "frontend_source": str,
         # A redacted session: its policy's digest and its key's fingerprint (never the key), and what
         # the redaction blanked (default deny) and dropped (the policy), as JSON counts.
         "redaction_policy": str, "redaction_key": str, "redaction_counts": str,

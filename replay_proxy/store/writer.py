@@ -112,9 +112,10 @@ class Writer:
                    f"VALUES ({', '.join('?' for _ in columns)})"
             for table, (columns, _) in TABLES.items()
         }
-        version, recorded = self.connection.execute(
-            "SELECT vllm_version, COALESCE(frames_recorded, 0) FROM sessions WHERE id = ?", (session_id,)).fetchone()
-        self.decoder = WireDecoder()
+        version, recorded, frontend_release, frontend_source = self.connection.execute(
+            "SELECT vllm_version, COALESCE(frames_recorded, 0), frontend_release, frontend_source FROM sessions "
+            "WHERE id = ?", (session_id,)).fetchone()
+        self.decoder = WireDecoder(frontend_release=frontend_release, frontend_source=frontend_source)
         self.decoder.learn_version(version)  # a session decoded before in part: its registration is past
         self.redactor = redaction.redactor(version) if redaction is not None else None
         self.request_numbers = dict(self.connection.execute(
@@ -314,6 +315,8 @@ class Writer:
             end["status"] = "incomplete"
         error = (stop.error if stop else None) or self.write_error
         values = {"vllm_version": decoder.vllm_version, "schema_release": decoder.schema.release,
+                  "frontend_release": decoder.frontend_release,
+                  "frontend_source": None if decoder.frontend_source is None else str(decoder.frontend_source),
                   "schema_exact": int(decoder.schema_exact), "frames_recorded": self.frames_written,
                   "frames_undecoded": self.frames_undecoded, "engines_dead": len(self.dead), **end}
         if self.sampler is not None:
@@ -639,7 +642,7 @@ class Series:
 
 # What a new file's session row takes from the one before it.
 _CARRIED = ("name", "mode", "listen", "upstream", "proxy_version", "redaction_policy", "redaction_key",
-            "sample_requests", "sample_seed")
+            "sample_requests", "sample_seed", "frontend_release", "frontend_source")
 _SUMMED = ("frames_written", "requests", "frames_failed", "frames_undecoded", "frames_undecodable",
            "frames_sampled_out", "outputs_sampled_out")
 

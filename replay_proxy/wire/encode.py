@@ -10,6 +10,7 @@ carry every field.
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import msgspec
@@ -70,6 +71,15 @@ def _field_value(schema: Schema, field: Field, value: Any) -> Any:
 
 def _nested(schema: Schema, name: str, value: Any) -> Any:
     return struct_value(schema, name, value) if isinstance(value, dict) else value
+
+
+def token_ids(field: Field, tokens: list[int], aux_frames: list[bytes], dtype: str = "<i4") -> Any:
+    """Token ids as ``field``'s release sends them: a msgpack array, or where the field is an ndarray (0.34.0's
+    prompt) a 32-bit one (the Python frontend's ``<i4``; vllm-rs sends ``=u4``)."""
+    if not field.tensor:
+        return tokens
+    typecode = "I" if dtype[1] == "u" else "i"  # (4 bytes each, in this machine's order: "<" and "=" alike)
+    return tensor(dtype, [len(tokens)], array.array(typecode, tokens).tobytes(), aux_frames)
 
 
 def tensor(dtype: str, shape: list[int], data: bytes, aux_frames: list[bytes]) -> list[Any]:

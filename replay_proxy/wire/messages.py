@@ -7,9 +7,15 @@ what it reads but the schema does not describe becomes flags on the message.
 Frames are given without ZMQ routing identities (the socket layer strips
 those and reports the engine separately).
 
-The decoder is stateful only in one respect: the registration message names
-the engine's ``vllm_version``, and from then on positional structs are named
-with that release's schema.
+The decoder is stateful in two respects, one for each side that writes.
+The registration names the engines' ``vllm_version``, and from then on what
+the engines write is named with that release's schema. What the frontend
+writes is named with the frontend's release, which no handshake names: given
+(``record --frontend-release``), or found from its first ADD, read without
+flags by the engines' own release if it can be, else by the newest shipped
+release that can. A frontend of another release than its engines (a rolling
+upgrade) is so read as it was written; one that no known release reads is
+named with the engines' schema, flagged, and said so (``frontend_source``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.wire.schema import Flag, Namer, Schema, schema_for
+from replay_proxy.wire.schema import Flag, Namer, Schema, load_schema, schema_for, shipped_releases
 from replay_proxy.wire.values import decode_msgpack, kind_of
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
@@ -112,15 +118,53 @@ UTILITY_ARGUMENTS = {"add_lora": ("LoRARequest",)}
 START_DP_WAVE_FIELDS = ("wave", "exclude_engine_index")
 
 
-class WireDecoder:
-    """Decodes the frames of one session, choosing the schema as it learns it."""
+class FrontendSource(enum.StrEnum):
+    """How the frontend's release was found (``sessions.frontend_source``)."""
 
-    def __init__(self, schema: Schema | None = None, *, fixed: bool = False):
-        """With ``fixed``, ``schema`` names everything, whatever release a registration announces: a
-        reader of that release reading another's messages."""
+    GIVEN = "given"  # record --frontend-release
+    ENGINES = "engines"  # its first ADD reads without flags as the engines' release
+    NEWEST = "newest"  # ... as the newest shipped release that reads it so
+    UNREAD = "unread"  # no shipped release reads it without flags: named with the engines' schema
+
+
+class WireDecoder:
+    """Decodes the frames of one session, choosing each side's schema as it learns it."""
+
+    def __init__(self, schema: Schema | None = None, *, fixed: bool = False, frontend_release: str | None = None,
+                 frontend_source: str | None = None):
+        """With ``fixed``, ``schema`` names everything, whatever release a registration announces or the
+        frontend writes: a reader of that release reading another's messages. ``frontend_release``: what
+        writes to the engines, given (or found before, by ``frontend_source``)."""
         self.schema, self.schema_exact = (schema, True) if schema else schema_for(None)
         self.vllm_version: str | None = None
         self.fixed = fixed
+        self.frontend_schema = load_schema(frontend_release) if frontend_release else None
+        self.frontend_source = FrontendSource(frontend_source or FrontendSource.GIVEN) if frontend_release \
+            else FrontendSource.UNREAD if frontend_source == FrontendSource.UNREAD else None
+        # The flags the engines' schema gave the first ADD of a frontend of another release: what its engines
+        # cannot read as sent (the caller takes them once, as drift; the ADD itself is named without them).
+        self.reader_flags: tuple[Flag, ...] | None = None
+
+    @property
+    def frontend_release(self) -> str | None:
+        return self.frontend_schema.release if self.frontend_schema is not None else None
+
+    def request_schema(self, frames: Sequence[bytes]) -> Schema:
+        """The schema to name an input message (``frames``: its request type first) with: the frontend's,
+        found from the first ADD if not yet known (the module's docstring)."""
+        if self.frontend_source is None and not self.fixed and frames[:1] == [RequestType.ADD.value] \
+                and len(frames) > 1:
+            payload = list(frames[1:])
+            self.reader_flags = _flags(self.schema, payload)
+            if self.reader_flags == ():
+                self.frontend_schema, self.frontend_source = self.schema, FrontendSource.ENGINES
+            else:
+                newest = (load_schema(r) for r in reversed(shipped_releases()))
+                self.frontend_schema = next((s for s in newest if _flags(s, payload) == ()), None)
+                self.frontend_source = FrontendSource.NEWEST if self.frontend_schema else FrontendSource.UNREAD
+                if self.frontend_schema is None:
+                    self.reader_flags = ()  # (the message's own flags say it)
+        return self.frontend_schema or self.schema
 
     def decode(self, channel: Channel, direction: Direction, frames: Sequence[bytes]) -> Message:
         frames = list(frames)
@@ -188,8 +232,9 @@ class WireDecoder:
         if len(frames) < 2:
             return _unknown(f"{request_type.name} without a body")
         payload = frames[1:]  # tensor references count from the body (index 0)
+        schema = self.request_schema(frames)
         if request_type is RequestType.ADD:
-            return self._named(Kind.ADD, "EngineCoreRequest", payload)
+            return self._named(Kind.ADD, "EngineCoreRequest", payload, schema=schema)
         value = decode_msgpack(payload[0])
         if request_type is RequestType.ABORT:
             if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -203,8 +248,8 @@ class WireDecoder:
         structs = UTILITY_ARGUMENTS.get(fields.get("method")) if kind is Kind.UTILITY else None
         if not structs or not isinstance(fields["args"], list):
             return Message(kind=kind, fields=fields)
-        namer = Namer(self.schema, payload)
-        fields["args"] = [namer.struct(structs[i], arg) if i < len(structs) and structs[i] in self.schema.structs
+        namer = Namer(schema, payload)
+        fields["args"] = [namer.struct(structs[i], arg) if i < len(structs) and structs[i] in schema.structs
                           else arg for i, arg in enumerate(fields["args"])]
         return Message(kind=kind, fields=fields, flags=tuple(namer.flags))
 
@@ -215,15 +260,27 @@ class WireDecoder:
             return msgspec.structs.replace(message, kind=Kind.UTILITY_OUTPUT)
         return message
 
-    def _named(self, kind: Kind, struct: str, frames: list[bytes], value: Any = None) -> Message:
+    def _named(self, kind: Kind, struct: str, frames: list[bytes], value: Any = None, *,
+               schema: Schema | None = None) -> Message:
+        schema = schema or self.schema
         if value is None:
             value = decode_msgpack(frames[0])
-        namer = Namer(self.schema, frames)
+        namer = Namer(schema, frames)
         fields = namer.struct(struct, value)
         if not isinstance(fields, dict):
             return Message(kind=Kind.UNKNOWN, fields=fields, flags=tuple(namer.flags),
-                           error=f"{struct} is not a {self.schema.structs[struct].encoding}")
+                           error=f"{struct} is not a {schema.structs[struct].encoding}")
         return Message(kind=kind, fields=fields, flags=tuple(namer.flags))
+
+
+def _flags(schema: Schema, payload: list[bytes]) -> tuple[Flag, ...] | None:
+    """The flags ``schema`` gives an ADD's body (and its aux frames); None where it does not name it at all."""
+    try:
+        namer = Namer(schema, payload)
+        named = namer.struct("EngineCoreRequest", decode_msgpack(payload[0]))
+    except Exception:  # noqa: BLE001 - whatever does not decode is not named
+        return None
+    return tuple(namer.flags) if isinstance(named, dict) else None
 
 
 def _unknown(error: str, value: Any = None) -> Message:

@@ -17,7 +17,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from replay_proxy.wire.values import Ext, Tensor, kind_of, resolve_tensor
+from replay_proxy.wire.values import INLINE_VALUES_LIMIT, Ext, Tensor, kind_of, resolve_tensor
+
+
+INT_ARRAYS = frozenset(f"{c}[int]{n}" for c in ("list", "set", "frozenset", "tuple") for n in ("", " | None"))
+TOKEN_TENSORS = frozenset({"prompt_token_ids"})  # 0.34.0 on: a 32-bit int ndarray
 
 
 class Field(msgspec.Struct, frozen=True):
@@ -29,6 +33,17 @@ class Field(msgspec.Struct, frozen=True):
     default: Any = None
     struct: str | None = None  # the nested struct this field (or its items) holds
     tensor: bool = False
+
+    @property
+    def int_items(self) -> bool:
+        """An array of ints (token ids, mostly): its items are checked too, so that another release's
+        encoding of the same field (0.34.0's prompt as an ndarray) is not read as one."""
+        return self.type in INT_ARRAYS
+
+    @property
+    def whole(self) -> bool:
+        """A tensor of token ids, read whatever its length: a request's substance, not bulk data."""
+        return self.tensor and self.name in TOKEN_TENSORS
 
     @property
     def resolved(self) -> bool:
@@ -212,7 +227,15 @@ class Namer:
                        expected=field.type, got=kind)
             return value
         if field.tensor:
-            return self._tensor(value)
+            tensor = resolve_tensor(value, self.frames, None if field.whole else INLINE_VALUES_LIMIT)
+            if tensor is None and value is not None:  # vLLM's decoder reads [dtype, shape, data] here, or fails
+                self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,
+                           expected=field.type, got=kind)
+            return value if tensor is None else tensor
+        if kind == "array" and field.int_items and not all(type(v) is int for v in value):
+            self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,
+                       expected=field.type, got=f"array of {'/'.join(sorted({kind_of(v) for v in value}))}")
+            return value
         if field.type.startswith("MultiModalKwargsItem") and isinstance(value, dict):
             return self._mm_item(value)
         if field.struct is None or value is None:

@@ -66,7 +66,7 @@ class _Positional:
         kinds, made = [], {}
         for field in fields:
             kind = given[field.name] if field.name in given else \
-                _kinds_type(field.kinds) if field.struct is None and not field.resolved else None
+                _plain_type(field) if field.struct is None and not field.resolved else None
             if kind is None and field.name not in given:
                 kind = msgspec.Raw
                 check = _field_type(schema, field, made)
@@ -104,7 +104,7 @@ class TypedOutputs:
         for field in output.fields:
             scalar = _scalar_type(field.kinds) if field.struct is None and not field.resolved else None
             if field.name == "new_token_ids" and field.kinds == ("array",):
-                scalar = list
+                scalar = _plain_type(field)
             if field.name in OUTPUT_COLUMNS:
                 if scalar is None:
                     raise ValueError(f"{schema.release}: EngineCoreOutput.{field.name} is {field.kinds}")
@@ -158,9 +158,9 @@ class TypedRequests:
 
     def read(self, parts: list[bytes]) -> Message | None:
         """The message read, or None if it does not conform (then name it generically)."""
-        if len(parts) != 2:  # the request type and its body: no aux frames
+        if len(parts) < 2:  # the request type and its body, then any aux frames (0.34.0's long prompts)
             return None
-        request_type, body = parts
+        request_type, body = parts[0], parts[1]
         try:
             if request_type == RequestType.ADD.value:
                 value = astuple(self._add.decode(body))
@@ -190,7 +190,7 @@ def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
     if field.resolved:  # only nil is named as decoded
         return type(None) if "nil" in field.kinds else None
     if field.struct is None:
-        return _kinds_type(field.kinds)
+        return _plain_type(field)
     nested = _struct_type(schema, field.struct, made)
     if nested is None:  # only nil is named as decoded
         return type(None) if "nil" in field.kinds else None
@@ -203,6 +203,14 @@ def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
     if None in others or {"map", "array"} <= set(field.kinds):
         return None
     return _union([nested, *others])
+
+
+def _plain_type(field: Any) -> Any:
+    """The msgspec type of a field that holds no struct: its kinds', and an array of ints checked as one (the
+    Namer checks those items too)."""
+    if field.int_items:
+        return list[int] | None if "nil" in field.kinds else list[int]
+    return _kinds_type(field.kinds)
 
 
 def _kinds_type(kinds: tuple[str, ...]) -> Any:

@@ -12,6 +12,7 @@ frame).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import msgspec
@@ -19,13 +20,21 @@ import msgspec
 RAW_VIEW = 3  # vLLM's CUSTOM_TYPE_RAW_VIEW; 1 and 2 are pickle and cloudpickle
 INLINE_VALUES_LIMIT = 4096  # larger tensors keep only dtype/shape in the decoded form
 
-# numpy dtype.str and torch dtype names -> memoryview format characters
-_FORMATS = {
-    "<i8": "q", "<i4": "i", "<i2": "h", "|i1": "b", "<u8": "Q", "<u4": "I", "<u2": "H",
-    "|u1": "B", "<f8": "d", "<f4": "f", "<f2": "e", "|b1": "?",
-    "int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint64": "Q", "uint32": "I",
-    "uint16": "H", "uint8": "B", "float64": "d", "float32": "f", "float16": "e", "bool": "?",
-}
+# numpy dtype.str ("<i4": byte order, kind, size) and torch dtype names -> struct format characters. numpy's
+# "=" is the writer's own order (vllm-rs 0.34.0 sends "=u4"): every platform vLLM ships for is little-endian.
+_NUMPY_FORMATS = {"i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "I", "u2": "H", "u1": "B",
+                  "f8": "d", "f4": "f", "f2": "e", "b1": "?"}
+_TORCH_FORMATS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint64": "Q", "uint32": "I",
+                  "uint16": "H", "uint8": "B", "float64": "d", "float32": "f", "float16": "e", "bool": "?"}
+_INTEGER_FORMATS = frozenset("qihbQIHB")
+
+
+def _format(dtype: str) -> tuple[str, bool] | None:
+    """A dtype's struct format character and whether its bytes are big-endian; None for one not read."""
+    if dtype in _TORCH_FORMATS:
+        return _TORCH_FORMATS[dtype], False
+    fmt = _NUMPY_FORMATS.get(dtype[1:]) if len(dtype) == 3 and dtype[0] in "<>=|" else None
+    return (fmt, dtype[0] == ">") if fmt else None
 
 
 Ext = msgspec.msgpack.Ext  # code and data: kept as bytes, pickles are never unpickled
@@ -63,8 +72,9 @@ def kind_of(value: Any) -> str:
     return _KINDS.get(type(value), type(value).__name__)
 
 
-def resolve_tensor(value: Any, frames: list[bytes]) -> Tensor | None:
-    """Read ``[dtype, shape, data]``; None if the value is not of that shape."""
+def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_VALUES_LIMIT) -> Tensor | None:
+    """Read ``[dtype, shape, data]``; None if the value is not of that shape. Values are read up to ``limit``
+    of them (None: all)."""
     if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
             and isinstance(value[1], list)):
         return None
@@ -81,29 +91,45 @@ def resolve_tensor(value: Any, frames: list[bytes]) -> Tensor | None:
         return None
     values = None
     error = None
-    fmt = _FORMATS.get(dtype)
     count = 1
     for n in shape:
         count *= n if isinstance(n, int) else 0
+    readable = limit is None or count <= limit
     if dtype == "bfloat16":
-        if len(raw) == 2 * count and count <= INLINE_VALUES_LIMIT:
+        if len(raw) == 2 * count and readable:
             # bfloat16 is the top half of a float32: widen by padding zeros.
             widened = b"".join(b"\x00\x00" + raw[i:i + 2] for i in range(0, len(raw), 2))
             values = memoryview(widened).cast("f").tolist()
-    elif fmt is None:
+    elif (fmt := _format(dtype)) is None:
         error = f"unknown dtype {dtype!r}"
-    elif count <= INLINE_VALUES_LIMIT:
-        try:
-            values = memoryview(raw).cast("B").cast(fmt).tolist()
-        except TypeError as exc:
-            error = f"{len(raw)} bytes are not a whole number of {dtype}: {exc}"
-        else:
-            if len(values) != count:
-                error = f"shape {shape} wants {count} values, data holds {len(values)}"
+    elif readable:
+        values, error = _values(raw, *fmt)
+        if values is not None and len(values) != count:
+            values, error = None, f"shape {shape} wants {count} values, data holds {len(values)}"
     if values and isinstance(values[0], float):
         # JSON has no -inf, and logprobs of impossible tokens are -inf.
         values = [v if math.isfinite(v) else str(v) for v in values]
     return Tensor(dtype, shape, len(raw), aux_frame=aux, values=values, error=error)
+
+
+def _values(raw: bytes, fmt: str, big_endian: bool) -> tuple[list[Any] | None, str | None]:
+    size = struct.calcsize(fmt)
+    if len(raw) % size:
+        return None, f"{len(raw)} bytes are not a whole number of {size}-byte values"
+    if big_endian:
+        return list(struct.unpack(f">{len(raw) // size}{fmt}", raw)), None
+    return memoryview(raw).cast("B").cast(fmt).tolist(), None
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """Token ids as a release sends them: a msgpack array of ints (to 0.33.0), or a one-dimensional integer
+    ndarray, read (0.34.0's prompt); None for anything else."""
+    if type(value) is list:
+        return value
+    if type(value) is Tensor and value.values is not None and len(value.shape) == 1:
+        fmt = _format(value.dtype)
+        return value.values if fmt is not None and fmt[0] in _INTEGER_FORMATS else None
+    return None
 
 
 def _json_hook(value: Any) -> Any:

@@ -170,7 +170,7 @@ def test_a_registration_is_named_with_the_release_it_announces():
 
 def test_registration_switches_to_the_engines_release():
     decoder = WireDecoder()
-    assert decoder.schema.release == "0.33.0" and not decoder.schema_exact  # the newest, until told
+    assert decoder.schema.release == "0.34.0" and not decoder.schema_exact  # the newest, until told
     decoder.decode(Channel.INPUT, TO_FRONTEND, [encode({"vllm_version": "0.31.0+cpu"})])
     assert (decoder.vllm_version, decoder.schema.release, decoder.schema_exact) == ("0.31.0+cpu", "0.31.0", True)
     decoder.decode(Channel.INPUT, TO_FRONTEND, [encode({"vllm_version": "0.31.7"})])

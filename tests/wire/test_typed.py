@@ -21,7 +21,7 @@ from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.wire.typed import typed_outputs, typed_requests
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.values import Tensor, decode_msgpack
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = load_schema("0.32.0")
@@ -117,8 +117,13 @@ def test_real_requests_are_read_typed_with_the_same_rows():
         assert fast == generic
     kinds = {message.kind for message in read if message is not None}
     assert kinds == {"ADD", "ABORT", "UTILITY"}
-    # All but an add_lora call (its argument is a LoRARequest) and a prompt of embeddings (a tensor).
-    assert len(frames) > 80 and sum(message is None for message in read) == 2
+    # All but an add_lora call (its argument is a LoRARequest); a prompt of embeddings (a tensor in an aux
+    # frame) too, its tensor named by the Namer.
+    untyped = [WireDecoder(SCHEMA).decode(Channel.INPUT, Direction.TO_ENGINE, parts)
+               for parts, message in zip(frames, read) if message is None]
+    assert len(frames) > 80 and [message.fields["method"] for message in untyped] == ["add_lora"]
+    embeds = [m for p, m in zip(frames, read) if len(p) > 2]
+    assert embeds and all(isinstance(m.fields["prompt_embeds"], Tensor) for m in embeds)
 
 
 ADD = struct_value(SCHEMA, "EngineCoreRequest", {
@@ -135,8 +140,11 @@ def test_a_conforming_request_is_read_typed_and_a_drifted_one_is_not():
     assert read([b"\x00", encode(ADD)]).fields["sampling_params"]["structured_outputs"]["regex"] == "[a-z]+"
     assert read([b"\x01", encode(["cmpl-1", "cmpl-2"])]).fields == {"request_ids": ["cmpl-1", "cmpl-2"]}
     assert read([b"\x03", encode([0, 2**64 - 1, "get_supported_tasks", []])]).fields["call_id"] == 2**64 - 1
+    with_aux = [b"\x00", encode(ADD), b"aux"]  # (an aux frame no field refers to: the generic path names none)
+    assert read(with_aux) == WireDecoder(SCHEMA).decode(Channel.INPUT, Direction.TO_ENGINE, with_aux)
     assert [read(parts) for parts in ([b"\x00", encode([*ADD, None])], [b"\x00", encode(ADD[:-1])],
-                                      [b"\x00", encode(ADD), b"aux"], [b"\x01", encode(["r", 1])],
+                                      [b"\x00", encode([ADD[0], [1, "2"], *ADD[2:]])],
+                                      [b"\x01", encode(["r", 1])],
                                       [b"\x03", encode([0, 1, "add_lora", [["a", 1, "/a"]]])])] == [None] * 5
 
 
