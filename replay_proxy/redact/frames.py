@@ -65,6 +65,10 @@ class Hasher:
             hashed = self.known[text] = f"h-{digest.hexdigest()}"
         return hashed
 
+    def data(self, data: bytes) -> bytes:
+        """Bytes keyed to bytes of the same length (a digest: 0.34.0's ``none_hash``), up to 64 of them."""
+        return hashlib.blake2b(data, key=self._key, digest_size=len(data)).digest()
+
 
 class Context:
     """One request's place in the token chain."""
@@ -193,6 +197,7 @@ class Redactor:
         kind = RequestType(parts[0])
         if kind is RequestType.ADD:
             value = decode_msgpack(parts[1])
+            self._payload = list(parts[1:])  # (a prompt tensor's bytes are read from it)
             if len(parts) == 2 and self._plain_request(parts[1], value):
                 return [parts[0], _encode(value)]
             return self._message("EngineCoreRequest", value, parts, 1)
@@ -407,13 +412,15 @@ class Redactor:
     # --- hash and noise -----------------------------------------------------------------------
 
     def _hashed(self, value: Any, where: str) -> Any:
-        """Strings and map keys hashed, numbers kept, opaque bytes blanked."""
+        """Strings and map keys hashed, bytes of a digest's length keyed, numbers kept, other bytes blanked."""
         if isinstance(value, str):
             return self.hasher.text(value)
         if isinstance(value, list):
             return [self._hashed(item, where) for item in value]
         if isinstance(value, dict):
             return {self._hashed(k, where): self._hashed(v, where) for k, v in value.items()}
+        if isinstance(value, bytes) and 0 < len(value) <= 64:
+            return self.hasher.data(value)
         if isinstance(value, (bytes, Ext)):
             return self._blank(f"{where} (bytes)")
         return value
@@ -457,8 +464,16 @@ class Redactor:
         # equal prompts stay equal whatever their requests' stop lists.
         fixed = context.fixed if context is not None and where not in (_PROMPT, _PROMPT_CANDIDATES) else frozenset()
         tokens = self.tokens
-        if where == _PROMPT and context is not None and isinstance(value, list):
-            return tokens.chain(context.prefix, value, fixed, context.prompt_states)
+        if where == _PROMPT and context is not None:
+            tensor = _tensor_bytes(value, self._payload)
+            if tensor is None and isinstance(value, list):
+                return tokens.chain(context.prefix, value, fixed, context.prompt_states)
+            if tensor is not None and len(value[1]) == 1:  # 0.34.0 on: an int ndarray, inline or in an aux frame
+                import numpy as np
+
+                array = np.frombuffer(tensor, dtype=_dtype(value[0]))
+                chained = tokens.chain(context.prefix, array.tolist(), fixed, context.prompt_states)
+                return self._put(value, np.array(chained, dtype=array.dtype).tobytes())
         if where == _OUTPUT and context is not None and isinstance(value, list):
             context.output_states = []
             return tokens.chain(context.prefix, value, fixed, context.output_states)

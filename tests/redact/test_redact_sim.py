@@ -95,9 +95,17 @@ def assert_redacted_like(redacted_db, session_id, source_db, source_id, outputs)
     assert same <= 2  # ~20 tokens of a 900-token vocabulary: one in 45 by chance
 
 
-def test_record_time_redaction_writes_nothing_unredacted_and_forwards_untouched(tmp_path, key_file):
+RELEASES = pytest.mark.parametrize("release", ["0.32.0", "0.34.0"])  # a prompt array from 0.34.0 on
+
+
+def both(release: str) -> dict:
+    return {"frontend_release": release, "engine_release": release}
+
+
+@RELEASES
+def test_record_time_redaction_writes_nothing_unredacted_and_forwards_untouched(tmp_path, key_file, release):
     db = tmp_path / "recording.db"
-    prompts, outputs, session = trio.run(lambda: record(db, redaction=settings(key_file)))
+    prompts, outputs, session = trio.run(lambda: record(db, redaction=settings(key_file), **both(release)))
     recorder = session.recorder
     assert outputs[0] == [token_at(prompts[0], None, i) for i in range(6)]  # the frontend got the real tokens
     row = sqlite_utils.Database(db)["sessions"].get(recorder.session_id)
@@ -113,9 +121,10 @@ def test_record_time_redaction_writes_nothing_unredacted_and_forwards_untouched(
     assert prompts_seen[1][:len(prompts_seen[0]) + 6] == prompts_seen[0] + outputs_seen[0]
 
 
-def test_redacting_after_the_fact_keeps_the_shape_and_nothing_else(tmp_path, key_file):
+@RELEASES
+def test_redacting_after_the_fact_keeps_the_shape_and_nothing_else(tmp_path, key_file, release):
     source, out = tmp_path / "staging.db", tmp_path / "ci.db"
-    prompts, outputs, session = trio.run(lambda: record(source))
+    prompts, outputs, session = trio.run(lambda: record(source, **both(release)))
     assert len(leaks(source, prompts, SECRETS)) == len(prompts) + len(SECRETS)  # the scan finds what is there
     [(name, session_id, frames)] = redact_database(source, out, Redaction(settings(key_file)))
     assert (name, frames) == ("test", sqlite_utils.Database(source)["sessions"].get(1)["frames_recorded"])
