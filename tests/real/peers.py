@@ -34,7 +34,7 @@ LORA = real.SERVING["lora"]
 NO_KIND = real.SERVING["completion"]
 # The tiny model served as an embedding model, by vLLM's pooling runner (its frontend and engine alike).
 POOLING = real.SERVING["pooling"]
-VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
+VLLM_RS = {v: CACHE / "bin" / f"vllm-rs-{v}" for v in ("0.27.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")}
 # How long a real peer may take to be ready: 25-60 s on this machine alone, over 300 s with a second suite
 # beside it on its two cores (seen); one replay, at most, is that and its finish and set-up besides.
 READY_TIMEOUT_S = 600

@@ -2,18 +2,24 @@
 sim peers encode, vLLM's decoder reads back to the values we meant."""
 
 import json
+import os
 import sqlite3
 import subprocess
 from pathlib import Path
 
 import msgspec
 import pytest
+import sqlite_utils
+import trio
 
+from replay_proxy.releases import message_classes
 from replay_proxy.sim.engine import token_at
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import load_schema
-from replay_proxy.wire.values import Tensor
+from replay_proxy.wire.handshake import engine_identity
+from replay_proxy.wire.values import Tensor, token_ids
+from tests.conftest import RecordedSession
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
@@ -21,9 +27,13 @@ ORACLE = Path(__file__).with_name("oracle.py")
 
 
 def oracle(mode, stdin=None, release="0.32.0"):
-    """Run oracle.py's ``mode`` with ``release``'s vLLM: what it printed, as JSON."""
-    result = subprocess.run([str(peers.CACHE / f"vllm-{release}" / "bin" / "python"), str(ORACLE), mode],
-                            input=stdin, capture_output=True, text=True, timeout=120)
+    """Run oracle.py's ``mode`` with ``release``'s vLLM: what it printed, as JSON. A release with no engine
+    here (0.33.0 on) lends its message classes to the 0.32.0 interpreter, as ``schema extract`` does."""
+    venv, env = peers.CACHE / f"vllm-{release}", None
+    if not venv.exists():
+        venv, env = peers.CACHE / "vllm-0.32.0", {**os.environ, "PYTHONPATH": str(message_classes(release))}
+    result = subprocess.run([str(venv / "bin" / "python"), str(ORACLE), mode],
+                            input=stdin, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
@@ -147,3 +157,52 @@ def read_as_vllm_does(db: Path, release: str = "0.32.0") -> list[tuple[str, dict
 def test_every_value_of_the_shipped_0_32_0_recordings_is_what_vllms_decoder_reads(recording):
     kinds = {kind for kind, _ in read_as_vllm_does(Path(__file__).parents[2] / "recordings" / recording)}
     assert {"ADD", "OUTPUTS"} <= kinds
+
+
+def test_0_34_0_frames_vllm_encodes_cross_record_byte_identical_and_decode_to_its_values(tmp_path):
+    """0.34.0's own MsgpackEncoder: prompts as int32 and uint32 arrays, inline (5 tokens) and in an aux frame
+    (200), through a recording relay to a sim engine of 0.34.0; the registration and an output likewise named."""
+    made = oracle("arrays", release="0.34.0")
+    schema, db = load_schema("0.34.0"), tmp_path / "recording.db"
+    requests = {name: [b"\x00", *(bytes.fromhex(f) for f in r["frames"])] for name, r in made["requests"].items()}
+    assert {name: len(parts) for name, parts in requests.items()} == {
+        "5-<i4": 2, "5-<u4": 2, "200-<i4": 3, "200-<u4": 3}
+
+    async def send():
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                session = await RecordedSession(nursery, db, frontend_release="0.34.0",
+                                                engine_release="0.34.0").start()
+                for parts in requests.values():
+                    await session.frontend.inputs[0].send([engine_identity(0), *parts])
+                await session.frontend.wait_for(lambda: len(session.frontend.finish_reasons) == len(requests))
+                nursery.cancel_scope.cancel()
+        session.recorder.close()
+        return session
+
+    session = trio.run(send)
+    received = [frames for _, frames in session.engines[0].received if frames[0] == b"\x00"]
+    assert received == list(requests.values())  # byte-identical, aux frames included
+    database = sqlite_utils.Database(db)
+    rows = {r["request_id"]: r for r in database.query("SELECT * FROM requests")}
+    for name, request in made["requests"].items():
+        assert (rows[name]["prompt_len"], json.loads(rows[name]["prompt_token_ids"])) == (
+            len(request["tokens"]), request["tokens"])
+        assert (rows[name]["temperature"], rows[name]["top_p"], rows[name]["max_tokens"]) == (0.7, 0.9, 3)
+        message = WireDecoder(schema).decode(Channel.INPUT, Direction.TO_ENGINE, requests[name])
+        assert (message.kind, message.flags, message.error) == (Kind.ADD, (), None)
+        assert token_ids(message.fields["prompt_token_ids"]) == request["tokens"]
+        assert [h.hex() for h in message.fields["block_hashes"]] == request["block_hashes"]
+    assert database["sessions"].get(1)["frontend_release"] == "0.34.0"
+    assert database.execute("SELECT COUNT(*) FROM frames WHERE decode_error IS NOT NULL OR flags IS NOT NULL"
+                            ).fetchone()[0] == 0
+    decoder = WireDecoder(schema)
+    registration = decoder.decode(Channel.INPUT, Direction.TO_FRONTEND, [bytes.fromhex(made["registration"])])
+    assert (registration.kind, registration.flags) == (Kind.REGISTRATION, ())
+    assert registration.fields["prefix_hash_config"] == {"hash_algo": "sha256", "hash_block_size": 16,
+                                                         "none_hash": b"\x02" * 32, "num_lookahead_tokens": 0}
+    assert (registration.fields["config_hash"], registration.fields["cache_config_info"]) == (
+        "c0ffee", {"block_size": "16"})
+    outputs = decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, [bytes.fromhex(f) for f in made["outputs"]])
+    assert (outputs.kind, outputs.flags) == (Kind.OUTPUTS, ())
+    assert outputs.fields["outputs"][0]["watermarking"] is True
