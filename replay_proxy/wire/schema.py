@@ -232,10 +232,12 @@ class Namer:
                 self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,
                            expected=field.type, got=kind)
             return value if tensor is None else tensor
-        if kind == "array" and field.int_items and not all(type(v) is int for v in value):
-            self._flag(owner, "type_mismatch", path, field=field.name, position=field.position,
-                       expected=field.type, got=f"array of {'/'.join(sorted({kind_of(v) for v in value}))}")
-            return value
+        if kind == "array" and field.int_items:
+            bad = next((i for i, v in enumerate(value) if type(v) is not int), None)
+            if bad is not None:  # (where msgspec's decoder stops too: the first item that is no int)
+                self._flag(owner, "type_mismatch", f"{path}[{bad}]", field=field.name, position=field.position,
+                           expected=field.type, got=kind_of(value[bad]))
+                return value
         if field.type.startswith("MultiModalKwargsItem") and isinstance(value, dict):
             return self._mm_item(value)
         if field.struct is None or value is None:

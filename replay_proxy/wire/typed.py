@@ -34,7 +34,7 @@ import msgspec
 
 from replay_proxy.wire.messages import UTILITY_ARGUMENTS, UTILITY_CALL_FIELDS, Kind, Message, RequestType
 from replay_proxy.wire.schema import Flag, Namer, Schema
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.values import decode_msgpack, resolve_tensor
 
 _SCALARS = {"nil": type(None), "bool": bool, "int": int, "str": str, "float": float}
 
@@ -63,9 +63,10 @@ class _Positional:
         fields = schema.structs[name].fields
         self.names = [field.name for field in fields]
         self._raw: list[tuple[Any, Any]] = []  # (Field, a decoder that checks its raw value conforms, or None)
+        self._arrays = [field for field in fields if field.whole]  # token arrays: read as _TokenArray, then resolved
         kinds, made = [], {}
         for field in fields:
-            kind = given[field.name] if field.name in given else \
+            kind = given[field.name] if field.name in given else _TokenArray | None if field.whole else \
                 _plain_type(field) if field.struct is None and not field.resolved else None
             if kind is None and field.name not in given:
                 kind = msgspec.Raw
@@ -78,6 +79,12 @@ class _Positional:
         """The fields of a decoded value by name, each as the Namer names it; the flags of those it named."""
         fields = dict(zip(self.names, value))
         namer = Namer(self.schema, frames)
+        for field in self._arrays:
+            array = fields[field.name]
+            if array is not None:
+                value = [array.dtype, array.shape, array.data]
+                fields[field.name] = resolve_tensor(value, frames, None) or \
+                    namer.field(self.name, field, value, f"$[{field.position}]")  # (not one: flagged)
         for field, check in self._raw:
             raw = fields[field.name]
             if check is not None:
@@ -89,6 +96,14 @@ class _Positional:
                     pass
             fields[field.name] = namer.field(self.name, field, decode_msgpack(raw), f"$[{field.position}]")
         return fields, namer.flags
+
+
+class _TokenArray(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """0.34.0's prompt as it travels: a numpy array's dtype, shape and bytes (inline) or aux frame index."""
+
+    dtype: str
+    shape: list[int]
+    data: msgspec.msgpack.Ext | int
 
 
 # The EngineCoreOutput fields a row of output_rows holds as columns, in the order ``read`` gives them.

@@ -11,6 +11,7 @@ frame).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Any
@@ -27,8 +28,10 @@ _NUMPY_FORMATS = {"i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "
 _TORCH_FORMATS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint64": "Q", "uint32": "I",
                   "uint16": "H", "uint8": "B", "float64": "d", "float32": "f", "float16": "e", "bool": "?"}
 _INTEGER_FORMATS = frozenset("qihbQIHB")
+_SIZES = {fmt: struct.calcsize(fmt) for fmt in _NUMPY_FORMATS.values()}
 
 
+@functools.cache
 def _format(dtype: str) -> tuple[str, bool] | None:
     """A dtype's struct format character and whether its bytes are big-endian; None for one not read."""
     if dtype in _TORCH_FORMATS:
@@ -113,7 +116,7 @@ def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_V
 
 
 def _values(raw: bytes, fmt: str, big_endian: bool) -> tuple[list[Any] | None, str | None]:
-    size = struct.calcsize(fmt)
+    size = _SIZES[fmt]
     if len(raw) % size:
         return None, f"{len(raw)} bytes are not a whole number of {size}-byte values"
     if big_endian:
@@ -125,7 +128,7 @@ def token_ids(value: Any) -> list[int] | None:
     """Token ids as a release sends them: a msgpack array of ints (to 0.33.0), or a one-dimensional integer
     ndarray, read (0.34.0's prompt); None for anything else."""
     if type(value) is list:
-        return value
+        return value if all(type(v) is int for v in value) else None
     if type(value) is Tensor and value.values is not None and len(value.shape) == 1:
         fmt = _format(value.dtype)
         return value.values if fmt is not None and fmt[0] in _INTEGER_FORMATS else None

@@ -15,6 +15,9 @@ completion's, go through the writer from the input link and through the
 minimal pipeline of ADDs (``floor.py``): an ADD's CPU is given beside that
 floor's and beside an output row's of the same run (an ADD makes a frames
 row and a keyed requests row; an output row is 1/32 of an engine step).
+Last, vLLM 0.34.0's ADDs, whose prompt is an int32 array (16 tokens inline,
+100 in an aux frame), each against a 0.32.0 ADD of as many tokens, in the
+same run.
 
     .venv/bin/python scripts/bench/writer.py [--frames 20000] [--outputs 32] [--rounds 3]
 """
@@ -37,17 +40,18 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.store.tables import open_database  # noqa: E402
 from replay_proxy.store.writer import Writer  # noqa: E402
 from replay_proxy.wire.capture import capture_tag, encode_entries  # noqa: E402
-from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
+from replay_proxy.wire.encode import encode, struct_value, token_ids  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
 from scripts.bench.busy import SCHEMA  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
+from replay_proxy.wire.schema import load_schema  # noqa: E402
 from scripts.bench.floor import MinimalPipeline, MinimalRequests  # noqa: E402
 
 TAP_FRAMES = 2048  # frames per tap message (32 batches of 64): about what the writer decodes at once
 
 
-def registration() -> bytes:
-    return encode({"status": "READY", "local": False, "headless": True, "vllm_version": "0.32.0",
+def registration(release: str) -> bytes:
+    return encode({"status": "READY", "local": False, "headless": True, "vllm_version": release,
                    "data_parallel_size": 1, "max_model_len": 256, "block_size": 16, "num_gpu_blocks": 100})
 
 
@@ -58,18 +62,22 @@ def c_batch(messages: list[tuple[int, int, list[bytes]]]) -> bytes:
     return struct.pack("<IQ", len(messages), sum(len(p) for _, _, parts in messages for p in parts)) + body
 
 
-def python_frontend_add(k: int) -> list[bytes]:
-    """An ADD as vLLM 0.32.0's Python frontend sends it for a completion (the sampling parameters of the
-    recordings' ADDs: the frontend sends the fields it sets, defaults or not)."""
-    return [b"\x00", encode(struct_value(SCHEMA, "EngineCoreRequest", {
-        "request_id": f"cmpl-{k:016x}-0-{k % 65536:08x}", "prompt_token_ids": [100 + (k + i) % 800 for i in range(16)],
+def python_frontend_add(k: int, release: str = "0.32.0", prompt_tokens: int = 16) -> list[bytes]:
+    """An ADD as vLLM's Python frontend of ``release`` sends it for a completion (the sampling parameters of
+    the recordings' ADDs: the frontend sends the fields it sets, defaults or not); from 0.34.0 on its prompt
+    is an int32 array, in an aux frame from 64 tokens on."""
+    schema, aux = load_schema(release), []
+    prompt = token_ids(schema.structs["EngineCoreRequest"].by_name["prompt_token_ids"],
+                       [100 + (k + i) % 800 for i in range(prompt_tokens)], aux)
+    return [b"\x00", encode(struct_value(schema, "EngineCoreRequest", {
+        "request_id": f"cmpl-{k:016x}-0-{k % 65536:08x}", "prompt_token_ids": prompt,
         "mm_features": None, "sampling_params": {
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 0.0,
             "watermarking": False, "stop": [], "stop_token_ids": [], "max_tokens": 16, "output_kind": 2,
             "skip_clone": True, "_eos_token_id": 1, "_all_stop_token_ids": [1], "bad_words": [],
             "skip_reading_prefix_cache": False},
         "pooling_params": None, "arrival_time": 1_796_143_721.171 + k / 1000, "lora_request": None,
-        "cache_salt": None, "data_parallel_rank": None, "external_req_id": f"cmpl-{k:016x}-0"}))]
+        "cache_salt": None, "data_parallel_rank": None, "external_req_id": f"cmpl-{k:016x}-0"})), *aux]
 
 
 def tap_messages(frames: list[list[bytes]], channel: Channel) -> list[tuple[int, bytes]]:
@@ -83,16 +91,16 @@ def tap_messages(frames: list[list[bytes]], channel: Channel) -> list[tuple[int,
             for start in range(0, len(numbered), TAP_FRAMES)]
 
 
-def run_writer(frames: list[list[bytes]], channel: Channel, folder: Path) -> float:
+def run_writer(frames: list[list[bytes]], channel: Channel, folder: Path, release: str = "0.32.0") -> float:
     """CPU seconds for the writer to keep and decode every frame, crossing ``channel`` (after the
-    registration, on the input link)."""
+    registration of an engine of ``release``, on the input link)."""
     db_path = folder / "writer.db"
     db = open_database(db_path)
     session = db["sessions"].insert({"name": "bench", "mode": "record", "status": "recording"}).last_pk
     db.close()
     writer = Writer(str(db_path), session)
     input_tag = capture_tag(Channel.INPUT, 0, 0)
-    writer.write([(1, encode_entries([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration()])])]]))])
+    writer.write([(1, encode_entries([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration(release)])])]]))])
     messages = tap_messages(frames, channel)
     start = time.process_time()
     for message in messages:  # as the writer's loop takes them when it keeps up: about DECODE_FRAMES at once
@@ -137,9 +145,12 @@ def main() -> None:
     frames = [engine_step(k, ARGS.outputs) for k in range(ARGS.frames)]
     steps = [[frame] for frame in frames]  # each message of one frame
     adds = [python_frontend_add(k) for k in range(ARGS.frames)]
+    prompts = {(release, tokens): [python_frontend_add(k, release, tokens) for k in range(ARGS.frames)]
+               for release in ("0.32.0", "0.34.0") for tokens in (16, 100)}
     rows = ARGS.frames * ARGS.outputs
     wire = sum(map(len, frames))
     writer_s, floor_s, adds_s, floor_adds_s = [], [], [], []
+    prompts_s: dict[tuple[str, int], list[float]] = {key: [] for key in prompts}
     for _ in range(ARGS.rounds):  # interleaved, so a drift of the machine falls on all
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
             writer_s.append(run_writer(steps, Channel.OUTPUT, Path(folder)))
@@ -147,6 +158,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
             adds_s.append(run_writer(adds, Channel.INPUT, Path(folder)))
             floor_adds_s.append(run_floor(MinimalRequests(Path(folder) / "floor-adds.db"), adds))
+        for (release, tokens), made in prompts.items():
+            with tempfile.TemporaryDirectory(prefix="bench-writer-") as folder:
+                prompts_s[release, tokens].append(run_writer(made, Channel.INPUT, Path(folder), release))
     writer_rate, floor_rate = rows / statistics.median(writer_s), rows / statistics.median(floor_s)
     add_us, row_us = statistics.median(adds_s) / ARGS.frames * 1e6, 1e6 / writer_rate
     floor_add_us = statistics.median(floor_adds_s) / ARGS.frames * 1e6
@@ -160,6 +174,11 @@ def main() -> None:
     print(f"replay-proxy writer:                                   {add_us:>5.1f} us an ADD = "
           f"{add_us / floor_add_us:.2f}x the floor's; {add_us / row_us:.2f}x the writer's output row "
           f"({row_us:.1f} us; target <= 1.5x), {add_us / (row_us * ARGS.outputs):.2f}x its engine step")
+    for tokens in (16, 100):
+        old, new = (statistics.median(prompts_s[release, tokens]) / ARGS.frames * 1e6 for release in ("0.32.0", "0.34.0"))
+        where = "inline" if 4 * tokens < 256 else "in an aux frame"
+        print(f"a 0.34.0 ADD of {tokens} tokens (an int32 array {where}): {new:>5.1f} us = {new / old:.2f}x "
+              f"a 0.32.0 ADD of {tokens} ({old:.1f} us; target <= 1.1x)")
     disk = statistics.median(DISK_BYTES)
     print(f"database {disk / 1e6:.1f} MB for {wire / 1e6:.1f} MB on the wire = {disk / wire:.2f}x (target <= 2x)")
 
