@@ -163,7 +163,9 @@ def _walk(schema: Schema, struct: str, path: str) -> tuple[str, int | None, str 
             return struct, int(index) if index else None, key or None
         position, field = f.position, f.name
         i += 1
-        if f.struct in schema.structs and i < len(steps):
+        if f.struct not in schema.structs:
+            break  # what follows indexes into this field's value (0.34.0's prompt: [1][0], its dtype)
+        if i < len(steps):
             if f.type.startswith(("list[", "tuple[", "set[")) and steps[i][0]:
                 i += 1  # the item's index
             if i < len(steps):
@@ -174,10 +176,10 @@ def _walk(schema: Schema, struct: str, path: str) -> tuple[str, int | None, str 
 def fold_consequences(findings: list[Finding], rules: Rules) -> list[Finding]:
     """``findings`` with the failures a reader's rejection explains moved under it: a failed replay or HTTP
     request whose message is a decoder's complaint (under the rejection it quotes), and every request's
-    failure beside it (``REQUEST_FAILURES``): once a reader has refused a message of the link, what a
-    request's user gets is no evidence of anything else (vllm-rs fails every request after the first, some
-    with the complaint, some with an empty stream or none at all). With no rejection, ``findings`` as
-    they are."""
+    failure beside it (``REQUEST_FAILURES``, and what a request's outputs became: an engine whose input
+    thread died on an ADD sends none): once a reader has refused a message of the link, what a request's
+    user gets is no evidence of anything else (vllm-rs fails every request after the first, some with the
+    complaint, some with an empty stream or none at all). With no rejection, ``findings`` as they are."""
     rejections = [f for f in findings if f.code == "reader_rejected"]
     if not rejections:
         return findings
@@ -185,7 +187,8 @@ def fold_consequences(findings: list[Finding], rules: Rules) -> list[Finding]:
     kept = []
     for f in findings:
         quotes = f.code in FAILED and rules.link_broke(f.message)
-        if quotes or f.code in REQUEST_FAILURES and f.severity >= Severity.REGRESSION:
+        of_a_request = f.code in REQUEST_FAILURES or f.category == "behaviour" and f.request_id is not None
+        if quotes or of_a_request and f.severity >= Severity.REGRESSION:
             cause = next((r for r in rejections if DETAIL.sub("", r.candidate)[:80] in f.message), rejections[0])
             under[id(cause)].append(f"{f.code}" + (f" [{f.request_id}]" if f.request_id else "") + f": {f.message}")
         else:

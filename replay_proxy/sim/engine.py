@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import msgspec
 import trio
@@ -26,7 +27,7 @@ from replay_proxy.sim.drift import EngineDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
-from replay_proxy.wire.schema import Namer, load_schema
+from replay_proxy.wire.schema import Flag, Namer, load_schema
 from replay_proxy.wire.values import decode_msgpack, token_ids
 
 VOCAB = 900
@@ -145,8 +146,10 @@ class SimEngine:
         if kind is RequestType.ADD:
             namer = Namer(self.schema, frames[1:])  # tensor references count from the body
             fields = namer.struct("EngineCoreRequest", body)
-            if any(f.issue in ("type_mismatch", "missing_required") for f in namer.flags):
-                self.rejected.append(frames)  # vLLM's typed decoder raises here; the request never runs
+            refused = [f for f in namer.flags if f.issue in ("type_mismatch", "missing_required")]
+            if refused:  # vLLM's typed decoder raises here, in its input thread; the request never runs
+                self.rejected.append(frames)
+                print(f"sim engine {self.index}: {_complaint(refused[0])}", file=sys.stderr, flush=True)
                 return
             params = fields["sampling_params"] or {}
             self.running[fields["request_id"]] = _Running(
@@ -242,3 +245,11 @@ class _Running:
             output["stop_reason"] = token
         return output
 
+
+
+def _complaint(flag: Flag) -> str:
+    """What vLLM's engine logs when its decoder refuses an ADD, in msgspec's words."""
+    if flag.issue == "missing_required":
+        return f"msgspec.ValidationError: Object missing required field `{flag.field}` - at `{flag.path}`"
+    got = {"array": "array", "map": "object", "nil": "null", "bin": "bytes"}.get(flag.got or "", flag.got)
+    return f"msgspec.ValidationError: Expected `{flag.expected}`, got `{got}` - at `{flag.path}`"
