@@ -14,8 +14,9 @@ engine, the session the real shrink test cuts down. The second form records a re
 (vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
 third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here
-(0.22.0 to 0.26.0, 0.33.0): the compatibility matrix replays what each
-frontend sends against every engine.
+(0.22.0 to 0.26.0, 0.33.0), or with the sim engine of its release where no
+installed engine reads its requests (0.34.0): the compatibility matrix replays
+what each frontend sends against every engine.
 `--kind lora` (or pooling) records that kind's workload (tests/real/workload.py:
 lora, pooling) instead, the frontend and engine serving it, into
 vllm-X-python-lora.db (-pooling.db): the matrix judges each kind of request from
@@ -39,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.matrix import KINDS  # noqa: E402
 from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
-from replay_proxy.wire.schema import shipped_releases  # noqa: E402
+from replay_proxy.compare.schema_diff import diff_schemas  # noqa: E402
+from replay_proxy.wire.schema import load_schema, release_key, shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
 RECORDINGS = {
@@ -60,13 +62,13 @@ def compact(db: Path) -> None:
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
-           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = ()) -> Path:
+           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = (), sim: bool = False) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
         seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
-                              engine_flags=engine_flags, serving=serving)
+                              engine_flags=engine_flags, serving=serving, sim=sim)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -90,6 +92,13 @@ def nearest_engine(release: str) -> str:
     order = shipped_releases()
     installed = [r for r in order if engine_installed(r)]
     return min(installed, key=lambda r: (abs(order.index(r) - order.index(release)), -order.index(r)))
+
+
+def reads_its_requests(engine: str, frontend: str) -> bool:
+    """Whether an ``engine`` reads the requests of a ``frontend`` release: their schemas agree on every
+    EngineCoreRequest change that breaks an engine."""
+    older, newer = sorted((load_schema(engine), load_schema(frontend)), key=lambda s: release_key(s.release))
+    return not any(c.struct == "EngineCoreRequest" and "python-engine" in c.breaks for c in diff_schemas(older, newer))
 
 
 def main() -> None:
@@ -125,9 +134,12 @@ def main() -> None:
         record(f"vllm-{release}-python.db", "python-frontend",
                functools.partial(peers.python_frontend, release=release), release)
     for release in args.vllm_rs:
-        engine = nearest_engine(release)
+        # A frontend whose requests no installed engine reads (0.34.0's prompt arrays) is recorded with the sim
+        # engine of its release: what it sends is the recording's point (the matrix replays it).
+        sim = not reads_its_requests(nearest_engine(release), release)
         record(f"vllm-{release}-vllm-rs.db", "vllm-rs-frontend",
-               functools.partial(peers.rust_frontend, version=release), engine)
+               functools.partial(peers.rust_frontend, version=release), release if sim else nearest_engine(release),
+               sim=sim)
     if args.release or args.vllm_rs:
         return
     for name, (session, frontend) in RECORDINGS.items():

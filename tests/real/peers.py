@@ -140,11 +140,17 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
     return events
 
 
+def sim_engine(logs: Path, rpc_port: int, release: str) -> Child:
+    """The project's sim engine speaking ``release``: for a release whose engine cannot run here."""
+    return Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", f"tcp://127.0.0.1:{rpc_port}",
+                  "--release", release], logs / f"sim-engine-{release}.log", name=f"sim engine {release}")
+
+
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
              engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = (),
-             serving: real.Serving = NO_KIND) -> dict:
+             serving: real.Serving = NO_KIND, sim: bool = False) -> dict:
     """Frontend + headless engine of ``engine_release`` (with ``engine_flags``, serving what ``serving`` says;
-    + the recording proxy between them when ``db`` is given).
+    a sim engine of that release with ``sim``; + the recording proxy between them when ``db`` is given).
 
     Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
     every process is stopped by PID before returning.
@@ -158,7 +164,8 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
         if db is not None:
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
-        engine = headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving)
+        engine = sim_engine(logs, listen, engine_release) if sim else \
+            headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving)
         children.append(engine)
         wait_http_ready(http, children)
         return (work or workload.run)(http, hold_engine=engine.held,

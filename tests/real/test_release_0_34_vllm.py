@@ -6,7 +6,6 @@ and against a sim engine speaking 0.34.0 (which answers). No 0.34.0 engine runs 
 
 import concurrent.futures
 import json
-import sys
 import time
 import urllib.error
 
@@ -23,11 +22,6 @@ pytestmark = pytest.mark.real_vllm
 
 # The tiny model's vocabulary is 407 tokens; 200 tokens (800 bytes) travel in an aux frame.
 PROMPTS = {"short": [11, 12, 13, 14], "long": [(3 * i) % 400 + 5 for i in range(200)]}
-
-
-def sim_engine(logs, rpc_port: int) -> Child:
-    return Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake",
-                  f"tcp://127.0.0.1:{rpc_port}", "--release", "0.34.0"], logs / "sim-engine.log", name="sim engine")
 
 
 def record_vllm_rs_0_34(logs, engine) -> tuple[dict, sqlite_utils.Database, Child]:
@@ -88,7 +82,7 @@ def test_vllm_rs_0_34_against_a_0_32_engine_is_recorded_as_written_and_the_break
 
 
 def test_vllm_rs_0_34_against_a_sim_engine_of_0_34_is_answered_and_recorded(tmp_path):
-    answers, db, _ = record_vllm_rs_0_34(tmp_path, sim_engine)
+    answers, db, _ = record_vllm_rs_0_34(tmp_path, lambda logs, port: peers.sim_engine(logs, port, "0.34.0"))
     assert [(answers[n]["usage"]["prompt_tokens"], answers[n]["usage"]["completion_tokens"]) for n in PROMPTS] == [
         (len(p), 4) for p in PROMPTS.values()]
     assert_prompts_recorded_as_sent(db)
