@@ -60,7 +60,8 @@ class Answer(msgspec.Struct):
                 if evidence.kind == kind and evidence.verdict is verdict:
                     sorts.setdefault((evidence.direction, evidence.rule, evidence.struct, evidence.field),
                                      []).append(evidence)
-            source = self.source if judgement is self.cell.observed else "predicted: not observed yet"
+            source = self.source if judgement is self.cell.observed or self.cell.observed is None else \
+                "predicted: not observed yet"
             answers.append((kind, verdict, source, [(same[0], len(same)) for same in sorts.values()]))
         return answers
 
@@ -72,8 +73,11 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
     from (``workdir`` and ``ready_s``: where a verification keeps its replays, and how long each waits for
     its peer)."""
     cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
-    observable = [kind for kind in uses or KINDS if kind in cell.predicted.kinds]
-    if verify and observable:
+    observable = [kind for kind in uses or KINDS if kind in cell.predicted.kinds
+                  and recording_of(frontend, recordings, kind) and engine_recording(engine, recordings, kind)]
+    if verify and not observable:  # nothing to replay: nothing is run, and nothing said to be observed
+        return cell, "predicted: not verifiable here, no recording of what one side sends"
+    if verify:
         [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s,
                        kinds=observable)
         if db is not None:

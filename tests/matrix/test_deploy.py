@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import sqlite_utils
 
 from replay_proxy.matrix import Cell, Evidence, Frontend, Judgement, RECORDINGS, Verdict, database
-from replay_proxy.matrix.deploy import can_i_deploy
+from replay_proxy.matrix.deploy import can_i_deploy, cell_of
 from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.run import build
 from replay_proxy.report.matrix import html_page, junit, markdown
@@ -120,3 +120,9 @@ def test_the_whole_prediction_renders_as_table_junit_html_and_markdown(tmp_path)
                                         "| vllm:0.31.0 | breaks* | works* | works* |",
                                         "| vllm:0.32.0 | breaks* | works* | works* |"]
     assert junit(loaded) == (tmp_path / "junit.xml").read_bytes()
+
+
+def test_verify_runs_nothing_and_says_so_where_no_recording_can_be_replayed():
+    cell, source = cell_of(Frontend("vllm", "0.34.0"), "0.32.0", None, verify=True)
+    assert cell.observed is None and source == "predicted: not verifiable here, no recording of what one side sends"
+    assert cell.verdict_for(["completion"]) is Verdict.BREAKS  # the schemas' prompt break

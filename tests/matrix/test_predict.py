@@ -115,3 +115,27 @@ def test_a_cells_verdict_is_its_observation_and_agreement_is_judged_only_when_it
     assert (cell.verdict, cell.agrees) == (Verdict.BREAKS, False)
     cell.observed = type(predicted)(Verdict.UNKNOWN)
     assert cell.agrees is None
+
+
+def test_vllm_rs_0_34_is_predicted_from_what_it_sent_and_every_older_engine_rejects_its_prompt():
+    """Its recording (tests/real: made with the sim engine of 0.34.0, since no engine that reads it runs here)."""
+    frontend = Frontend("vllm-rs", "0.34.0")
+    for engine in releases_in("0.27.0..0.32.0"):
+        judgement = predict(frontend, engine, RECORDINGS)
+        assert judgement.verdict is Verdict.BREAKS, engine
+        assert (Direction.TO_ENGINE, "python-engine", "EngineCoreRequest", "prompt_token_ids", 1, "changed_type") in \
+            reasons(judgement, Verdict.BREAKS), engine
+    assert predict(Frontend("vllm-rs", "0.33.0"), "0.32.0", RECORDINGS).verdict is Verdict.WORKS
+
+
+def test_with_no_recording_a_cell_is_predicted_from_the_two_schemas_and_never_works():
+    python_0_34 = predict(Frontend("vllm", "0.34.0"), "0.32.0", RECORDINGS)
+    assert python_0_34.verdict is Verdict.BREAKS
+    assert (Direction.TO_ENGINE, "python-engine", "EngineCoreRequest", "prompt_token_ids", 1, "type_changed") in \
+        reasons(python_0_34, Verdict.BREAKS)
+    assert all("from the schemas: no recording of what vllm:0.34.0 sends" in e.message
+               for e in python_0_34.evidence if e.verdict is Verdict.BREAKS)
+    same_release = predict(Frontend("vllm-rs", "0.34.0"), "0.34.0", RECORDINGS)  # its engine's outputs: no recording
+    [unknown] = [e for e in same_release.evidence if e.verdict is Verdict.UNKNOWN]
+    assert same_release.verdict is Verdict.UNKNOWN and unknown.direction is Direction.TO_FRONTEND
+    assert "no recording of what engine 0.34.0 sends" in unknown.message and "show no break" in unknown.message
