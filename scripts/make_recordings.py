@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from replay_proxy.matrix import KINDS  # noqa: E402
 from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
-from replay_proxy.compare.schema_diff import diff_schemas  # noqa: E402
-from replay_proxy.wire.schema import load_schema, release_key, shipped_releases  # noqa: E402
+from replay_proxy.matrix.release import reads_requests  # noqa: E402
+from replay_proxy.wire.schema import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
 RECORDINGS = {
@@ -94,13 +94,6 @@ def nearest_engine(release: str) -> str:
     return min(installed, key=lambda r: (abs(order.index(r) - order.index(release)), -order.index(r)))
 
 
-def reads_its_requests(engine: str, frontend: str) -> bool:
-    """Whether an ``engine`` reads the requests of a ``frontend`` release: their schemas agree on every
-    EngineCoreRequest change that breaks an engine."""
-    older, newer = sorted((load_schema(engine), load_schema(frontend)), key=lambda s: release_key(s.release))
-    return not any(c.struct == "EngineCoreRequest" and "python-engine" in c.breaks for c in diff_schemas(older, newer))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--release", action="append", default=[],
@@ -136,7 +129,7 @@ def main() -> None:
     for release in args.vllm_rs:
         # A frontend whose requests no installed engine reads (0.34.0's prompt arrays) is recorded with the sim
         # engine of its release: what it sends is the recording's point (the matrix replays it).
-        sim = not reads_its_requests(nearest_engine(release), release)
+        sim = not reads_requests(nearest_engine(release), release)
         record(f"vllm-{release}-vllm-rs.db", "vllm-rs-frontend",
                functools.partial(peers.rust_frontend, version=release), release if sim else nearest_engine(release),
                sim=sim)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import msgspec
 import typer
 
 from replay_proxy.cli.common import app, err, fail, out
@@ -13,7 +14,7 @@ from replay_proxy.errors import ExitCode
 from replay_proxy.peers import READY_S
 from replay_proxy.wire.messages import Side
 
-DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
+DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.34.0,vllm:0.27.0..0.32.0"
 DEFAULT_ENGINES = "0.27.0..0.32.0"
 RECORDINGS_HELP = "The recordings of what each release sends (default: the project's recordings/)."
 ReadyTimeout = Annotated[float, typer.Option(
@@ -58,6 +59,50 @@ def matrix(
     if report_dir is not None:
         for path in write_reports(done.cells, report_dir):
             err.print(f"wrote {path}")
+
+
+@app.command("add-release")
+def add_release(
+    release: Annotated[str, typer.Argument(help="A vLLM release pip has, e.g. 0.35.0.")],
+    engines: Annotated[str | None, typer.Option(
+        help="Observe its Rust frontend against these engine releases (A..B or a comma list; installed on "
+             "demand). Default: the engines installed.")] = None,
+    db: Annotated[Path | None, typer.Option(help="Keep its cells in this matrix database.")] = None,
+    report_dir: Annotated[Path | None, typer.Option(
+        help="Keep the peers' logs and each replay here (default: a temporary folder).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    ready_timeout: ReadyTimeout = READY_S,
+) -> None:
+    """Make a release known on the day it ships: its schema, what changed, what its Rust frontend sends,
+    and where that works.
+
+    Extracts its schema from its own classes into the added releases' folder (every command reads it
+    from then on), prints the changes since the release before it, records its vllm-rs serving a small
+    workload, says which of those messages its own schema cannot read, and observes its cells against
+    the engines (docs/matrix.md: A release on its day). Exit 0 when every message was read, 3 when some
+    were not.
+
+    Example: replay-proxy add-release 0.35.0 --db matrix.db
+    """
+    from replay_proxy.matrix import MatrixError, releases_in
+    from replay_proxy.matrix.release import add_release as add
+    from replay_proxy.processes import ChildError
+    from replay_proxy.releases import ReleaseError
+
+    try:
+        chosen = None if engines is None else releases_in(engines)
+        added = add(release, engines=chosen, db=db, workdir=report_dir, ready_s=ready_timeout,
+                    say=lambda line: err.print(line, markup=False, highlight=False))
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    except (ReleaseError, ChildError) as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        out.print_json(msgspec.json.encode(added).decode())
+    else:
+        for cell in added.cells:
+            out.print(f"{cell.frontend} x engine {cell.engine}: {cell.verdict.value}", highlight=False)
+    raise typer.Exit(int(ExitCode.SCHEMA_BREAKING if added.unread else ExitCode.OK))
 
 
 @app.command("can-i-deploy")

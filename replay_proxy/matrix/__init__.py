@@ -36,7 +36,7 @@ import msgspec
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.peers import Frontend
 from replay_proxy.wire.messages import Direction
-from replay_proxy.wire.schema import release_key, shipped_releases
+from replay_proxy.wire.schema import added_releases, release_key, shipped_releases
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 # The kinds of request a cell is judged for, and the suffix of their recordings' file names. completion:
@@ -193,12 +193,19 @@ def recording_of(build: Frontend, folder: Path = RECORDINGS, kind: str = "comple
     """The committed recording of what ``build`` sends in ``kind``'s workload, and its session; None where
     there is none.
 
-    ``vllm:X`` is also engine X's recording: its own Python frontend and engine."""
+    ``vllm:X`` is also engine X's recording: its own Python frontend and engine. One made by ``matrix
+    add-release`` (``added_recording``) is read first."""
     if build.kind == "vllm-rs":
-        path, session = folder / f"vllm-{build.release}-vllm-rs{KINDS[kind]}.db", "vllm-rs-frontend"
+        name, session = f"vllm-{build.release}-vllm-rs{KINDS[kind]}.db", "vllm-rs-frontend"
     else:
-        path, session = folder / f"vllm-{build.release}-python{KINDS[kind]}.db", "python-frontend"
-    return (path, session) if path.exists() else None
+        name, session = f"vllm-{build.release}-python{KINDS[kind]}.db", "python-frontend"
+    path = next((p for p in (added_recording(name), folder / name) if p.exists()), None)
+    return (path, session) if path is not None else None
+
+
+def added_recording(name: str) -> Path:
+    """A recording ``add-release`` makes, beside the release's schema, outside the package."""
+    return added_releases() / "recordings" / name
 
 
 def engine_recording(engine: str, folder: Path = RECORDINGS, kind: str = "completion") -> tuple[Path, str] | None:

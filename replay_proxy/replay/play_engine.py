@@ -44,7 +44,7 @@ from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import Channel, Direction, Kind
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.values import decode_msgpack, token_ids
 
 # Recorded sampling params that become OpenAI completion parameters of the same name.
 HTTP_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "n",
@@ -183,7 +183,7 @@ class EnginePlayer(Player):
         if recorded is None:
             self.outcome.findings.append(Finding(
                 "behaviour", Severity.REGRESSION, "request_unexpected",
-                f"the frontend sent a request ({len(fields.get('prompt_token_ids') or [])} prompt tokens) that "
+                f"the frontend sent a request ({len(token_ids(fields.get('prompt_token_ids')) or [])} prompt tokens) that "
                 "matches no recorded one", message_kind="ADD", request_id=request_id))
             return
         self._streams[request_id] = trio.Event()
@@ -193,7 +193,7 @@ class EnginePlayer(Player):
     def _match(self, fields: dict) -> RecordedFrame | None:
         """The recorded ADD that asked for what ``fields`` asks for (``store/session.request_key``)."""
         keys = self.options.rules.match_sampling_keys
-        key = lambda request: request_key(self.decoder.schema, request.get("prompt_token_ids"),  # noqa: E731
+        key = lambda request: request_key(self.decoder.schema, token_ids(request.get("prompt_token_ids")),  # noqa: E731
                                           request.get("sampling_params") or {}, keys)
         wanted = key(fields)
         for frame in self._unmatched:
@@ -281,11 +281,11 @@ class EnginePlayer(Player):
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         if recorded.get("pooling_params") is not None:  # a pooling request: the prompt's tokens embedded
             ask = functools.partial(embedding, f"{self.http}/v1/embeddings",
-                                    {"model": model, "input": recorded["prompt_token_ids"]}, self.finish_timeout)
+                                    {"model": model, "input": token_ids(recorded["prompt_token_ids"])}, self.finish_timeout)
         else:
             params = recorded.get("sampling_params") or {}
             lora = recorded.get("lora_request")
-            body = {"model": lora["lora_name"] if lora else model, "prompt": recorded["prompt_token_ids"],
+            body = {"model": lora["lora_name"] if lora else model, "prompt": token_ids(recorded["prompt_token_ids"]),
                     "return_token_ids": True,
                     **{k: params[k] for k in HTTP_PARAMS if k in params}}
             if params.get("structured_outputs"):  # what it asked for, not what the frontend chose (_backend)

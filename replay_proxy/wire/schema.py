@@ -12,6 +12,7 @@ as it can and the drift itself is recorded.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -134,20 +135,38 @@ def release_key(release: str) -> tuple[int, ...]:
 SCHEMAS = Path(__file__).resolve().parent / "schemas"  # one file a release, extracted from its own classes
 
 
+def added_releases() -> Path:
+    """Where releases are added on the day they ship (``add-release``): their schemas in schemas/ (read
+    before the package's), what their Rust frontend sends in recordings/. The user's, since the installed
+    package may be read-only: $REPLAY_PROXY_ADDED_RELEASES, else added-releases/ in $REPLAY_PROXY_CACHE
+    (default ~/.cache/replay-proxy)."""
+    cache = os.environ.get("REPLAY_PROXY_CACHE") or Path.home() / ".cache" / "replay-proxy"
+    return Path(os.environ.get("REPLAY_PROXY_ADDED_RELEASES") or Path(cache) / "added-releases")
+
+
 @functools.cache
 def shipped_releases() -> tuple[str, ...]:
-    """Releases with a schema in the package, oldest first."""
-    names = [p.name.removesuffix(".json") for p in SCHEMAS.iterdir() if p.name.endswith(".json")]
+    """Releases with a schema, oldest first: in the package, and added since (``added_releases``)."""
+    folders = [f for f in (SCHEMAS, added_releases() / "schemas") if f.is_dir()]
+    names = {p.name.removesuffix(".json") for f in folders for p in f.iterdir() if p.name.endswith(".json")}
     return tuple(sorted(names, key=release_key))
 
 
 def shipped_path(release: str) -> Path:
-    return SCHEMAS / f"{release}.json"
+    """A release's schema file: one added by the user (``added_releases``), else the package's."""
+    added = added_releases() / "schemas" / f"{release}.json"
+    return added if added.exists() else SCHEMAS / f"{release}.json"
 
 
 @functools.cache
 def load_schema(release: str) -> Schema:
     return msgspec.json.decode(shipped_path(release).read_bytes(), type=Schema)
+
+
+def forget_schemas() -> None:
+    """After a schema was added: the next look is at the files again."""
+    shipped_releases.cache_clear()
+    load_schema.cache_clear()
 
 
 def schema_for(version: str | None) -> tuple[Schema, bool]:

@@ -25,9 +25,11 @@ pytestmark = pytest.mark.real_vllm
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def workflow() -> dict:
-    [block] = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)
-    return yaml.safe_load(block)
+def workflow(name: str = "engine-frontend link") -> dict:
+    """One of docs/ci.md's workflows, by its name."""
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)]
+    [chosen] = [b for b in blocks if b["name"] == name]
+    return chosen
 
 
 def run_job(workspace: Path, **overrides: str) -> dict[str, subprocess.CompletedProcess]:
@@ -65,3 +67,16 @@ def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tm
     assert all((tmp_path / p).is_file() for p in paths), [p for p in paths if not (tmp_path / p).is_file()]
     failures = ET.parse(tmp_path / "reports/replay/junit.xml").getroot().iter("failure")
     assert any("supports_lora" in (f.get("message") or "") + (f.text or "") for f in failures)
+
+
+def test_the_scheduled_job_finds_whether_pypi_has_a_release_the_matrix_lacks(tmp_path):
+    """Its `newest` step, run as the job runs it (the `add-release` step it gates is tests/real/test_add_release_vllm.py)."""
+    from replay_proxy.wire.schema import shipped_releases
+
+    [step] = [s for s in workflow("a new vLLM release")["jobs"]["add-release"]["steps"] if s.get("id") == "newest"]
+    output = tmp_path / "github_output"
+    env = {**os.environ, "GITHUB_OUTPUT": str(output), "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    assert said["release"] and (said.get("new") == "true") == (said["release"] not in shipped_releases())

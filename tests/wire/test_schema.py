@@ -1,5 +1,7 @@
 """Shipped schemas: what they say about real releases, and how one is chosen."""
 
+import msgspec
+
 from replay_proxy.wire.schema import load_schema, schema_for, shipped_releases
 
 
@@ -29,3 +31,25 @@ def test_schemas_carry_the_release_drift_extracted_from_vllm():
     sampling = load_schema("0.32.0").structs["SamplingParams"]
     assert sampling.encoding == "map" and sampling.omit_defaults
     assert load_schema("0.32.0").enums["FinishReason"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3, "REPETITION": 4}
+
+
+def test_a_release_added_by_the_user_is_known_and_read_before_the_package(tmp_path, monkeypatch):
+    from replay_proxy.matrix import Frontend, recording_of
+    from replay_proxy.wire.schema import SCHEMAS, added_releases, forget_schemas
+
+    monkeypatch.setenv("REPLAY_PROXY_ADDED_RELEASES", str(tmp_path))
+    (tmp_path / "schemas").mkdir()
+    newer = msgspec.json.decode((SCHEMAS / "0.34.0.json").read_bytes())
+    (tmp_path / "schemas" / "0.35.0.json").write_bytes(msgspec.json.encode({**newer, "release": "0.35.0"}))
+    (tmp_path / "recordings").mkdir()
+    (tmp_path / "recordings" / "vllm-0.35.0-vllm-rs.db").write_bytes(b"")
+    forget_schemas()
+    try:
+        assert added_releases() == tmp_path and shipped_releases()[-2:] == ("0.34.0", "0.35.0")
+        assert load_schema("0.35.0").release == "0.35.0" and schema_for("0.36.1")[0].release == "0.35.0"
+        assert recording_of(Frontend("vllm-rs", "0.35.0")) == (tmp_path / "recordings" / "vllm-0.35.0-vllm-rs.db",
+                                                                "vllm-rs-frontend")
+    finally:
+        monkeypatch.delenv("REPLAY_PROXY_ADDED_RELEASES")
+        forget_schemas()
+    assert shipped_releases()[-1] == "0.34.0"
