@@ -193,12 +193,13 @@ def test_a_frame_that_does_not_decode_is_forwarded_as_it_was_and_recorded_blank(
     assert json.loads(database["sessions"].get(1)["redaction_counts"])["blanked"] == {"frame (ValueError)": 1}
 
 
-def test_a_redacted_session_replays_against_an_engine_with_its_lengths_held(tmp_path, key_file):
+@RELEASES
+def test_a_redacted_session_replays_against_an_engine_with_its_lengths_held(tmp_path, key_file, release):
     source, db = tmp_path / "staging.db", tmp_path / "ci.db"
-    trio.run(lambda: record(source, name="baseline"))
+    trio.run(lambda: record(source, name="baseline", **both(release)))
     redact_database(source, db, Redaction(settings(key_file)))
     listen = f"tcp://127.0.0.1:{free_port()}"
-    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen))
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen, release=release))
     options = ReplayOptions(pace="fast", ready_timeout_s=20, finish_timeout_s=10, report_dir=tmp_path,
                             hold_lengths=True)
     report, outcome = replay_session(db, "baseline", peer, options)

@@ -48,10 +48,10 @@ def recorded(tmp_path_factory):
     return db
 
 
-def engines_command(listen, drift=None, engines=1):
+def engines_command(listen, drift=None, engines=1, release="0.32.0"):
     drift_args = ["--drift", json.dumps(drift)] if drift else []
-    command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), *drift_args])
-                         for i in range(engines))
+    command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), "--release", release,
+                                     *drift_args]) for i in range(engines))
     return shlex.join(["bash", "-c", f"{command} & wait"])
 
 
