@@ -14,8 +14,8 @@ from replay_proxy.errors import ExitCode
 from replay_proxy.peers import READY_S
 from replay_proxy.wire.messages import Side
 
-DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.34.0,vllm:0.27.0..0.32.0"
-DEFAULT_ENGINES = "0.27.0..0.32.0"
+DEFAULT_FRONTENDS = "vllm-rs:0.22.0..0.34.0,vllm:0.27.0..0.34.0"
+DEFAULT_ENGINES = "0.27.0..0.34.0"
 RECORDINGS_HELP = "The recordings of what each release sends (default: the project's recordings/)."
 ReadyTimeout = Annotated[float, typer.Option(
     help="Seconds each replay waits for its real peer to be ready (more on a busy machine).")]

@@ -295,11 +295,8 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path, 
     return legs
 
 
-def judge(legs: Legs | None) -> Judgement:
+def judge(legs: Legs) -> Judgement:
     """The cell's observed verdict: the worst of its kinds' two directions."""
-    if legs is None:
-        return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, None, "no recording of what one side sends: "
-                                                    "make it with scripts/make_recordings.py")])
     results = [(kind, leg.run()) for kind, pair in legs.items() for leg in pair]
     evidence = [msgspec.structs.replace(e, kind=kind) for kind, j in results for e in j.evidence]
     return Judgement(worst(e.verdict for e in evidence), evidence, "; ".join(j.how for _, j in results),

@@ -57,6 +57,8 @@ def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Call
     by_cell = {(c.frontend, c.engine): c for c in cells}
     now = utc_now("seconds")
     for (frontend, engine), pair in legs.items():
+        if pair is None:  # no recording of one side: nothing to replay, its prediction says why
+            continue
         cell = by_cell[(str(frontend), engine)]
         cell.observed, cell.observed_at = judge(pair), now
     return cells

