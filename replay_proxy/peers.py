@@ -19,14 +19,19 @@ import fcntl
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from replay_proxy import releases
+from replay_proxy.processes import Child, ChildError
 from replay_proxy.releases import ReleaseError, cache_dir
 
 INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
@@ -267,3 +272,21 @@ def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1
     if frontend.kind == "vllm-rs":
         return [str(program(frontend)), "serve", str(model_dir or model()), *where, "--max-model-len", "256"]
     return [*vllm_cli(frontend.release), "serve", str(model_dir or model()), *where, *COMMON, *PYTHON_ONLY]
+
+
+def wait_http_ready(port: int, children: list[Child], timeout: float = READY_S) -> None:
+    """Wait for a frontend's /v1/models to answer 200; fail early if any of ``children`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children:
+            if not child.running():
+                raise ChildError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail(30)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, socket.timeout):
+            pass
+        time.sleep(0.5)
+    tails = "\n".join(f"--- {c.name}\n{c.log_tail(15)}" for c in children)
+    raise ChildError(f"HTTP on port {port} not ready after {timeout:g} s\n{tails}")

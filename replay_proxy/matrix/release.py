@@ -21,7 +21,6 @@ Every process is started and stopped by its PID; every wait is bounded.
 from __future__ import annotations
 
 import json
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -166,7 +165,7 @@ def record_vllm_rs(release: str, engine: str | None, db: Path, workdir: Path, re
             scratch = peers.scratch_dir()
             children.append(Child(peers.engine_argv(listen, engine), workdir / f"engine-{engine}.log",
                                   env=peers.vllm_env(scratch), name=f"engine {engine}", owns=scratch))
-        _wait_http(http, children, ready_s)
+        peers.wait_http_ready(http, children, ready_s)
         return {name: _ask(http, path, body) for name, (path, body) in WORKLOAD.items()}
     finally:
         for child in reversed(children):
@@ -174,22 +173,6 @@ def record_vllm_rs(release: str, engine: str | None, db: Path, workdir: Path, re
         if children[1:] and children[1].process.returncode not in (0, None):
             raise ChildError(f"replay-proxy record exited with {children[1].process.returncode}: "
                              f"{children[1].log_tail(5)}")
-
-
-def _wait_http(port: int, children: list[Child], ready_s: float) -> None:
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
-        for child in children:
-            if not child.running():
-                raise ChildError(f"{child.name} exited with {child.process.returncode}: {child.log_tail(5)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, socket.timeout):
-            pass
-        time.sleep(0.5)
-    raise ChildError(f"the frontend's HTTP on port {port} was not ready after {ready_s:g} s")
 
 
 def _ask(port: int, path: str, body: dict) -> str:
