@@ -51,8 +51,8 @@ class Answer(msgspec.Struct):
         for kind in self.uses:
             judgement = self.cell.judgement_of(kind)
             if judgement is None:
-                answers.append((kind, Verdict.UNKNOWN, f"no recording of {kind} requests on both sides: make them "
-                                f"with scripts/make_recordings.py --kind {kind}", []))
+                answers.append((kind, Verdict.UNKNOWN, f"not judged: no recording of {kind} requests on both "
+                                "sides (docs/matrix.md: Kinds of request)", []))
                 continue
             verdict = judgement.verdict_for(kind)
             sorts: dict[tuple, list[Evidence]] = {}

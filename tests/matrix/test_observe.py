@@ -145,3 +145,28 @@ def test_a_lora_peer_runs_with_lora_on_in_the_cache_folder_where_the_recorded_ad
     assert paths == {peers.ADAPTER} and not Path(peers.ADAPTER).is_absolute()  # no recording machine's path
     plain = shlex.split(peers.command(["vllm", "serve", "m"]))
     assert "-C" not in plain and plain[-3:] == ["vllm", "serve", "m"]
+
+
+def test_add_release_says_which_messages_a_release_does_not_read(tmp_path):
+    """What `add-release` says of a recording whose messages a release's schema does not read: a line a way."""
+    import trio
+
+    from replay_proxy.matrix.release import unread_messages
+    from replay_proxy.wire.schema import load_schema
+    from tests.conftest import RecordedSession
+
+    async def record():
+        async with trio.open_nursery() as nursery:
+            session = await RecordedSession(nursery, tmp_path / "r.db", frontend_release="0.34.0",
+                                            engine_release="0.34.0").start()
+            for k in range(3):
+                await session.frontend.add(f"r{k}", [5, 6, k], max_tokens=2, temperature=0.0)
+            await session.frontend.wait_for(lambda: len(session.frontend.finish_reasons) == 3)
+            nursery.cancel_scope.cancel()
+        session.recorder.close()
+
+    trio.run(record)
+    assert unread_messages(tmp_path / "r.db", load_schema("0.34.0")) == []
+    assert unread_messages(tmp_path / "r.db", load_schema("0.33.0")) == [
+        "ADD EngineCoreRequest.prompt_token_ids: type mismatch (expected list[int] | None, got str) (3 messages)",
+        "ADD EngineCoreRequest.position 22: extra position (3 messages)"]
