@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import json
 import os
 import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -261,6 +263,15 @@ def engine_argv(rpc_port: int, release: str, dp: int = 1, start_rank: int = 0, l
             "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local), *rank,
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port), *COMMON, *PYTHON_ONLY,
             *executor]
+
+
+def sim_engine_argv(rpc_port: int, release: str) -> list[str]:
+    """The project's sim engine speaking ``release``, dialling the handshake at ``rpc_port``: in front of a
+    real frontend whose release has no engine that runs here. Its tokens are the tiny model's, so that the
+    frontend detokenizes them and a redaction of the recording (of that vocabulary) takes them."""
+    vocab_size = json.loads((model() / "config.json").read_text())["vocab_size"]
+    return [sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", f"tcp://127.0.0.1:{rpc_port}",
+            "--release", release, "--vocab-size", str(vocab_size)]
 
 
 def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1,

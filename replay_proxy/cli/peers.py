@@ -57,6 +57,8 @@ def sim_engine(
         = 2.0,
     step_spread: Annotated[float, typer.Option(min=0.0, help=(
         "Spread of step times: each is --step-ms times a lognormal of this sigma (seeded by --index)."))] = 0.0,
+    vocab_size: Annotated[int | None, typer.Option(
+        min=11, help="Generate tokens of a vocabulary this large (a real frontend's model's; default 900).")] = None,
     drift: Annotated[str | None, typer.Option(
         help='Drift knobs as JSON, e.g. \'{"drop_registration_key": "block_size"}\' (see sim/drift.py).')] = None,
 ) -> None:
@@ -68,7 +70,7 @@ def sim_engine(
     from replay_proxy.sim.run import run_engine
 
     run_engine(handshake, index=index, release=release, step_s=step_ms / 1000, step_spread=step_spread,
-               drift=parse_drift(drift, EngineDrift))
+               vocab_size=vocab_size, drift=parse_drift(drift, EngineDrift))
 
 
 @peers_app.command("fetch")

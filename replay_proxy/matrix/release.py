@@ -158,8 +158,7 @@ def record_vllm_rs(release: str, engine: str | None, db: Path, workdir: Path, re
         children.append(proxy)
         proxy.wait_for_log("listening on", timeout=30)
         if engine is None:
-            children.append(Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake",
-                                   f"tcp://127.0.0.1:{listen}", "--release", release], workdir / "sim-engine.log",
+            children.append(Child(peers.sim_engine_argv(listen, release), workdir / "sim-engine.log",
                                   name=f"sim engine {release}"))
         else:
             scratch = peers.scratch_dir()

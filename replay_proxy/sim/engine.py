@@ -34,20 +34,22 @@ VOCAB = 900
 FINISH = {"stop": 0, "length": 1, "abort": 2, "error": 3}
 
 
-def token_at(prompt: list[int], seed: int | None, position: int) -> int:
-    """The token the sim engine generates at ``position`` for a prompt."""
-    return (sum(prompt) * 31 + (seed or 0) * 17 + position * 7 + len(prompt)) % (VOCAB - 10) + 10
+def token_at(prompt: list[int], seed: int | None, position: int, vocab_size: int = VOCAB) -> int:
+    """The token the sim engine generates at ``position`` for a prompt, of a vocabulary of ``vocab_size``."""
+    return (sum(prompt) * 31 + (seed or 0) * 17 + position * 7 + len(prompt)) % (vocab_size - 10) + 10
 
 
 class SimEngine:
     def __init__(self, handshake_address: str, index: int = 0, *, release: str = "0.32.0",
                  drift: EngineDrift = EngineDrift(), step_s: float = 0.002, step_spread: float = 0.0,
-                 context: zmq.Context | None = None):
+                 vocab_size: int = VOCAB, context: zmq.Context | None = None):
+        """``vocab_size``: of the tokens it generates (a real frontend's model's, in front of one)."""
         self.address = handshake_address
         self.index = index
         self.identity = engine_identity(index)
         self.schema = with_inserted_field(load_schema(release), "EngineCoreOutput", drift.insert_output_field)
         self.release = release
+        self.vocab_size = vocab_size
         self.drift = drift
         self.step_s = step_s
         # Real steps vary with the batch: each takes step_s times a lognormal of this spread, drawn
@@ -155,7 +157,7 @@ class SimEngine:
             self.running[fields["request_id"]] = _Running(
                 prompt=token_ids(fields["prompt_token_ids"]) or [], seed=params.get("seed"),
                 max_tokens=params.get("max_tokens", 16), stop_token_ids=params.get("stop_token_ids") or [],
-                client=fields.get("client_index", 0),
+                client=fields.get("client_index", 0), vocab_size=self.vocab_size,
             )
             self.added += 1
             if self._fails_on(params):
@@ -225,13 +227,14 @@ class SimEngine:
 
 class _Running:
     def __init__(self, prompt: list[int], seed: int | None, max_tokens: int | None,
-                 stop_token_ids: list[int], client: int):
+                 stop_token_ids: list[int], client: int, vocab_size: int):
         self.prompt, self.seed, self.stop_token_ids, self.client = prompt, seed, stop_token_ids, client
+        self.vocab_size = vocab_size
         self.max_tokens = math.inf if max_tokens is None else max_tokens
         self.generated = 0
 
     def step(self, request_id: str, drift: EngineDrift) -> dict:
-        token = token_at(self.prompt, self.seed, self.generated) + drift.token_offset
+        token = token_at(self.prompt, self.seed, self.generated, self.vocab_size) + drift.token_offset
         self.generated += 1
         finish = None
         if token in self.stop_token_ids:

@@ -64,10 +64,10 @@ def run_frontend(handshake: str, *, engines: int = 1, api_servers: int = 1, rele
 
 
 def run_engine(handshake: str, *, index: int = 0, release: str = "0.32.0", step_s: float = 0.002,
-               step_spread: float = 0.0, drift: EngineDrift | None = None) -> None:
+               step_spread: float = 0.0, vocab_size: int | None = None, drift: EngineDrift | None = None) -> None:
     """A sim engine until signalled."""
     engine = SimEngine(handshake, index, release=release, drift=drift or EngineDrift(), step_s=step_s,
-                       step_spread=step_spread)
+                       step_spread=step_spread, **({"vocab_size": vocab_size} if vocab_size else {}))
 
     async def start(nursery: trio.Nursery) -> None:
         nursery.start_soon(engine.run)

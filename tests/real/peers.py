@@ -125,8 +125,7 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
 
 def sim_engine(logs: Path, rpc_port: int, release: str) -> Child:
     """The project's sim engine speaking ``release``: for a release whose engine cannot run here."""
-    return Child([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", f"tcp://127.0.0.1:{rpc_port}",
-                  "--release", release], logs / f"sim-engine-{release}.log", name=f"sim engine {release}")
+    return Child(real.sim_engine_argv(rpc_port, release), logs / f"sim-engine-{release}.log", name=f"sim engine {release}")
 
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
