@@ -135,7 +135,8 @@ def load_session(db_path: Path, session: str) -> Session:
         progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
     # ADDs and output frames keep what their tables hold there, not in ``decoded``: named again from the raw
     # bytes.
-    decoder = WireDecoder(schema_for(row["vllm_version"])[0])
+    decoder = WireDecoder(schema_for(row["vllm_version"])[0], frontend_release=row.get("frontend_release"),
+                          frontend_source=row.get("frontend_source"))
 
     def decoded(r: dict, parts: list[bytes]) -> Any:
         if r["kind"] in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
