@@ -124,6 +124,19 @@ def test_query_sql_json_csv_and_presets_over_the_demo_recording():
         assert cli("query", "--db", db, "--preset", preset).returncode == 0, preset
 
 
+def test_query_never_changes_a_recording_unless_told(tmp_path):
+    db = tmp_path / "demo.db"
+    db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
+    before = db.read_bytes()
+    rename = "UPDATE sessions SET name = 'renamed' RETURNING id"
+    refused = cli("query", "--db", str(db), rename)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "give --write" in refused.stderr
+    assert db.read_bytes() == before  # not a byte changed (the file is in the current layout: nothing to add)
+    changed = cli("query", "--db", str(db), "--write", "--json", rename)
+    assert changed.returncode == 0 and '"id": 1' in changed.stdout
+    assert sqlite_utils.Database(db)["sessions"].get(1)["name"] == "renamed"
+
+
 def test_every_command_has_help_and_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     listing = cli("--help").stdout

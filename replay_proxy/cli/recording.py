@@ -299,8 +299,11 @@ def query(
         help=f"A named query: {', '.join(queries.PRESETS)}.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
+    write: Annotated[bool, typer.Option("--write", help="Let the SQL change the recording (it is read-only "
+                                                       "otherwise).")] = False,
 ) -> None:
-    """Run SQL (or a named preset) over a recording and print the result.
+    """Run SQL (or a named preset) over a recording and print the result; the recording is opened
+    read-only unless --write.
 
     Example: replay-proxy query --db recordings/demo.db "SELECT request_id, ttft_ms FROM request_timeline"
     """
@@ -311,7 +314,7 @@ def query(
     if preset is not None and preset not in queries.PRESETS:
         raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
     try:
-        rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql)
+        rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql, write=write)
         partly = [s for s in queries.list_sessions(db) if s["frames_undecoded"]]
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None

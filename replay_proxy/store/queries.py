@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,22 @@ def list_sessions(path: str | Path) -> list[dict[str, Any]]:
     return list(db.query(f"SELECT {columns} FROM sessions ORDER BY id"))
 
 
-def run_query(path: str | Path, sql: str, params: dict | None = None) -> list[dict[str, Any]]:
-    db = open_existing(path)
+def run_query(path: str | Path, sql: str, params: dict | None = None, *, write: bool = False) -> list[dict[str, Any]]:
+    """The rows ``sql`` gives, run on a read-only connection unless ``write``: a query never changes a
+    recording by mistake (``UPDATE ... RETURNING`` returns rows too)."""
+    db = open_existing(path)  # (an older file's layout brought up to this version's first)
+    connection = db.conn if write else sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
     try:
-        return list(db.query(sql, params or {}))
+        with connection if write else contextlib.nullcontext():
+            cursor = connection.execute(sql, params or {})
+            names = [d[0] for d in cursor.description or ()]
+            return [dict(zip(names, row)) for row in cursor]
     except sqlite3.Error as exc:
-        raise QueryError(f"{exc} (in: {' '.join(sql.split())[:120]})") from None
+        hint = "; queries are read-only: give --write to change the recording" if "readonly" in str(exc) else ""
+        raise QueryError(f"{exc} (in: {' '.join(sql.split())[:120]}){hint}") from None
+    finally:
+        if not write:
+            connection.close()
 
 
 def find_session(db: sqlite_utils.Database, session: str) -> dict[str, Any]:
