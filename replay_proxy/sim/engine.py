@@ -249,10 +249,9 @@ class _Running:
         return output
 
 
-
 def _complaint(flag: Flag) -> str:
     """What vLLM's engine logs when its decoder refuses an ADD, in msgspec's words."""
     if flag.issue == "missing_required":
         return f"msgspec.ValidationError: Object missing required field `{flag.field}` - at `{flag.path}`"
-    got = {"array": "array", "map": "object", "nil": "null", "bin": "bytes"}.get(flag.got or "", flag.got)
+    got = {"map": "object", "nil": "null", "bin": "bytes"}.get(flag.got or "", flag.got)  # (msgspec's names)
     return f"msgspec.ValidationError: Expected `{flag.expected}`, got `{got}` - at `{flag.path}`"
