@@ -10,7 +10,11 @@ Each is one session of the HTTP workload in tests/real/workload.py through
     .venv/bin/python scripts/make_recordings.py --shapes --release 0.30.0
 `--staging` records vllm-0.32.0-staging.db: 30 users of a staging day
 (tests/real/workload.py: staging) between the Python frontend and a 0.32.0
-engine, the session the real shrink test cuts down. The second form records a release's own Python frontend and engine
+engine, the session the real shrink test cuts down. `--bench-serve` records
+vllm-0.32.0-bench-serve.db: a real client's traffic (`vllm bench serve`, 4 users
+at a time, sampled, greedy, and seeded with stop tokens: tests/real/workload.py
+bench_serve) between the Python frontend and a 0.32.0 engine serving the peaked
+tiny model, the session whose verdicts scripts/bench/verdicts.py measures. The second form records a release's own Python frontend and engine
 (vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
 third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here
@@ -62,13 +66,13 @@ def compact(db: Path) -> None:
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
-           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = (), sim: bool = False) -> Path:
+           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = (), sim: bool = False, model=peers.MODEL) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
         seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
-                              engine_flags=engine_flags, serving=serving, sim=sim)
+                              engine_flags=engine_flags, serving=serving, sim=sim, model=model)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -102,6 +106,8 @@ def main() -> None:
                         help="record this release's Rust frontend with the nearest installed engine instead")
     parser.add_argument("--staging", action="store_true",
                         help="record the 30-request staging session (vllm-0.32.0-staging.db) instead")
+    parser.add_argument("--bench-serve", action="store_true",
+                        help="record a real client's session (vllm-0.32.0-bench-serve.db) instead")
     parser.add_argument("--kind", choices=list(KINDS), default="completion",
                         help="with --release: the kind of request whose workload is recorded")
     parser.add_argument("--shapes", action="store_true",
@@ -111,6 +117,11 @@ def main() -> None:
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
     if args.staging:
         record("vllm-0.32.0-staging.db", "staging", peers.python_frontend, work=workload.staging)
+        return
+    if args.bench_serve:
+        record("vllm-0.32.0-bench-serve.db", "bench-serve",
+               functools.partial(peers.python_frontend, model=peers.PEAKED), work=workload.bench_serve,
+               model=peers.PEAKED)
         return
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():

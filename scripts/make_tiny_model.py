@@ -1,6 +1,6 @@
 """Build a tiny random-weights model and a byte-level BPE tokenizer, offline.
 
-Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe]`,
+Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe | --peaked]`,
 or `python make_tiny_model.py OUT_DIR --lora-of MODEL_DIR` for a LoRA adapter of
 that model (rank 8 on every layer's q_proj and v_proj, random weights, in PEFT's
 format, which vLLM loads: adapter_config.json and adapter_model.safetensors).
@@ -8,7 +8,11 @@ Sizes follow docs/real-vllm.md: the CPU attention backend needs a head size of
 32 or more, so hidden 128 with 4 heads. --moe makes a Mixtral (4 experts, 2
 per token) instead of a Llama: under data parallelism vLLM's CPU build fails
 at its first request and every engine sends ENGINE_CORE_DEAD, a real fatal
-error sequence for the tests.
+error sequence for the tests. --peaked makes the Llama with its output layer
+scaled by 20, so that its next-token distributions are as peaked as a trained
+model's (top-1 probability about 0.5, entropy about 1.7 nats, the top 20 tokens
+97% of the mass; the plain one's are nearly uniform): temperature, top-p and
+min-p then change what is sampled, as they do on real staging traffic.
 """
 
 import sys
@@ -30,7 +34,10 @@ def corpus():
         yield " ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 12))
 
 
-def main(out: str, moe: bool) -> None:
+PEAKED_SCALE = 20.0
+
+
+def main(out: str, moe: bool, peaked: bool = False) -> None:
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -68,6 +75,9 @@ def main(out: str, moe: bool) -> None:
         model = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
     else:
         model = LlamaForCausalLM(LlamaConfig(**sizes))
+        if peaked:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(PEAKED_SCALE)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
 
 
@@ -103,4 +113,4 @@ if __name__ == "__main__":
     if "--lora-of" in sys.argv:
         lora(sys.argv[1], sys.argv[sys.argv.index("--lora-of") + 1])
     else:
-        main(sys.argv[1], "--moe" in sys.argv[2:])
+        main(sys.argv[1], "--moe" in sys.argv[2:], "--peaked" in sys.argv[2:])

@@ -25,6 +25,7 @@ VENV = CACHE / "vllm-0.32.0"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
+PEAKED = CACHE / "tiny-peaked"  # the tiny model with peaked distributions (scripts/make_tiny_model.py --peaked)
 # A frontend and engine that serve LoRA adapters (the frontend also loads them through its API), in the
 # cache folder, where the tiny adapter's relative path (real.ADAPTER) finds it.
 LORA = real.SERVING["lora"]
@@ -39,7 +40,7 @@ REPLAY_S = READY_TIMEOUT_S + 180
 
 
 def installed() -> bool:
-    return (MODEL / ".complete").exists() and (MOE_MODEL / ".complete").exists() and all(
+    return all((m / ".complete").exists() for m in (MODEL, MOE_MODEL, PEAKED)) and all(
         p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
@@ -130,8 +131,8 @@ def sim_engine(logs: Path, rpc_port: int, release: str) -> Child:
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
              engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = (),
-             serving: real.Serving = NO_KIND, sim: bool = False) -> dict:
-    """Frontend + headless engine of ``engine_release`` (with ``engine_flags``, serving what ``serving`` says;
+             serving: real.Serving = NO_KIND, sim: bool = False, model: Path = MODEL) -> dict:
+    """Frontend + headless engine of ``engine_release`` (with ``engine_flags``, serving ``model`` as ``serving`` says;
     a sim engine of that release with ``sim``; + the recording proxy between them when ``db`` is given).
 
     Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
@@ -147,7 +148,7 @@ def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None =
             listen = free_port()
             children.append(proxy(logs, listen, upstream, db, session))
         engine = sim_engine(logs, listen, engine_release) if sim else \
-            headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving)
+            headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving, model=model)
         children.append(engine)
         wait_http_ready(http, children)
         return (work or workload.run)(http, hold_engine=engine.held,

@@ -14,13 +14,14 @@ import base64
 import contextlib
 import functools
 import json
+import shutil
 import subprocess
 import time
 import urllib.error
 from pathlib import Path
 
 from replay_proxy.peers import ADAPTER
-from tests.real.peers import CACHE, MODEL, post, stream
+from tests.real.peers import CACHE, MODEL, PEAKED, post, stream
 
 GREEDY = {"temperature": 0.0}
 
@@ -96,6 +97,41 @@ def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dic
     ]
     prompts = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 5)) for i in range(requests)]
     return _each({f"user-{i}": functools.partial(kinds[i % len(kinds)], prompt) for i, prompt in enumerate(prompts)})
+
+
+# A real client's traffic (``bench_serve``): three runs of ``vllm bench serve``, 4 users at a time, on random
+# prompts; sampled as staging traffic is, greedy, and seeded with stop tokens and a min_tokens.
+BENCH_SERVE_RUNS = {
+    "sampled": ["--num-prompts", "16", "--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"],
+    "greedy": ["--num-prompts", "12", "--temperature", "0"],
+    "seeded": ["--num-prompts", "8", "--temperature", "0.9", "--min-p", "0.02", "--extra-body",
+               json.dumps({"seed": 11, "min_tokens": 3, "stop_token_ids": list(range(100, 140))})],
+}
+
+
+def bench_serve(http_port: int, model: Path = PEAKED, **_) -> dict[str, object]:
+    """``BENCH_SERVE_RUNS`` through the frontend at ``http_port`` serving ``model``, one run after another;
+    returns each run's summary (requests completed, output tokens) as vllm bench serve reports it."""
+    from replay_proxy import peers as real
+
+    seen = {}
+    for i, (name, flags) in enumerate(BENCH_SERVE_RUNS.items()):
+        scratch = real.scratch_dir()
+        out = scratch / "result.json"
+        try:
+            subprocess.run(
+                [str(real.venv("0.32.0") / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
+                 "--base-url", f"http://127.0.0.1:{http_port}", "--endpoint", "/v1/completions",
+                 "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random",
+                 "--random-input-len", "24", "--random-output-len", "24", "--random-range-ratio", "0.5",
+                 "--max-concurrency", "4", "--seed", str(i), "--disable-tqdm", "--save-result",
+                 "--result-dir", str(scratch), "--result-filename", out.name, *flags],
+                env=real.vllm_env(scratch), check=True, capture_output=True, timeout=600)
+            result = json.loads(out.read_text())
+            seen[name] = {"completed": result["completed"], "output_tokens": result["total_output_tokens"]}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return seen
 
 
 def lora(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
