@@ -76,6 +76,17 @@ def engine_command(rpc_port: int, release: str = "0.32.0", flags: tuple[str, ...
     return command([*real.engine_argv(rpc_port, release), *flags], serving=serving, **extra)
 
 
+# A vLLM general plugin that injects one real regression into the engine that loads it (its docstring).
+INJECT = Path(__file__).resolve().parents[2] / "scripts" / "inject"
+
+
+def injected_engine_command(rpc_port: int, kind: str = "", slot: int = 100) -> str:
+    """A 0.32.0 engine serving the peaked model with scripts/inject on its PYTHONPATH, injecting ``kind`` (none:
+    the same build, loaded the same way); ``slot``: the token ``vocab-slot`` breaks."""
+    return command(real.engine_argv(rpc_port, "0.32.0", model_dir=PEAKED), PYTHONPATH=str(INJECT),
+                   REPLAY_PROXY_INJECT=kind, REPLAY_PROXY_INJECT_TOKEN=str(slot))
+
+
 def python_frontend_argv(http_port: int, rpc_port: int, dp: int = 1, model: Path = MODEL,
                          release: str = "0.32.0") -> list[str]:
     return real.frontend_argv(Frontend("vllm", release), http_port, rpc_port, dp, model)
