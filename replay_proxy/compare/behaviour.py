@@ -1,11 +1,14 @@
 """Behaviour findings: per matched request, what the engine produced and what the frontend did.
 
-Tokens must be identical for greedy or seeded requests (else the first
-divergence is reported), finish reasons the same, logprobs within a
-tolerance, an ABORT where it was recorded; utility calls must get the same
-results. Greedy requests that ran batched, in either session, do not
-reproduce on vLLM's CPU build, so their divergence is a warning unless repeat
-runs of the baseline (``noise``) show them stable.
+Each request's tokens are judged by the strongest evidence it allows
+(``compare/tokens.py``: exact tokens, the first divergence, the sampling
+invariants; ``compare/scoring.py``: teacher-forced scoring), and the verdict
+says which tier judged it. Finish reasons must be the same, logprobs of the
+same tokens within a tolerance, an ABORT where it was recorded; utility calls
+must get the same results. Greedy or seeded requests that ran batched, in
+either session, do not reproduce on vLLM's CPU build: unless repeat runs of
+the baseline (``noise``) show them stable, they are judged at their first
+divergence rather than held to every token.
 """
 
 from __future__ import annotations
@@ -13,35 +16,36 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.compare.findings import Finding, Severity, Verdict
 from replay_proxy.compare.rules import Rules
-from replay_proxy.store.session import Matching, Request, Session, match_requests
+from replay_proxy.compare.tokens import (INVARIANTS, TIERS, UNJUDGED, deterministic, invariant_violations,
+                                         token_verdict)
+from replay_proxy.store.session import Matching, Session, match_requests
 
 
 def batched(session: Session) -> set[str]:
     """Requests that ran while another request on the same engine was running."""
-    spans = [(r.added_ns, r.last_ns or r.added_ns, r.engine_index, r.request_id) for r in session.requests]
+    spans = sorted((r.added_ns, r.last_ns or r.added_ns, r.engine_index, r.request_id) for r in session.requests)
     overlapping = set()
     for i, (start, end, engine, rid) in enumerate(spans):
         for other_start, other_end, other_engine, other in spans[i + 1:]:
-            if engine == other_engine and start < other_end and other_start < end:
+            if other_start >= end:
+                break  # sorted by start: no later one overlaps this one
+            if engine == other_engine:
                 overlapping |= {rid, other}
     return overlapping
 
 
-def deterministic(session: Session, request: Request) -> bool:
-    """Greedy or seeded: the same tokens run after run (when it ran alone)."""
-    value = session.schema.sampling_value
-    return value(request.params, "temperature") == 0.0 or value(request.params, "seed") is not None
-
-
 def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
-                       noise: list[Session] = (), frontend_under_test: bool = False) -> list[Finding]:
-    findings = []
+                       noise: list[Session] = (), frontend_under_test: bool = False,
+                       scored: dict[str, Verdict] | None = None) -> tuple[list[Finding], list[Verdict]]:
+    """The findings, and each baseline request's verdict (``scored``: the teacher-forced ones, by request)."""
+    findings, verdicts = [], []
     for request in matching.missing:
         findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
                                 f"baseline request with a {len(request.prompt)}-token prompt has no counterpart",
                                 message_kind="ADD", request_id=request.request_id))
+        verdicts.append(Verdict(request.request_id, UNJUDGED, False, "no counterpart in the candidate"))
     for request in matching.extra:
         findings.append(Finding("behaviour", Severity.WARNING, "request_extra",
                                 "the candidate has a request the baseline does not", message_kind="ADD",
@@ -52,7 +56,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
     batched_in_candidate = batched(candidate)
     ran_batched = batched(baseline) | {a.request_id for a, b in matching.pairs
                                        if b.request_id in batched_in_candidate}
-    noisy = {rid for rid in ran_batched if not noise or rid in unstable}
+    noisy = {rid for rid in ran_batched if not noise or rid in unstable} | unstable
     for a, b in matching.pairs:
         rid = a.request_id
         if a.frontend_aborted or b.frontend_aborted:
@@ -62,20 +66,27 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                         " only", request_id=rid))
             else:
                 findings.append(_abort_landing(a, b, rules.abort_progress_tolerance_tokens))
+            verdicts.append(Verdict(rid, UNJUDGED, a.frontend_aborted == b.frontend_aborted,
+                                    "aborted by the frontend: judged by where its ABORT landed"))
             continue
-        if a.tokens != b.tokens and deterministic(baseline, a):
-            first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
-                         min(len(a.tokens), len(b.tokens)))
-            is_noise = rid in noisy or rid in unstable
-            why = (" (varied between baseline runs too)" if rid in unstable else
-                   " (batched with other requests: not reproducible run to run on vLLM's CPU build; "
-                   "--noise runs of the baseline tell whether it is)" if rid in noisy else "")
-            findings.append(Finding(
-                "behaviour", Severity.WARNING if is_noise else Severity.REGRESSION, "token_mismatch",
-                f"tokens diverge at position {first} of {len(a.tokens)}{why}", request_id=rid, position=first,
-                baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5]))
+        judged = []
+        verdict, finding = token_verdict(baseline, a, b, rid not in noisy, rules)
+        if verdict is not None:
+            judged.append(verdict)
+        if finding is not None:
+            findings.append(finding)
+        if scored and rid in scored:
+            judged.append(scored[rid])
+        broken = invariant_violations(candidate, b, b.params.get("_eos_token_id"))
+        for rule, what in broken:
+            findings.append(Finding("behaviour", Severity.REGRESSION, "sampling_invariant", f"{rule}: {what}",
+                                    request_id=rid, field=rule, tier=INVARIANTS))
+        judged.append(Verdict(rid, INVARIANTS, not broken, "; ".join(w for _, w in broken) or (
+            f"{len(b.tokens)} tokens within its sampling parameters"
+            + ("" if b.token_logprobs else " (lengths and stop tokens: no logprobs to rank them)"))))
+        verdicts.append(_strongest(judged))
         if a.finish_reason != b.finish_reason:
-            severity = Severity.REGRESSION if deterministic(baseline, a) else Severity.WARNING
+            severity = Severity.REGRESSION if deterministic(baseline, a) and rid not in noisy else Severity.WARNING
             findings.append(Finding("behaviour", severity, "finish_reason_changed",
                                     f"finish reason {a.finish_reason} -> {b.finish_reason}",
                                     request_id=rid, baseline=a.finish_reason, candidate=b.finish_reason))
@@ -90,7 +101,14 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                         f"logprobs differ by up to {worst:.2g} (tolerance {rules.logprob_tolerance})",
                                         request_id=rid, baseline=rules.logprob_tolerance, candidate=worst))
     findings += _utility_findings(baseline, candidate, frontend_under_test, rules.unordered_utility_results)
-    return findings
+    return findings, verdicts
+
+
+def _strongest(judged: list[Verdict]) -> Verdict:
+    """A request's verdict: the strongest tier that failed it, else the strongest that passed it."""
+    order = lambda v: TIERS.index(v.tier) if v.tier in TIERS else len(TIERS)  # noqa: E731
+    failed = sorted((v for v in judged if not v.passed), key=order)
+    return failed[0] if failed else min(judged, key=order)
 
 
 def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:

@@ -27,6 +27,15 @@ Category = Literal["schema", "behaviour", "performance", "replay"]
 PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND = "python-engine", "python-frontend", "rust-frontend"
 
 
+class Verdict(msgspec.Struct, frozen=True):
+    """How one request was judged: by which tier of evidence (compare/tokens.py), and why it passed or failed."""
+
+    request_id: str
+    tier: str  # exact, first_divergence, scored, invariants; unjudged
+    passed: bool
+    why: str
+
+
 class Change(msgspec.Struct, frozen=True):
     """An estimated relative change and its 95% confidence interval (0.10 = +10%)."""
 
@@ -54,6 +63,7 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     breaks: tuple[str, ...] = ()  # the decoders that fail on it
     change: Change | None = None  # performance: the estimate behind the finding
     consequences: tuple[str, ...] = ()  # the failures it caused, not findings of their own (compare/rejection.py)
+    tier: str | None = None  # behaviour: the evidence that judged it (compare/tokens.py, compare/scoring.py)
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -70,6 +80,11 @@ class Report(msgspec.Struct, kw_only=True):
     noise: list[str] = []  # repeat runs of the baseline build that set the noise floor
     checks: list[str] = []  # what was compared (JUnit testcases that passed are named from these)
     performance_threshold: float | None = None  # the practical threshold a performance change must pass
+    verdicts: list[Verdict] = []  # each baseline request's: the tier that judged it, and why it passed or failed
+    # Teacher-forced scoring, per request, mean KL nats/token: {"noise floor": [...], "candidate": [...]}
+    kl: dict[str, list[float]] = {}
+    # Requests whose tokens diverged: {request id: {"position": i, "baseline": [logprob, ...], "candidate": [...]}}
+    divergences: dict[str, dict[str, Any]] = {}
 
 
 def exit_code(findings: list[Finding]) -> ExitCode:

@@ -70,8 +70,19 @@ def latency_samples(session: Session) -> dict[str, list[float]]:
 
 
 def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
-                         noise: list[Session] = ()) -> list[Finding]:
-    repeats = [match_requests(baseline, n, rules.match_sampling_keys).pairs for n in noise]
+                         noise: list[Session] = (), runs: tuple[list[Session], list[Session]] | None = None
+                         ) -> list[Finding]:
+    """``noise``: repeat runs of the baseline build, each compared with ``baseline`` for the run-to-run
+    variation. ``runs``: instead, each side is several runs pooled (the baseline build's, the candidate's,
+    interleaved): the variation is taken between consecutive baseline runs, and a change is reported only
+    when every candidate run lies beyond every baseline run, so that load which comes and goes on a shared
+    machine, falling on one run, is not a regression."""
+    keys = rules.match_sampling_keys
+    if runs is not None:
+        noise_pairs = list(zip(runs[0], runs[0][1:]))
+    else:
+        noise_pairs = [(baseline, n) for n in noise]
+    repeats = [match_requests(x, y, keys).pairs for x, y in noise_pairs]
     measures = [(f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, p)
                 for metric, values in LATENCIES.items() for p in rules.percentiles]
     measures.append(("throughput_tokens_s", "throughput_tokens_s", _throughput, None, 50))
@@ -79,12 +90,18 @@ def performance_findings(baseline: Session, candidate: Session, matching: Matchi
     for field, metric, statistic, values, percentile in measures:
         estimate = _Estimate(baseline, candidate, matching.pairs, statistic, values)
         if estimate.usable and min(estimate.samples) >= rules.min_samples.get(percentile, 1):
-            noise_changes = [_Estimate(baseline, n, r, statistic, values).point_change()
-                             for n, r in zip(noise, repeats)]
+            noise_changes = [_Estimate(x, y, r, statistic, values).point_change()
+                             for (x, y), r in zip(noise_pairs, repeats)]
+            per_run = runs and tuple([_Estimate(run, run, [], statistic, values).base for run in side]
+                                     for side in runs)
             findings.append(_finding(field, metric, estimate, noise_changes, rules.performance,
                                      higher_is_better=values is None,
-                                     unit="ms" if values else "tokens/s"))
+                                     unit="ms" if values else "tokens/s", per_run=per_run or None))
     return findings
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3g}..{max(values):.3g}"
 
 
 class _Units:
@@ -161,7 +178,9 @@ class _Estimate:
 
 
 def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[float], limits: Performance,
-             *, higher_is_better: bool, unit: str) -> Finding:
+             *, higher_is_better: bool, unit: str, per_run: tuple[list[float], list[float]] | None = None) -> Finding:
+    """``per_run``: the statistic of each baseline run and of each candidate run; a change must hold between
+    the closest two of them too."""
     threshold = limits.min_relative_change
     floor = limits.min_delta_ms.get(metric, 0.0)
     change = estimate.point_change()
@@ -179,6 +198,14 @@ def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[f
             f"n={estimate.samples[0]}/{estimate.samples[1]}"
             + (f", {len(noise_changes)} noise run(s)" if noise_changes else "") + ")")
     beyond = math.log1p(threshold)
+    if per_run is not None and all(v > 0 for side in per_run for v in side):
+        gap = math.log(min(per_run[1]) / max(per_run[0])), math.log(max(per_run[1]) / min(per_run[0]))
+        closest_worse, closest_better = (-gap[1], -gap[0]) if higher_is_better else gap
+        if worse_low > beyond and closest_worse <= beyond:
+            worse_low = closest_worse
+            said += f"; within the runs' spread (baseline runs {_spread(per_run[0])}, candidate runs {_spread(per_run[1])})"
+        if worse_high < -beyond and closest_better >= -beyond:
+            worse_high = closest_better
     if worse_low > beyond and delta > floor:
         return Finding("performance", Severity.REGRESSION, f"{name}_regression", f"{said}: worse beyond "
                        f"{threshold:.0%}", field=field, baseline=round(estimate.base, 3),

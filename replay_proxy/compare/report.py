@@ -14,42 +14,63 @@ from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
 from replay_proxy.compare.schema_diff import diff_schemas
+from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
-from replay_proxy.store.session import Session, decode_and_load, match_requests
+from replay_proxy.store.session import Request, Session, decode_and_load, match_requests
 from replay_proxy.wire.schema import Schema, schema_lines
 
 HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-lengths`` sets in every ADD
+ASKED_KEYS = frozenset({"logprobs"})  # what a replay against an engine asks of every ADD (the judging's logprobs)
 
 
 def build_report(title: str, baseline: Session, candidate: Session, rules: Rules,
                  noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False,
-                 held_lengths: bool = False) -> Report:
+                 held_lengths: bool = False, asked_logprobs: bool = False,
+                 candidate_runs: list[Session] = ()) -> Report:
     """The one place where two sessions become a report.
 
-    ``noise``: more runs of the baseline build. ``replayed_noise``: they are replays, like the candidate,
+    ``noise``: more runs of the baseline build. ``replayed_noise``: the candidate and those runs are replays,
     while the baseline is a recording made under other conditions (the real peers sharing the machine):
-    their first run is then the baseline for timing, and the others measure run-to-run variation.
+    behaviour is then judged against the first run of the baseline build, replayed as the candidate was (the
+    others measure run-to-run variation), and timing against all of them, pooled, if there are two or more
+    (with fewer, how much runs of one build differ is not known: timing is not judged).
     ``held_lengths``: the candidate's requests (and the noise runs') asked for their recorded lengths
     (``replay --hold-lengths``), so max_tokens and min_tokens are theirs, not the recording's.
+    ``asked_logprobs``: they asked for the judging's logprobs (a replay against an engine).
+    ``candidate_runs``: more runs of the candidate, interleaved with the baseline's: timing pools them.
 
     A redacted recording's tokens are pseudonyms an engine never produces: against an engine, behaviour
     is judged against the baseline build's replay of it (the first noise run), or not at all.
     """
-    held = HELD_KEYS if held_lengths else frozenset()
-    keys = [k for k in rules.match_sampling_keys if k not in held]
+    set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked_logprobs else frozenset())
+    keys = [k for k in rules.match_sampling_keys if k not in set_by_replay]
     matching = match_requests(baseline, candidate, keys)
     shapes = observed_shapes(baseline), observed_shapes(candidate)
-    timing, variation = (noise[0], noise[1:]) if replayed_noise and noise else (baseline, noise)
-    timing_matching = matching if timing is baseline else match_requests(timing, candidate, keys)
-    judged, judged_noise, judged_matching = baseline, noise, matching
     pseudonyms = baseline.redacted and not frontend_under_test
-    if pseudonyms and noise:
+    judged, judged_noise, judged_matching = baseline, noise, matching
+    if replayed_noise and noise:
         judged, judged_noise, judged_matching = noise[0], noise[1:], match_requests(noise[0], candidate, keys)
+    scoring = teacher_forced(baseline, list(noise), candidate) if replayed_noise else None
+    scored_findings, scored = scoring_findings(scoring, rules) if asked_logprobs else ([], {})
     findings = [*schema_findings(baseline, candidate, shapes, rules),
-                *sampling_findings(matching.pairs, candidate, rules, held),
-                *(behaviour_findings(judged, candidate, judged_matching, rules, judged_noise, frontend_under_test)
-                  if judged is not baseline or not pseudonyms else []),
-                *performance_findings(timing, candidate, timing_matching, rules, variation)]
+                *sampling_findings(matching.pairs, candidate, rules, set_by_replay)]
+    verdicts = []
+    if judged is not baseline or not pseudonyms:
+        behaviour, verdicts = behaviour_findings(judged, candidate, judged_matching, rules, judged_noise,
+                                                 frontend_under_test, scored)
+        findings += behaviour
+    findings += scored_findings
+    if asked_logprobs and replayed_noise:
+        findings += sampled_findings(list(noise), candidate, judged_matching.pairs, rules)
+    if replayed_noise and len(noise) < 2:
+        findings.append(Finding("performance", Severity.INFO, "timing_not_judged", (
+            "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
+                                     "machine with the live frontend)" if not noise else
+                                     "one run of the baseline build does not say how much runs of one build differ")
+            + "; --baseline-cmd with --noise-runs 2 or more compares it with the baseline build's runs, "
+            "interleaved with the candidate's"), field="timing"))
+    else:
+        findings += _timing_findings(baseline, candidate, noise, candidate_runs, replayed_noise, keys, rules)
     if pseudonyms:
         findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
             f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
@@ -58,24 +79,54 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
             "the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
             "utility results are not judged (--noise-runs with --baseline-cmd judges them against the baseline "
             "build)"), field="redacted_recording"))
-    if held:
+    if held_lengths:
         findings.append(Finding("behaviour", Severity.INFO, "lengths_held",
                                 "each request asked for its recorded number of tokens (--hold-lengths)",
                                 field="lengths_held"))
-    if timing is not baseline:
-        findings.append(Finding("performance", Severity.INFO, "timing_baseline",
-                                f"latency is compared with {timing.label}, the baseline build replayed as the "
-                                f"candidate was, not with the recording", field="timing_baseline"))
+    timing = noise[0] if replayed_noise and noise else baseline
     a, b = latency_samples(timing), latency_samples(candidate)
     return Report(
-        title=title, baseline=baseline.label, candidate=candidate.label, findings=findings,
+        title=title, baseline=baseline.label, candidate=candidate.label, findings=findings, verdicts=verdicts,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas=_side_by_side(baseline.schema, candidate.schema, findings), noise=[n.label for n in noise],
         performance_threshold=rules.performance.min_relative_change,
+        kl={"noise floor": [s.kl for s in scoring.noise.values()],
+            "candidate": [s.kl for s in scoring.candidate.values()]} if scoring else {},
+        divergences=_divergences(judged_matching.pairs, findings),
         checks=([f"schema:{s}" for s in sorted(shapes[0])] + ["schema:EngineCoreReadyResponse"]
                 + [f"behaviour:{r.request_id}" for r in baseline.requests]
                 + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules.percentiles]
                 + ["performance:throughput_tokens_s"]))
+
+
+def _timing_findings(baseline: Session, candidate: Session, noise: list[Session], candidate_runs: list[Session],
+                     replayed_noise: bool, keys: list[str], rules: Rules) -> list[Finding]:
+    """Latency and throughput: a replay's against the baseline build's runs, pooled, each side's runs
+    interleaved with the other's (A B A B); a diff's against the recording."""
+    if not replayed_noise:
+        return performance_findings(baseline, candidate, match_requests(baseline, candidate, keys), rules, noise)
+    before, after = _pooled(noise), _pooled([candidate, *candidate_runs])
+    findings = performance_findings(before, after, match_requests(before, after, keys), rules, noise[1:],
+                                    runs=(list(noise), [candidate, *candidate_runs]))
+    findings.append(Finding("performance", Severity.INFO, "timing_baseline", (
+        f"latency is compared with {len(noise)} run(s) of the baseline build, replayed as the candidate was and "
+        f"interleaved with its {1 + len(candidate_runs)} run(s), not with the recording"), field="timing_baseline"))
+    return findings
+
+
+def _pooled(runs: list[Session]) -> Session:
+    """Several runs of one build as one session of all their requests, in run order."""
+    return runs[0] if len(runs) == 1 else msgspec.structs.replace(
+        runs[0], requests=[r for run in runs for r in run.requests])
+
+
+def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], limit: int = 12) -> dict[str, dict]:
+    """For the report's plot: where the tokens of a request first diverged, and each side's logprob of its own
+    tokens (the first ``limit`` such requests that have logprobs)."""
+    diverged = {f.request_id: f.position for f in findings if f.code in ("token_mismatch", "divergence_not_close")}
+    shown = [(a, b) for a, b in pairs if a.request_id in diverged and (a.logprobs or b.logprobs)][:limit]
+    return {a.request_id: {"position": diverged[a.request_id], "baseline": a.logprobs, "candidate": b.logprobs}
+            for a, b in shown}
 
 
 def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidate: str, rules: Rules,

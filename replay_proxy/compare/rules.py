@@ -28,6 +28,16 @@ class Performance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_delta_ms: dict[str, float]  # by metric: ttft_ms, itl_ms, e2e_ms
 
 
+class Judging(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What judging each request asks of a replay and where its verdicts draw the line (compare/tokens.py,
+    compare/scoring.py)."""
+
+    top_logprobs: int  # asked for on every request a replay sends (0: none, and no scoring)
+    tie_logprob: float  # a greedy divergence between tokens this close (nats) is a tie
+    min_kl: float  # nats per token: scoring below this is no change, whatever the noise floor
+    sampled_logprob_shift: float  # nats per token: a smaller shift of what is sampled is no change
+
+
 class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_registration_keys: frozenset[str]
     match_sampling_keys: list[str]
@@ -35,6 +45,7 @@ class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprob_tolerance: float
     float_tolerance: float
     performance: Performance
+    judging: Judging
     percentiles: list[int]
     min_samples: dict[int, int]  # by percentile: estimated only with at least this many values on each side
     abort_progress_tolerance_tokens: int

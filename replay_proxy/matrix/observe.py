@@ -40,7 +40,8 @@ from typing import Callable
 import msgspec
 
 from replay_proxy import peers
-from replay_proxy.compare.behaviour import batched, deterministic
+from replay_proxy.compare.behaviour import batched
+from replay_proxy.compare.tokens import deterministic
 from replay_proxy.compare.findings import exit_code, report_json
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode, ReplayProxyError

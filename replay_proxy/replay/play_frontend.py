@@ -25,6 +25,16 @@ Outputs are collected until every request has finished or been aborted and
 every utility call is answered, or until ``finish_timeout``. Everything that
 crosses is reported to the observer (``replay/player.py``).
 
+What the judging needs (compare/tokens.py, compare/scoring.py) is asked of the
+engine as a frontend may ask it. Every generation request goes out asking for
+the top ``rules.judging.top_logprobs`` logprobs of each token it generates (or
+the recorded number, if more): vLLM computes them from the raw logits beside
+the sampler, so what is sampled does not change. After the session, each
+``scoring_passes`` pass sends, for every request that produced tokens, its
+prompt and recorded output as one prompt asking for one token and the top-k
+prompt logprobs (teacher-forced scoring), all at once, the second pass in
+reverse order so that its batches differ (the run-to-run noise of scoring).
+
 An engine can be kept for the next replay (``keep``; ``replay.run.KeptEngine``):
 the player leaves its ``EngineLink`` open, and the next player, given that
 link, skips the handshake. The engine would be sent the same INIT again (the
@@ -48,8 +58,8 @@ from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
-from replay_proxy.store.session import RecordedFrame, Session
-from replay_proxy.wire.encode import encode
+from replay_proxy.store.session import SCORE_PREFIX, RecordedFrame, Session
+from replay_proxy.wire.encode import encode, token_ids
 from replay_proxy.wire.handshake import engine_identity, engine_index
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import Channel, Direction, Kind, RequestType, WireDecoder
@@ -112,11 +122,15 @@ class FrontendPlayer(Player):
     """Plays the frontend of ``session`` to the engine(s) that dial ``listen``."""
 
     def __init__(self, session: Session, listen: str, observer: Observer, options: ReplayOptions,
-                 context: zmq.Context | None = None, *, link: EngineLink | None = None, keep: bool = False):
+                 context: zmq.Context | None = None, *, link: EngineLink | None = None, keep: bool = False,
+                 scoring_passes: int = 0):
         """``link``: a kept engine's (``link.serves(session)``), whose handshake is not made again; ``keep``:
-        leave the link open at the end (``self.link``) for the next replay."""
+        leave the link open at the end (``self.link``) for the next replay; ``scoring_passes``: teacher-forced
+        scoring passes after the session."""
         super().__init__(session, observer, options, context)
         self.listen, self.link, self.keep = listen, link, keep
+        self.scoring_passes = scoring_passes
+        self._scored: set[str] = set()  # scoring requests that finished
         self._handshaking = False
         self._tokens: dict[str, int] = defaultdict(int)
         self._finished: set[str] = set()
@@ -127,7 +141,7 @@ class FrontendPlayer(Player):
         self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
                                    if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
         self._pending_aborts = [f for f in session.inputs if f.kind is Kind.ABORT]
-        self._recorded_lengths = {r.request_id: (len(r.tokens), r.finish_reason) for r in session.requests}
+        self._recorded = {r.request_id: r for r in session.requests}
         self._registered: dict[int, set[int]] = defaultdict(set)  # engine -> the API servers it registered with
 
     def tally(self) -> Tally:
@@ -153,6 +167,10 @@ class FrontendPlayer(Player):
                 nursery.start_soon(self._refuse_extra_engines)
                 await self._send_inputs()
                 await self._wait_finished()
+                scoring_from = trio.current_time()
+                for scoring in range(self.scoring_passes):
+                    await self._score(scoring)
+                self.outcome.scoring_seconds = trio.current_time() - scoring_from
                 nursery.cancel_scope.cancel()
         finally:
             if not self.keep and self.link is not None:
@@ -241,6 +259,10 @@ class FrontendPlayer(Player):
                     self._dead_on_api_servers.append(client)
                 for output in fields.get("outputs") or []:
                     if isinstance(output, dict) and isinstance(output.get("request_id"), str):
+                        if output["request_id"].startswith(SCORE_PREFIX):
+                            if output.get("finish_reason") is not None:
+                                self._scored.add(output["request_id"])
+                            continue
                         self._tokens[output["request_id"]] += len(output.get("new_token_ids") or [])
                         if output.get("finish_reason") is not None:
                             self._finished.add(output["request_id"])
@@ -290,29 +312,77 @@ class FrontendPlayer(Player):
         self._moved = trio.Event()
 
     async def _send(self, frame: RecordedFrame) -> None:
-        client = frame.client_index or 0
-        parts = self._held(frame) if self.options.hold_lengths and frame.kind is Kind.ADD else frame.parts
-        await self.link.inputs[client].send([engine_identity(frame.engine_index), *parts])
-        self._report(Channel.INPUT, Direction.TO_ENGINE, frame.engine_index, client, parts)
-        self.outcome.sent += 1
+        parts = self._asking(frame) if frame.kind is Kind.ADD else frame.parts
+        await self._send_parts(frame.engine_index, frame.client_index or 0, parts)
         if frame.kind is Kind.ADD and isinstance(frame.decoded, dict):
             self._sent_requests.add(frame.decoded["request_id"])
             await self._release_aborts()
 
-    def _held(self, frame: RecordedFrame) -> list[bytes]:
-        """An ADD asking for exactly the tokens its request produced when recorded (``--hold-lengths``):
-        max_tokens that many, and min_tokens too, one less where it ended on a stop token (EOS or a
-        stop token stays possible there, so a faithful engine ends as recorded)."""
-        recorded = self._recorded_lengths.get(frame.decoded.get("request_id"))
-        if not recorded or not recorded[0]:
-            return frame.parts  # no output recorded: nothing to hold it to
-        tokens, finish = recorded
+    async def _send_parts(self, engine: int, client: int, parts: list[bytes]) -> None:
+        await self.link.inputs[client].send([engine_identity(engine), *parts])
+        self._report(Channel.INPUT, Direction.TO_ENGINE, engine, client, parts)
+        self.outcome.sent += 1
+
+    def _asking(self, frame: RecordedFrame) -> list[bytes]:
+        """A recorded ADD as sent: asking for the top-k logprobs the judging needs, and with
+        ``--hold-lengths`` for exactly the tokens its request produced when recorded (max_tokens that many,
+        and min_tokens too, one less where it ended on a stop token: EOS or a stop token stays possible
+        there, so a faithful engine ends as recorded). Unchanged when neither applies."""
+        top = self.options.rules.judging.top_logprobs
         body = decode_msgpack(frame.parts[1])
         params = body[self.session.schema.position("EngineCoreRequest", "sampling_params")]
-        if not isinstance(params, dict):
+        if not isinstance(params, dict):  # a pooling request
             return frame.parts
-        params.update(max_tokens=tokens, min_tokens=tokens - 1 if finish == "stop" else tokens)
-        return [frame.parts[0], encode(body), *frame.parts[2:]]
+        before = dict(params)
+        recorded = self._recorded.get(frame.decoded.get("request_id"))
+        if self.options.hold_lengths and recorded and recorded.tokens:  # (no output recorded: nothing to hold)
+            tokens = len(recorded.tokens)
+            params.update(max_tokens=tokens, min_tokens=tokens - 1 if recorded.finish_reason == "stop" else tokens)
+        if top and (params.get("logprobs") or 0) < top:
+            params["logprobs"] = top
+        return frame.parts if params == before else [frame.parts[0], encode(body), *frame.parts[2:]]
+
+    async def _score(self, scoring: int) -> None:
+        """One teacher-forced scoring pass (the module's docstring): the requests at once, then a wait
+        (bounded) for each to finish."""
+        adds = [f for f in self.session.inputs if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
+        sent = []
+        for frame in adds if scoring % 2 == 0 else reversed(adds):
+            parts = self._scoring(frame, f"{SCORE_PREFIX}{scoring}-{frame.decoded['request_id']}")
+            if parts is not None:
+                await self._send_parts(frame.engine_index, frame.client_index or 0, parts)
+                sent.append(f"{SCORE_PREFIX}{scoring}-{frame.decoded['request_id']}")
+        with trio.move_on_after(self.finish_timeout):
+            while not self._scored.issuperset(sent):
+                await self._moved.wait()
+
+    def _scoring(self, frame: RecordedFrame, request_id: str) -> list[bytes] | None:
+        """The scoring request of a recorded ADD: its prompt and recorded output as the prompt, one token
+        asked for, the top-k prompt logprobs; None for a request that cannot be scored (no tokens, a prompt
+        of embeddings or multimodal features, longer than the engine's context)."""
+        schema, body = self.session.schema, decode_msgpack(frame.parts[1])
+        recorded = self._recorded.get(frame.decoded["request_id"])
+        fields = schema.structs["EngineCoreRequest"].by_name
+        position = lambda name: fields[name].position  # noqa: E731
+        params = body[position("sampling_params")]
+        limit = (self.session.registrations or [{}])[0].get("max_model_len") or 0
+        if (recorded is None or not recorded.tokens or not recorded.prompt or not isinstance(params, dict)
+                or any(body[position(k)] for k in ("mm_features", "prompt_embeds") if k in fields)
+                or len(recorded.prompt) + len(recorded.tokens) >= limit):
+            return None
+        known = schema.structs["SamplingParams"].by_name
+        scoring = {"temperature": 0.0, "max_tokens": 1, "min_tokens": 0, "prompt_logprobs": self.options.rules.judging
+                   .top_logprobs, "logprobs": None, "stop_token_ids": [], "seed": None, "n": 1,
+                   "structured_outputs": None, "guided_decoding": None, "skip_reading_prefix_cache": True}
+        params.update({k: v for k, v in scoring.items() if k in known})
+        aux: list[bytes] = []
+        body[position("request_id")] = request_id
+        body[position("prompt_token_ids")] = token_ids(fields["prompt_token_ids"], recorded.prompt + recorded.tokens,
+                                                       aux)
+        for name in ("external_req_id", "block_hashes", "prompt_is_token_ids"):
+            if name in fields and position(name) < len(body):
+                body[position(name)] = request_id if name == "external_req_id" else None
+        return [frame.parts[0], encode(body), *aux]
 
     async def _wait_finished(self) -> None:
         """Wait (bounded) for every request to finish or be aborted and every call to be answered."""

@@ -51,6 +51,7 @@ class ReplayOutcome(msgspec.Struct):
     summary: str = ""
     pacing_errors_ms: list[float] = []  # how late each paced send went out
     send_seconds: float = 0.0  # from the first send to the last
+    scoring_seconds: float = 0.0  # the teacher-forced scoring passes after the session (against an engine)
     http: dict[str, dict[str, Any]] = {}  # against a frontend: recorded request id -> what its HTTP client saw
 
 

@@ -84,11 +84,14 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
                    kept: KeptEngine | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
-    With ``options.noise_runs``, the session is first replayed that many times against the baseline
-    build; what varies between those runs is the noise floor, not regression. With a terminal
-    ``console``, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds
-    is used if it can be, and the one this replay ran against is kept there if it ended clean (the noise
-    runs start baseline engines of their own)."""
+    With ``options.noise_runs`` N, the session is replayed N times against the baseline build and N times
+    against the candidate, interleaved (baseline, candidate, baseline, ...), so that load which comes and goes
+    on the machine falls on both: what varies between the baseline's runs is the noise floor, not
+    regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
+    twice), and every request asks for the judging's logprobs. With a terminal ``console``, a progress bar
+    shows while it runs. With ``kept`` (against an engine), the engine it holds is used if it can be for the
+    candidate's first run, and that engine is kept there if the run ended clean (every other run starts an
+    engine of its own)."""
     if kept is not None and peer.side is not Side.ENGINE:
         raise ReplayError("only an engine under test can be kept for the next replay")
     recording = decode_and_load(db, session)
@@ -97,35 +100,48 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     title = f"replay against {peer.side}"
     logs = options.report_dir or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    noise = []
+    judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
-    for i in range(1, options.noise_runs + 1):
-        name = f"{recording.name}-noise-{stamp}-{i}"
-        session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
-                                                 console)
+    noise, runs, first = [], [], None
+    for i in range(1, max(1, options.noise_runs) + 1):
+        if options.noise_runs:
+            name = f"{recording.name}-noise-{stamp}-{i}"
+            session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
+                                                     console, scoring_passes=(2 if i == 1 else 1) * judging)
+            if failure:
+                failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
+                                                                   f"{failure.message}")
+                return _failed(title, recording.name, name, [failure]), None
+            noise.append(decode_and_load(db, str(session_id)))
+        name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
+        session_id, outcome, failure, rejections = _replay_once(
+            recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log", console,
+            kept if i == 1 else None, scoring_passes=judging and i == 1 and options.noise_runs > 0)
         if failure:
-            failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
-                                                               f"{failure.message}")
-            return _failed(title, recording.name, name, [failure]), None
-        noise.append(decode_and_load(db, str(session_id)))
-    name = f"{recording.name}-replay-{stamp}"
-    session_id, outcome, failure, rejections = _replay_once(recording, peer, options, name,
-                                                            logs / f"{peer.side}.log", console, kept)
-    if failure:
-        return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules)), None
-    report = build_report(title, recording, decode_and_load(db, str(session_id)),
-                          options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
-                          held_lengths=options.hold_lengths)
+            return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules)), None
+        runs.append(decode_and_load(db, str(session_id)))
+        first = first or (session_id, outcome, rejections)
+    session_id, outcome, rejections = first
+    report = build_report(title, recording, runs[0], options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND,
+                          replayed_noise=True, held_lengths=options.hold_lengths, asked_logprobs=judging,
+                          candidate_runs=runs[1:])
+    if judging:
+        report.findings.append(Finding("behaviour", Severity.INFO, "judging_cost", (
+            f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
+            + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
+               f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
+            field="judging_cost"))
     report.findings = fold_consequences([*report.findings, *outcome.findings, *rejections], options.rules)
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
 
 
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
-                 console: Console | None, kept: KeptEngine | None = None,
+                 console: Console | None, kept: KeptEngine | None = None, scoring_passes: int = 0,
                  ) -> tuple[int, ReplayOutcome | None, Finding | None, list[Finding]]:
     """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None, the peer's
-    reader's rejections of what it was sent).
+    reader's rejections of what it was sent). ``scoring_passes``: teacher-forced scoring passes after it
+    (against an engine).
 
     A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
     rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
@@ -137,7 +153,7 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     player: Player  # plays the other side: the recorded frontend to an engine, the recorded engines to a frontend
     if peer.side is Side.ENGINE:
         player = FrontendPlayer(recording, peer.address, observer, options, link=kept.link if reuse else None,
-                                keep=kept is not None)
+                                keep=kept is not None, scoring_passes=scoring_passes)
     else:
         player = EnginePlayer(recording, peer.address, peer.http, observer, options)
     child = kept.child if reuse else None
@@ -163,7 +179,8 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     try:
         outcome = trio.run(main)
         sent, finished, total, tokens = player.tally()
-        outcome.summary = f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
+        outcome.summary = (f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
+                           + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise

@@ -42,6 +42,21 @@ class RecordedFrame(msgspec.Struct, frozen=True):
     tokens_before_abort: dict[str, int] = {}  # ABORT only: by request it names, its tokens when it crossed
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One position's logprobs as the engine returned them: raw (vLLM's default ``logprobs_mode``), before
+    temperature, penalties and the top-k/top-p/min-p cut."""
+
+    token: int  # the token at this position: the one sampled, or (scoring) the one given
+    logprob: float
+    rank: int  # of ``token`` among the vocabulary, 1 the most likely
+    top: dict[int, float]  # the k most likely tokens, with their logprobs
+
+
+# A replay's teacher-forced scoring requests (replay/play_frontend.py) are named
+# ``{SCORE_PREFIX}{pass}-{recorded request id}``: the session keeps them apart from its requests.
+SCORE_PREFIX = "replay-proxy-score-"
+
+
 class Request(msgspec.Struct):
     seq: int
     request_id: str
@@ -59,7 +74,12 @@ class Request(msgspec.Struct):
     # has a stamp. Inter-token gaps are taken from these: a reader starved of the CPU reads a backlog of
     # outputs at once, which bunches their arrival times but not the engine's stamps.
     engine_times_ns: list[int] | None
-    logprobs: list[float]
+    token_logprobs: list[TokenLogprobs] = []  # per token generated, when the request asked for logprobs
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Each generated token's logprob (where the request asked for logprobs)."""
+        return [t.logprob for t in self.token_logprobs]
 
     @property
     def frontend_aborted(self) -> bool:
@@ -81,6 +101,9 @@ class Session(msgspec.Struct):
     utility: list[dict[str, Any]]  # calls beside their results, in call order
     redacted: bool = False  # its tokens are pseudonyms (``replay-proxy redact``, ``record --redact-key``)
     cut_from: dict[str, Any] | None = None  # what it was cut from (``replay-proxy cut``): source digest, session
+    # Teacher-forced scoring (a replay's): by pass, by recorded request id, the logprobs of each token the
+    # request produced when recorded, given its prompt and the tokens before it.
+    scores: dict[int, dict[str, list[TokenLogprobs]]] = {}
 
     @property
     def label(self) -> str:
@@ -157,21 +180,28 @@ def load_session(db_path: Path, session: str) -> Session:
         "SELECT payload FROM handshakes WHERE session_id = ? AND kind = 'REGISTRATION' ORDER BY engine_index, seq",
         [sid])]
     aborted = {rid: tokens for per_abort in reversed(progress.values()) for rid, tokens in per_abort.items()}
+    outputs = _outputs(db, sid)
+    requests = _requests(db, sid, aborted, outputs)
     return Session(
         db_path=Path(db_path), id=sid, name=row["name"], schema=schema_for(row["vllm_version"])[0], init=init,
         engines=sorted({f.engine_index for f in handshake if f.kind is Kind.HELLO}), handshake=handshake,
         inputs=[f for f in frames if f.kind in INPUT_KINDS], outputs=[f for f in frames if f.kind in OUTPUT_KINDS],
-        registrations=registrations, requests=_requests(db, sid, aborted),
+        registrations=registrations, requests=[r for r in requests if not r.request_id.startswith(SCORE_PREFIX)],
+        scores=_scores(requests, outputs),
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
                               "WHERE session_id = ? ORDER BY called_ns", [sid])),
         redacted=row.get("redaction_key") is not None, cut_from=json.loads(row["cut_from"] or "null"))
 
 
-def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:
+def _outputs(db, sid: int) -> dict[str, list[dict]]:
     outputs: dict[str, list[dict]] = defaultdict(list)
-    for o in db.query("SELECT request_id, ts_ns, engine_time_s, new_token_ids, finish_reason, new_logprobs FROM outputs "
-                      "WHERE session_id = ? ORDER BY seq, position", [sid]):
+    for o in db.query("SELECT request_id, ts_ns, engine_time_s, new_token_ids, finish_reason, new_logprobs, other "
+                      "FROM outputs WHERE session_id = ? ORDER BY seq, position", [sid]):
         outputs[o["request_id"]].append(o)
+    return outputs
+
+
+def _requests(db, sid: int, aborted: dict[str, int], outputs: dict[str, list[dict]]) -> list[Request]:
     requests = []
     for r in db.query("SELECT seq, request_id, engine_index, prompt_token_ids, sampling_params, ts_ns "
                       "FROM requests WHERE session_id = ? ORDER BY seq", [sid]):
@@ -184,17 +214,45 @@ def _requests(db, sid: int, aborted: dict[str, int]) -> list[Request]:
                 times.append(o["ts_ns"])
                 engine_times.append(o["engine_time_s"])
             if o["new_logprobs"]:
-                values = json.loads(o["new_logprobs"]).get("logprobs") or {}
-                logprobs += [v for v in values.get("values") or [] if isinstance(v, float)]
+                logprobs += logprob_rows(json.loads(o["new_logprobs"]), "sampled_token_ranks")
         requests.append(Request(
             seq=r["seq"], request_id=r["request_id"], engine_index=r["engine_index"],
             prompt=json.loads(r["prompt_token_ids"] or "[]"), params=json.loads(r["sampling_params"] or "{}"),
             tokens=tokens, finish_reason=next((o["finish_reason"] for o in outs if o["finish_reason"]), None),
             added_ns=r["ts_ns"], first_token_ns=times[0] if times else None,
             last_ns=outs[-1]["ts_ns"] if outs else None, abort_progress=aborted.get(r["request_id"]),
-            output_times=times, logprobs=logprobs,
+            output_times=times, token_logprobs=logprobs,
             engine_times_ns=None if None in engine_times else [round(t * 1e9) for t in engine_times]))
     return requests
+
+
+def logprob_rows(tensors: Any, ranks: str) -> list[TokenLogprobs]:
+    """The rows of a LogprobsLists / LogprobsTensors as recorded (each tensor's dtype, shape and flat values):
+    column 0 the position's own token, then the top k; ``ranks``: the field with each row's rank. A tensor
+    too large to be kept inline (its values not recorded) gives no rows."""
+    if not isinstance(tensors, dict):
+        return []
+    ids, values, rank = (tensors.get(k) or {} for k in ("logprob_token_ids", "logprobs", ranks))
+    if not all(isinstance(t.get("values"), list) for t in (ids, values, rank)) or len(ids.get("shape") or ()) != 2:
+        return []
+    width = ids["shape"][1]
+    ids, values, rank = ids["values"], [float(v) for v in values["values"]], rank["values"]
+    return [TokenLogprobs(ids[i * width], values[i * width], rank[i],
+                          dict(zip(ids[i * width + 1:(i + 1) * width], values[i * width + 1:(i + 1) * width])))
+            for i in range(len(rank))]
+
+
+def _scores(requests: list[Request], outputs: dict[str, list[dict]]) -> dict[int, dict[str, list[TokenLogprobs]]]:
+    """The teacher-forced scoring requests' prompt logprobs, by pass and recorded request id: a row for each
+    token of the scoring prompt (the recorded prompt and output) but the first, given the tokens before it."""
+    scores: dict[int, dict[str, list[TokenLogprobs]]] = defaultdict(dict)
+    for request in requests:
+        if not request.request_id.startswith(SCORE_PREFIX):
+            continue
+        scoring, _, recorded = request.request_id.removeprefix(SCORE_PREFIX).partition("-")
+        scores[int(scoring)][recorded] = [row for o in outputs.get(request.request_id, []) for row in logprob_rows(
+            json.loads(o["other"] or "{}").get("new_prompt_logprobs_tensors"), "selected_token_ranks")]
+    return dict(scores)
 
 
 # --- the same request in two sessions --------------------------------------------------------

@@ -106,9 +106,10 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "findings": ({
         "session_id": int, "baseline_session_id": int, "category": str, "severity": str, "code": str,
         "message": str, "message_kind": str, "struct": str, "field": str, "position": int, "baseline": str,
-        "candidate": str, "request_id": str, "breaks": str, "change": str, "consequences": str,
+        "candidate": str, "request_id": str, "breaks": str, "change": str, "consequences": str, "tier": str,
     }, None),  # one row per finding of a replay, in report order; change: a performance estimate (JSON);
-    # consequences: the failures a reader's rejection caused (JSON list), not rows of their own
+    # consequences: the failures a reader's rejection caused (JSON list), not rows of their own; tier: the
+    # evidence that judged a request's behaviour (exact, first_divergence, scored, invariants, sampled)
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
     }, ["session_id", "seq"]),

@@ -39,7 +39,7 @@ def session(seed: int, factor: float = 1.0, requests: int = 200, tokens: int = 8
             seq=k, request_id=f"{name}-{k}", engine_index=0, prompt=[k], params={"temperature": 0.0},
             tokens=[1] * tokens, finish_reason="length", added_ns=start, first_token_ns=times[0], last_ns=times[-1],
             abort_progress=None, output_times=_read_after_stall(times) if k < stalled else times,
-            engine_times_ns=times, logprobs=[]))
+            engine_times_ns=times))
     return Session(db_path=Path("unused.db"), id=seed, name=name, schema=load_schema("0.32.0"), init=None,
                    engines=[0], handshake=[], inputs=[], outputs=[], registrations=[], requests=made, utility=[])
 
@@ -127,3 +127,23 @@ def test_inter_token_gaps_are_the_engines_so_a_reader_that_reads_a_backlog_at_on
         msgspec.structs.replace(r, engine_times_ns=None) for r in baseline.requests])
     by_arrival = findings(unstamped, session(2))["itl_ms.p50"]
     assert by_arrival.code == "itl_regression" and by_arrival.baseline < 1, by_arrival.message
+
+
+def interleaved(baseline_factors, candidate_factors):
+    """Findings of a replay whose baseline build and candidate ran interleaved, each run slowed by its factor
+    (load that came and went), both sides pooled (``compare/report.py``)."""
+    from replay_proxy.compare.report import _pooled
+
+    runs = ([session(20 + i, factor=f, name=f"b{i}") for i, f in enumerate(baseline_factors)],
+            [session(30 + i, factor=f, name=f"c{i}") for i, f in enumerate(candidate_factors)])
+    before, after = _pooled(runs[0]), _pooled(runs[1])
+    matching = match_requests(before, after, RULES.match_sampling_keys)
+    return {f.field: f for f in performance_findings(before, after, matching, RULES, runs=runs)}
+
+
+def test_load_that_falls_on_one_candidate_run_is_not_a_regression_and_a_slower_build_is():
+    # One of the candidate's two runs shared the machine with other work (30% slower); the other did not.
+    transient = interleaved([1.0, 1.02], [1.3, 1.0])["itl_ms.p50"]
+    assert transient.code == "itl_no_change" and "within the runs' spread" in transient.message, transient.message
+    slower = interleaved([1.0, 1.02], [1.3, 1.28])["itl_ms.p50"]
+    assert slower.code == "itl_regression", slower.message

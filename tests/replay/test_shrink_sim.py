@@ -16,14 +16,15 @@ SIM_ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshak
 
 
 async def _record(db, requests: int, poisoned: int | None) -> None:
-    """``requests`` requests sent at once (so they run together), one of them asking for 6 logprobs."""
+    """``requests`` requests sent at once (so they run together), one of them asking for 26 logprobs (more than
+    the 20 every replay asks for, to judge what the engine generates)."""
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             session = await RecordedSession(nursery, db, name="staging").start()
             frontend = session.frontend
             for k in range(requests):
                 await frontend.add(f"r{k}", [7, 8, k % 50], max_tokens=6, temperature=0.0,
-                                   **({"logprobs": 6} if k == poisoned else {}))
+                                   **({"logprobs": 26} if k == poisoned else {}))
             await frontend.wait_for(lambda: len(frontend.finish_reasons) == requests)
             nursery.cancel_scope.cancel()
     session.recorder.close()
@@ -50,15 +51,15 @@ def engine(drift: dict | None = None) -> Peer:
 
 
 def test_one_poisoned_request_of_500_shrinks_to_it_in_at_most_40_replays(tmp_path, five_hundred):
-    summary = shrink(five_hundred, "staging", tmp_path / "out", engine({"die_on_logprobs_over": 5}), max_replays=40)
+    summary = shrink(five_hundred, "staging", tmp_path / "out", engine({"die_on_logprobs_over": 25}), max_replays=40)
     assert summary["kept"] == ["r317"] and summary["minimal"]
     assert summary["finding"]["code"] == "engine_dead" and summary["replays"] <= 40
     assert summary["requests"] == {"before": 500, "after": 1}
-    # Then the request itself: all it keeps of its own is what kills the engine, its 6 logprobs.
+    # Then the request itself: all it keeps of its own is what kills the engine, its 26 logprobs.
     assert summary["simplified"] == {"r317": {"defaults": ["temperature"], "prompt_len": 1, "max_tokens": 1}}
     assert json.loads((tmp_path / "out" / "shrink.json").read_text()) == summary
     # The shrunk session is that request, and it still kills the engine.
-    replayed = Shrinker(tmp_path / "out" / "shrunk.db", "staging", engine({"die_on_logprobs_over": 5}),
+    replayed = Shrinker(tmp_path / "out" / "shrunk.db", "staging", engine({"die_on_logprobs_over": 25}),
                         tmp_path / "again")
     (tmp_path / "again").mkdir()
     assert replayed.start("engine_dead")["code"] == "engine_dead" and replayed.smallest == ["r317"]

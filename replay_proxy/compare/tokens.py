@@ -1,0 +1,193 @@
+"""What each request generated, judged by the strongest evidence it allows.
+
+* ``exact``: a greedy or seeded request that reproduces (it ran alone in
+  both sessions, or was stable in every repeat run of the baseline) must
+  generate the baseline's tokens.
+* ``first_divergence``: one that does not reproduce (batched on vLLM's CPU
+  build, where a batch's numerics move a near-tie) is judged where its
+  tokens first differ, as vLLM's own tests judge two runs
+  (``check_logprobs_close``): each side's token must be among the other
+  side's top-k logprobs, and for a greedy request the two must be nearly
+  tied there (within ``judging.tie_logprob``) on each side that has them; for
+  a seeded one, the logprobs there must have moved (a batch's numerics move
+  a seeded draw only by moving the distribution it is drawn from).
+  Where only the candidate has logprobs (the baseline is the recording) the
+  check is one-sided.
+* ``invariants``: every token the candidate generated obeys its request's
+  sampling parameters as the candidate's own logprobs define them: greedy
+  is rank 1, top-k, min-p, and top-p where a bound on the nucleus can be
+  computed from the top-k (temperature at most 1); a stop token (or EOS
+  without ``ignore_eos``) ends the request once ``min_tokens`` are out, and
+  none comes before; ``max_tokens`` holds. vLLM returns raw logprobs (before
+  temperature and penalties): a request with penalties, a logit bias or
+  allowed / bad words is judged by the length and stop rules only.
+
+Sampled requests have no tokens to compare: teacher-forced scoring and the
+distribution of what was sampled (``compare/scoring.py``) judge them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from replay_proxy.compare.findings import Finding, Severity, Verdict
+from replay_proxy.compare.rules import Rules
+from replay_proxy.store.session import Request, Session, TokenLogprobs
+
+EXACT, FIRST_DIVERGENCE, SCORED, INVARIANTS, UNJUDGED = "exact", "first_divergence", "scored", "invariants", \
+    "unjudged"
+TIERS = (EXACT, FIRST_DIVERGENCE, SCORED, INVARIANTS)  # a request's, strongest first
+SAMPLED = "sampled"  # the session's sampled requests together (compare/scoring.py)
+GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is greedy
+LOGPROB_SLACK = 1e-4  # float32 logprobs: equal within this
+# Sampling values that change the logits before the sampler sees them: raw logprobs no longer rank its choices.
+LOGIT_CHANGERS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+LOGIT_LISTS = ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "guided_decoding")
+
+
+def greedy(session: Session, request: Request) -> bool:
+    return (session.schema.sampling_value(request.params, "temperature") or 0.0) < GREEDY_TEMPERATURE
+
+
+def deterministic(session: Session, request: Request) -> bool:
+    """Greedy or seeded: the same tokens run after run (when it ran alone)."""
+    return greedy(session, request) or session.schema.sampling_value(request.params, "seed") is not None
+
+
+def token_verdict(baseline: Session, a: Request, b: Request, reproduces: bool, rules: Rules
+                  ) -> tuple[Verdict | None, Finding | None]:
+    """The ``exact`` or ``first_divergence`` verdict of a deterministic request (None for a sampled one), and
+    the finding of a failure. ``reproduces``: it ran alone, or repeat runs showed it stable."""
+    rid = a.request_id
+    if not deterministic(baseline, a):
+        return None, None
+    if a.tokens == b.tokens:
+        return Verdict(rid, EXACT, True, f"the same {len(a.tokens)} tokens"), None
+    first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+    said = dict(request_id=rid, position=first, baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5])
+    if reproduces:
+        why = f"tokens diverge at position {first} of {len(a.tokens)}, and the request reproduces (it ran alone " \
+              "or was stable in every baseline run)"
+        return Verdict(rid, EXACT, False, why), Finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
+                                                        tier=EXACT, **said)
+    ours, theirs = _at(b, first), _at(a, first)
+    if ours is None or first >= min(len(a.tokens), len(b.tokens)):
+        why = (f"tokens diverge at position {first} of {len(a.tokens)}; batched, so not reproducible on vLLM's CPU "
+               "build, and " + ("the candidate returned no logprobs to judge the divergence" if ours is None else
+                                "one side ended there") + " (--noise-runs tell whether it is stable)")
+        return Verdict(rid, UNJUDGED, True, why), Finding("behaviour", Severity.WARNING, "token_mismatch", why,
+                                                          tier=UNJUDGED, **said)
+    problem = _divergence_problem(a.tokens[first], b.tokens[first], theirs, ours, greedy(baseline, a),
+                                  rules.judging.tie_logprob)
+    sides = "both builds' top-k" if theirs is not None else "the candidate's top-k (the baseline has no logprobs)"
+    if problem:
+        why = f"tokens diverge at position {first} of {len(a.tokens)}: {problem}"
+        return Verdict(rid, FIRST_DIVERGENCE, False, why), Finding(
+            "behaviour", Severity.REGRESSION, "divergence_not_close", why, tier=FIRST_DIVERGENCE, **said)
+    return Verdict(rid, FIRST_DIVERGENCE, True, f"batched; tokens diverge at position {first} between tokens "
+                                                f"close in {sides}"), None
+
+
+def _at(request: Request, position: int) -> TokenLogprobs | None:
+    return request.token_logprobs[position] if position < len(request.token_logprobs) else None
+
+
+def _divergence_problem(base_token: int, cand_token: int, base: TokenLogprobs | None, cand: TokenLogprobs,
+                        is_greedy: bool, tie: float) -> str | None:
+    """Why the divergence is not one of two close tokens (None if it is)."""
+    if base_token not in cand.top:
+        return f"the baseline's token {base_token} is not in the candidate's top {len(cand.top)}"
+    if base is not None and cand_token not in base.top:
+        return f"the candidate's token {cand_token} is not in the baseline's top {len(base.top)}"
+    if is_greedy:
+        for name, side, chosen, other in (("candidate", cand, cand_token, base_token),
+                                          ("baseline", base, base_token, cand_token)):
+            if side is not None and other in side.top and side.logprob - side.top[other] > tie:
+                return (f"greedy, yet the {name} put token {chosen} {side.logprob - side.top[other]:.3g} nats above "
+                        f"token {other} (a tie is within {tie:g})")
+    elif base is not None:
+        # A seeded draw from one distribution with one generator is one token: a batch's numerics can move the
+        # draw only by moving the logprobs (by at least half the margin the draw had), so where both builds
+        # gave the same logprobs there, the seed was not honoured or the sampler changed.
+        moved = max((abs(base.top[t] - cand.top[t]) for t in base.top.keys() & cand.top.keys()), default=math.inf)
+        if moved <= LOGPROB_SLACK:
+            return (f"seeded, and both builds gave the tokens there the same logprobs (within {LOGPROB_SLACK:g}): "
+                    "one seed draws one token from one distribution, so the seed was not honoured or the sampler "
+                    "changed")
+    return None
+
+
+def invariant_violations(session: Session, request: Request, eos: int | None) -> list[tuple[str, str]]:
+    """(rule, what broke it) for each sampling rule the request's generated tokens break (the module's
+    docstring), judged from its own logprobs."""
+    value = lambda key: session.schema.sampling_value(request.params, key)  # noqa: E731
+    tokens, broken = request.tokens, []
+    max_tokens, min_tokens = value("max_tokens"), value("min_tokens") or 0
+    stops = set(value("stop_token_ids") or ()) | ({eos} if eos is not None and not value("ignore_eos") else set())
+    if isinstance(max_tokens, int) and len(tokens) > max_tokens:
+        broken.append(("max_tokens", f"{len(tokens)} tokens generated, max_tokens {max_tokens}"))
+    early = next((i for i, t in enumerate(tokens[:min_tokens]) if t in stops), None)
+    if early is not None:
+        broken.append(("min_tokens", f"stop token {tokens[early]} at position {early}, before min_tokens {min_tokens}"))
+    elif request.finish_reason == "stop" and len(tokens) < min_tokens:
+        broken.append(("min_tokens", f"stopped after {len(tokens)} tokens, min_tokens {min_tokens}"))
+    past = next((i for i, t in enumerate(tokens[:-1]) if t in stops and i >= min_tokens), None)
+    if past is not None and not request.frontend_aborted:
+        broken.append(("stop_token_ids", f"stop token {tokens[past]} at position {past} did not end the request "
+                                         f"({len(tokens)} tokens)"))
+    elif tokens and tokens[-1] in stops and len(tokens) >= min_tokens and request.finish_reason == "length":
+        broken.append(("stop_token_ids", f"ended on stop token {tokens[-1]} with finish reason length"))
+    if any(value(k) not in (None, default) for k, default in LOGIT_CHANGERS.items()) or any(
+            value(k) for k in LOGIT_LISTS):
+        return broken  # the sampler's logits are not the raw ones the logprobs come from
+    temperature, top_k = value("temperature") or 0.0, value("top_k") or 0
+    top_p, min_p = value("top_p") or 1.0, value("min_p") or 0.0
+    # Until min_tokens are out the engine masks every stop token (its _all_stop_token_ids): not candidates then.
+    masked = stops | set(request.params.get("_all_stop_token_ids") or ())
+    for i, row in enumerate(request.token_logprobs[:len(tokens)]):
+        if i < min_tokens:
+            row = _without(row, masked)
+        if not row.top:
+            continue
+        best = max(row.top.values())
+        if temperature < GREEDY_TEMPERATURE:
+            if row.logprob < best - LOGPROB_SLACK:
+                broken.append(("greedy", f"token {row.token} at position {i} is rank {row.rank} "
+                                         f"({best - row.logprob:.3g} nats below the most likely)"))
+            continue
+        if 0 < top_k < row.rank and row.logprob < sorted(row.top.values(), reverse=True)[min(top_k, len(row.top)) - 1] \
+                - LOGPROB_SLACK:
+            broken.append(("top_k", f"token {row.token} at position {i} is rank {row.rank}, top_k {top_k}"))
+        if min_p > 0 and row.logprob - best < temperature * math.log(min_p) - LOGPROB_SLACK:
+            broken.append(("min_p", f"token {row.token} at position {i} has {math.exp((row.logprob - best) / temperature):.3g}"
+                                    f" of the most likely token's probability, min_p {min_p:g}"))
+        above = _mass_above(row, temperature, top_k)
+        if top_p < 1 and above is not None and above > top_p + LOGPROB_SLACK:
+            broken.append(("top_p", f"token {row.token} at position {i} lies outside the nucleus: tokens more likely "
+                                    f"than it hold at least {above:.3f} of the mass, top_p {top_p:g}"))
+    return broken
+
+
+def _without(row: TokenLogprobs, masked: set[int]) -> TokenLogprobs:
+    """``row`` with the ``masked`` tokens taken out of the running (its token's rank counts the rest)."""
+    if not masked & row.top.keys():
+        return row
+    above = sum(1 for t, lp in row.top.items() if t in masked and lp > row.logprob)
+    return TokenLogprobs(row.token, row.logprob, row.rank - above,
+                         {t: lp for t, lp in row.top.items() if t not in masked})
+
+
+def _mass_above(row: TokenLogprobs, temperature: float, top_k: int) -> float | None:
+    """A lower bound on the probability (at ``temperature``, within ``top_k``) of the tokens more likely than
+    ``row.token``; None where no bound can be had from the top-k (temperature above 1)."""
+    if temperature > 1:
+        return None
+    ranked = sorted(row.top.values(), reverse=True)
+    kept = ranked[:top_k] if top_k else ranked
+    weight = lambda lp: math.exp((lp - ranked[0]) / temperature)  # noqa: E731 (scaled by the best: no overflow)
+    # The tokens below the top-k: each no likelier than the last listed, p**(1/T) <= p * p_last**(1/T - 1).
+    unlisted = max(0.0, 1 - sum(math.exp(lp) for lp in ranked))
+    tail = 0.0 if top_k and top_k <= len(ranked) else \
+        unlisted * math.exp(ranked[-1] * (1 / temperature - 1) - ranked[0] / temperature)
+    total = sum(weight(lp) for lp in kept) + tail
+    return sum(weight(lp) for lp in kept if lp > row.logprob + LOGPROB_SLACK) / total
