@@ -36,17 +36,58 @@ def caused(finding: Finding, limit: int = 3) -> str:
     return "\n".join(lines)
 
 
+GROUP_AT = 3  # this many findings of one kind on as many requests are shown as one group
+
+
+def grouped(findings: list[Finding]) -> list[tuple[Finding, list[str]]]:
+    """Findings with one cause shown once: those of one severity, category, code and tier that each name a
+    request, when there are ``GROUP_AT`` or more, as the first of them and the requests they name; the
+    others alone, naming none. In report order (worst first)."""
+    kinds: dict[tuple, list[Finding]] = {}
+    for f in findings:
+        if f.request_id is not None:
+            kinds.setdefault((f.severity, f.category, f.code, f.tier), []).append(f)
+    shown, out = set(), []
+    for f in findings:
+        same = kinds.get((f.severity, f.category, f.code, f.tier), []) if f.request_id is not None else []
+        if len(same) < GROUP_AT:
+            out.append((f, []))
+        elif id(same[0]) not in shown:
+            shown.add(id(same[0]))
+            out.append((f, [g.request_id for g in same]))
+    return out
+
+
+def group_line(finding: Finding, requests: list[str], limit: int = 6) -> str:
+    """A group's finding: how many requests, the first one's words, and which requests."""
+    if not requests:
+        return finding.message
+    names = ", ".join(requests[:limit]) + (f", ... ({len(requests) - limit} more)" if len(requests) > limit else "")
+    return f"{len(requests)} requests, e.g. {finding.message}\n  requests: {names}"
+
+
+def verdict_counts(report: Report) -> str:
+    """How many requests each tier judged, and how many of them failed: ``exact 12 (0 failed), ...``."""
+    tiers: dict[str, list[bool]] = {}
+    for v in report.verdicts:
+        tiers.setdefault(v.tier, []).append(v.passed)
+    return ", ".join(f"{tier} {len(passed)} ({passed.count(False)} failed)" for tier, passed in tiers.items())
+
+
 def print_summary(report: Report, console: Console, show_info: bool = False) -> None:
     findings = [f for f in worst_first(report.findings) if show_info or f.severity > Severity.INFO]
     noise = f" (noise floor: {len(report.noise)} baseline runs)" if report.noise else ""
     table = Table(title=f"{report.title}: {report.baseline} -> {report.candidate}{noise}", title_justify="left")
     for column in ("severity", "category", "code", "where", "finding"):
         table.add_column(column, overflow="fold")
-    for f in findings:
+    for f, requests in grouped(findings):
+        place = f"{f.tier}: {len(requests)} requests" if requests else where(f)
         table.add_row(Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity]), f.category, f.code,
-                      Text(where(f)), Text("\n".join(filter(None, (f.message, caused(f))))))
+                      Text(place), Text("\n".join(filter(None, (group_line(f, requests), caused(f))))))
     if findings:
         console.print(table)
+    if report.verdicts:
+        console.print(f"requests judged by tier: {verdict_counts(report)}")
     estimates = [f for f in report.findings if f.change is not None]
     if estimates:
         console.print(_estimates_table(estimates))
@@ -112,7 +153,8 @@ def _ticks(top: float, count: int = 4) -> list[float]:
     return [i * step for i in range(int(math.ceil(top / step)) + 1)]
 
 
-def _cdf_svg(title: str, series: dict[str, list[float]], width: int = 460, height: int = 280) -> str:
+def _cdf_svg(title: str, series: dict[str, list[float]], width: int = 460, height: int = 280,
+             label: str = "latency (ms)") -> str:
     """A cumulative distribution plot as inline SVG (no scripts, no network), with labelled axes."""
     values = [v for vs in series.values() for v in vs]
     if not values:
@@ -122,14 +164,14 @@ def _cdf_svg(title: str, series: dict[str, list[float]], width: int = 460, heigh
     left, right, top_y, bottom = 56, width - 12, 30, height - 46
     x = lambda v: left + v / top * (right - left)  # noqa: E731
     y = lambda f: bottom - f * (bottom - top_y)  # noqa: E731
-    colours = {"baseline": "#3b6ea8", "candidate": "#d9622b"}
+    colours = {"baseline": "#3b6ea8", "noise floor": "#3b6ea8", "candidate": "#d9622b"}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
              f'aria-label="{html.escape(title)}"><title>{html.escape(title)}</title>',
              f'<text x="{width // 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
              f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#444"/>',
              f'<line x1="{left}" y1="{top_y}" x2="{left}" y2="{bottom}" stroke="#444"/>',
              f'<text x="{(left + right) // 2}" y="{height - 8}" text-anchor="middle" font-size="11">'
-             'latency (ms)</text>',
+             f'{html.escape(label)}</text>',
              f'<text x="14" y="{(top_y + bottom) // 2}" text-anchor="middle" font-size="11" '
              f'transform="rotate(-90 14 {(top_y + bottom) // 2})">fraction of samples</text>']
     for tick in ticks:
@@ -192,12 +234,53 @@ def _forest_svg(findings: list[Finding], threshold: float, width: int = 560) -> 
     return "".join(parts)
 
 
+def _divergence_svg(request_id: str, divergence: dict, width: int = 460, height: int = 220) -> str:
+    """Each build's logprob of its own token at each position of one request, the first divergence marked."""
+    series = {side: divergence[side] for side in ("baseline", "candidate") if divergence.get(side)}
+    values = [v for vs in series.values() for v in vs if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not values:
+        return ""
+    low = min(min(values), -1.0)
+    n = max(len(vs) for vs in series.values())
+    left, right, top_y, bottom = 50, width - 12, 34, height - 40
+    x = lambda i: left + i / max(1, n - 1) * (right - left)  # noqa: E731
+    y = lambda v: top_y + (v / low) * (bottom - top_y)  # noqa: E731 (0 at the top, ``low`` at the bottom)
+    title = f"logprob of each build's own token, diverging at position {divergence['position']}"
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+             f'aria-label="{html.escape(request_id)}: {html.escape(title)}"><title>{html.escape(title)}</title>',
+             f'<text x="{width // 2}" y="12" text-anchor="middle" font-size="11">{html.escape(request_id)}</text>',
+             f'<text x="{width // 2}" y="25" text-anchor="middle" font-size="11">{html.escape(title)}</text>',
+             f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#444"/>',
+             f'<line x1="{left}" y1="{top_y}" x2="{left}" y2="{bottom}" stroke="#444"/>',
+             f'<text x="{(left + right) // 2}" y="{height - 8}" text-anchor="middle" font-size="11">position</text>',
+             f'<text x="{left - 6}" y="{top_y + 4}" text-anchor="end" font-size="10">0</text>',
+             f'<text x="{left - 6}" y="{bottom}" text-anchor="end" font-size="10">{low:.2g}</text>',
+             f'<line x1="{x(divergence["position"]):.1f}" y1="{top_y}" x2="{x(divergence["position"]):.1f}" '
+             f'y2="{bottom}" stroke="#c0392b" stroke-dasharray="4 3"/>']
+    for i, (name, vs) in enumerate(series.items()):
+        colour = {"baseline": "#3b6ea8", "candidate": "#d9622b"}[name]
+        points = " ".join(f"{x(k):.1f},{y(v):.1f}" for k, v in enumerate(vs)
+                          if isinstance(v, (int, float)) and math.isfinite(v))
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{points}"/>'
+                     f'<text x="{right - 4}" y="{bottom - 24 + 14 * i}" text-anchor="end" font-size="11" '
+                     f'fill="{colour}">{name}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def html_page(report: Report) -> str:
     rows = "".join(
         f'<tr class="s{int(f.severity)}"><td>{f.severity.name.lower()}</td><td>{f.category}</td>'
-        f"<td>{html.escape(f.code)}</td><td>{html.escape(where(f))}</td><td>{html.escape(f.message)}{_consequences(f)}"
-        "</td></tr>"
-        for f in worst_first(report.findings))
+        f"<td>{html.escape(f.code)}</td><td>{html.escape(f'{f.tier}: {len(requests)} requests' if requests else where(f))}"
+        f"</td><td>{html.escape(f.message)}{_consequences(f)}{_requests(requests)}</td></tr>"
+        for f, requests in grouped(worst_first(report.findings)))
+    verdicts = "".join(
+        f'<tr class="{"" if v.passed else "s2"}"><td>{"passed" if v.passed else "failed"}</td><td>{html.escape(v.tier)}'
+        f"</td><td>{html.escape(v.request_id)}</td><td>{html.escape(v.why)}</td></tr>"
+        for v in sorted(report.verdicts, key=lambda v: (v.passed, v.tier, v.request_id)))
+    judged = "".join([_cdf_svg("teacher-forced KL per request (CDF)", report.kl, label="KL (nats/token)")
+                      if any(report.kl.values()) else "",
+                      *(_divergence_svg(rid, d) for rid, d in report.divergences.items())])
     plots = "".join(_cdf_svg(f"{metric} (CDF)", series) for metric, series in report.samples.items())
     forest = _forest_svg(report.findings, report.performance_threshold or 0.0)
     schemas = "".join(
@@ -217,9 +300,17 @@ td.diff{{background:#fde2c8}}.plots svg{{margin-right:1em;border:1px solid #eee}
 <b>{html.escape(report.candidate)}</b>: {len(report.findings)} findings, exit code {code}</p>
 {"<p>noise floor from " + html.escape(", ".join(report.noise)) + "</p>" if report.noise else ""}
 <h2>Findings</h2><table><tr><th>severity</th><th>category</th><th>code</th><th>where</th><th>finding</th></tr>{rows}</table>
+{f'<h2>Requests judged</h2><p>{html.escape(verdict_counts(report))}</p><div class="plots">{judged}</div><details><summary>each request</summary><table><tr><th>verdict</th><th>tier</th><th>request</th><th>why</th></tr>{verdicts}</table></details>' if report.verdicts else ''}
 {'<h2>Latency</h2><div class="plots">' + forest + plots + '</div>' if plots or forest else ''}
 {'<h2>Schemas side by side</h2>' + schemas if schemas else ''}
 </body></html>"""
+
+
+def _requests(requests: list[str]) -> str:
+    if not requests:
+        return ""
+    items = "".join(f"<li>{html.escape(r)}</li>" for r in requests)
+    return f"<details><summary>{len(requests)} requests</summary><ul>{items}</ul></details>"
 
 
 def _consequences(finding: Finding) -> str:
