@@ -329,6 +329,8 @@ class FrontendPlayer(Player):
         and min_tokens too, one less where it ended on a stop token: EOS or a stop token stays possible
         there, so a faithful engine ends as recorded). Unchanged when neither applies."""
         top = self.options.rules.judging.top_logprobs
+        if not isinstance(frame.decoded, dict):  # an ADD that did not decode: resent as it was recorded
+            return frame.parts
         body = decode_msgpack(frame.parts[1])
         params = body[self.session.schema.position("EngineCoreRequest", "sampling_params")]
         if not isinstance(params, dict):  # a pooling request
@@ -348,10 +350,11 @@ class FrontendPlayer(Player):
         adds = [f for f in self.session.inputs if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
         sent = []
         for frame in adds if scoring % 2 == 0 else reversed(adds):
-            parts = self._scoring(frame, f"{SCORE_PREFIX}{scoring}-{frame.decoded['request_id']}")
+            request_id = f"{SCORE_PREFIX}{scoring}-{frame.decoded['request_id']}"
+            parts = self._scoring(frame, request_id)
             if parts is not None:
                 await self._send_parts(frame.engine_index, frame.client_index or 0, parts)
-                sent.append(f"{SCORE_PREFIX}{scoring}-{frame.decoded['request_id']}")
+                sent.append(request_id)
         with trio.move_on_after(self.finish_timeout):
             while not self._scored.issuperset(sent):
                 await self._moved.wait()
@@ -361,27 +364,26 @@ class FrontendPlayer(Player):
         asked for, the top-k prompt logprobs; None for a request that cannot be scored (no tokens, a prompt
         of embeddings or multimodal features, longer than the engine's context)."""
         schema, body = self.session.schema, decode_msgpack(frame.parts[1])
-        recorded = self._recorded.get(frame.decoded["request_id"])
         fields = schema.structs["EngineCoreRequest"].by_name
-        position = lambda name: fields[name].position  # noqa: E731
-        params = body[position("sampling_params")]
+        at = {name: field.position for name, field in fields.items() if field.position < len(body)}
+        recorded = self._recorded.get(frame.decoded["request_id"])
+        params = body[at["sampling_params"]]
         limit = (self.session.registrations or [{}])[0].get("max_model_len") or 0
         if (recorded is None or not recorded.tokens or not recorded.prompt or not isinstance(params, dict)
-                or any(body[position(k)] for k in ("mm_features", "prompt_embeds") if k in fields)
+                or any(body[at[name]] for name in ("mm_features", "prompt_embeds") if name in at)
                 or len(recorded.prompt) + len(recorded.tokens) >= limit):
             return None
-        known = schema.structs["SamplingParams"].by_name
-        scoring = {"temperature": 0.0, "max_tokens": 1, "min_tokens": 0, "prompt_logprobs": self.options.rules.judging
-                   .top_logprobs, "logprobs": None, "stop_token_ids": [], "seed": None, "n": 1,
+        scoring = {"temperature": 0.0, "max_tokens": 1, "min_tokens": 0, "logprobs": None, "stop_token_ids": [],
+                   "prompt_logprobs": self.options.rules.judging.top_logprobs, "seed": None, "n": 1,
                    "structured_outputs": None, "guided_decoding": None, "skip_reading_prefix_cache": True}
+        known = schema.structs["SamplingParams"].by_name
         params.update({k: v for k, v in scoring.items() if k in known})
         aux: list[bytes] = []
-        body[position("request_id")] = request_id
-        body[position("prompt_token_ids")] = token_ids(fields["prompt_token_ids"], recorded.prompt + recorded.tokens,
-                                                       aux)
-        for name in ("external_req_id", "block_hashes", "prompt_is_token_ids"):
-            if name in fields and position(name) < len(body):
-                body[position(name)] = request_id if name == "external_req_id" else None
+        body[at["request_id"]] = request_id
+        body[at["prompt_token_ids"]] = token_ids(fields["prompt_token_ids"], recorded.prompt + recorded.tokens, aux)
+        for name, value in (("external_req_id", request_id), ("block_hashes", None), ("prompt_is_token_ids", None)):
+            if name in at:
+                body[at[name]] = value
         return [frame.parts[0], encode(body), *aux]
 
     async def _wait_finished(self) -> None:
