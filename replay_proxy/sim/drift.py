@@ -27,6 +27,9 @@ class EngineDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknow
     die_on_logprobs_over: int | None = None  # ... on an ADD asking for more logprobs than this (a poisoned request)
     die_when_together: tuple[str, str] | None = None  # ... once these two requests run at once
     step_time_fraction: float = 0.0  # each engine step takes this fraction longer (0.1: +10%), a known slowdown
+    # Every logprob it returns scaled by 1 + this (0.05: a numerics change that keeps each token and sharpens
+    # every distribution), in outputs and in prompt logprobs alike.
+    logprob_scale: float = 0.0
 
 
 class FrontendDrift(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):

@@ -6,7 +6,10 @@ per API server, sends the registration on every input socket, then READY.
 Requests produce a deterministic token stream (a function of the prompt,
 the seed and the position), one token per request per engine step, batched
 into one EngineCoreOutputs per API server per step, as the real scheduler
-does. ``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
+does. A request that asks for logprobs (or prompt logprobs) gets them as
+vLLM sends them (numpy arrays in each output, torch tensors for the prompt,
+large ones in aux frames), from a fixed peaked distribution: the token it
+generates first, with half the mass, then tokens of a quarter, an eighth, ... ``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
 When INIT names a DP coordinator, the engine subscribes to it and waits for
 its READY before registering, then reports its request counts there after
 every step, as vLLM's engines do.
@@ -14,6 +17,7 @@ every step, as vLLM's engines do.
 
 from __future__ import annotations
 
+import array
 import math
 import random
 import sys
@@ -24,7 +28,7 @@ import zmq
 
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.sim.drift import EngineDrift, with_inserted_field
-from replay_proxy.wire.encode import encode, struct_value
+from replay_proxy.wire.encode import encode, struct_value, tensor
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
 from replay_proxy.wire.schema import Flag, Namer, load_schema
@@ -158,6 +162,7 @@ class SimEngine:
                 prompt=token_ids(fields["prompt_token_ids"]) or [], seed=params.get("seed"),
                 max_tokens=params.get("max_tokens", 16), stop_token_ids=params.get("stop_token_ids") or [],
                 client=fields.get("client_index", 0), vocab_size=self.vocab_size,
+                logprobs=params.get("logprobs"), prompt_logprobs=params.get("prompt_logprobs"),
             )
             self.added += 1
             if self._fails_on(params):
@@ -222,16 +227,39 @@ class SimEngine:
         named = {"engine_index": self.index, "timestamp": trio.current_time(), **named}
         if self.drift.append_outputs_field:
             named["$extra"] = self.drift.appended_value
-        await self.outputs[client].send([encode(struct_value(self.schema, "EngineCoreOutputs", named))])
+        aux: list[bytes] = []
+        for output in named.get("outputs", ()):
+            for name, value in list(output.items()):
+                if name in ("new_logprobs", "new_prompt_logprobs_tensors"):
+                    output[name] = [tensor(*t, aux) if isinstance(t, tuple) else t for t in value]
+        await self.outputs[client].send([encode(struct_value(self.schema, "EngineCoreOutputs", named)), *aux])
 
 
 class _Running:
     def __init__(self, prompt: list[int], seed: int | None, max_tokens: int | None,
-                 stop_token_ids: list[int], client: int, vocab_size: int):
+                 stop_token_ids: list[int], client: int, vocab_size: int, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None):
         self.prompt, self.seed, self.stop_token_ids, self.client = prompt, seed, stop_token_ids, client
         self.vocab_size = vocab_size
         self.max_tokens = math.inf if max_tokens is None else max_tokens
         self.generated = 0
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+
+    def _top(self, first: int, k: int, drift: EngineDrift) -> list[tuple[int, float]]:
+        """The k most likely tokens after a context whose most likely token is ``first``, with logprobs."""
+        tokens = [(first - 10 + 13 * i) % (self.vocab_size - 10) + 10 for i in range(k)]
+        return [(t, math.log(0.5) * (i + 1) * (1 + drift.logprob_scale)) for i, t in enumerate(tokens)]
+
+    def _rows(self, chosen: list[int], firsts: list[int], k: int, drift: EngineDrift) -> tuple[list, list, list]:
+        """Each position's row, as vLLM lays it out: its own token and its logprob, then the top k; and ranks."""
+        ids, values, ranks = [], [], []
+        for token, first in zip(chosen, firsts):
+            top = self._top(first, max(k, 1), drift)
+            own = dict(top).get(token, math.log(0.5) * (len(top) + 1))
+            ids += [token, *(t for t, _ in top[:k])]
+            values += [own, *(lp for _, lp in top[:k])]
+            ranks.append(next((i + 1 for i, (t, _) in enumerate(top) if t == token), len(top) + 1))
+        return ids, values, ranks
 
     def step(self, request_id: str, drift: EngineDrift) -> dict:
         token = token_at(self.prompt, self.seed, self.generated, self.vocab_size) + drift.token_offset
@@ -246,6 +274,19 @@ class _Running:
         output = {"request_id": request_id, "new_token_ids": [token], "finish_reason": finish}
         if finish == FINISH["stop"]:
             output["stop_reason"] = token
+        if self.logprobs is not None:  # a LogprobsLists of numpy arrays, one row
+            k = self.logprobs
+            ids, values, ranks = self._rows([token], [token], k, drift)
+            output["new_logprobs"] = [("<i4", [1, k + 1], array.array("i", ids).tobytes()),
+                                      ("<f4", [1, k + 1], array.array("f", values).tobytes()),
+                                      ("<i8", [1], array.array("q", ranks).tobytes()), None]
+        if self.prompt_logprobs is not None and self.generated == 1:  # a LogprobsTensors, a row per prompt token
+            k, rows = self.prompt_logprobs, len(self.prompt) - 1
+            firsts = [token_at(self.prompt[:i + 1], None, 0, self.vocab_size) for i in range(rows)]
+            ids, values, ranks = self._rows(self.prompt[1:], firsts, k, drift)
+            output["new_prompt_logprobs_tensors"] = [("int64", [rows, k + 1], array.array("q", ids).tobytes()),
+                                                     ("float32", [rows, k + 1], array.array("f", values).tobytes()),
+                                                     ("int64", [rows], array.array("q", ranks).tobytes()), None, None]
         return output
 
 
