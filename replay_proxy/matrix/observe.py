@@ -41,6 +41,7 @@ import msgspec
 
 from replay_proxy import peers
 from replay_proxy.compare.behaviour import batched
+from replay_proxy.compare.report import ASKED_KEYS
 from replay_proxy.compare.tokens import deterministic
 from replay_proxy.compare.findings import exit_code, report_json
 from replay_proxy.compare.rules import load_rules
@@ -123,7 +124,9 @@ class Leg:
         evidence = []
         # Batched requests do not reproduce on vLLM's CPU build (compare/behaviour.py): not compared.
         noisy = batched(baseline) | batched(candidate)
-        for before, after in match_requests(baseline, candidate, load_rules().match_sampling_keys).pairs:
+        # (the replay asked each request for the judging's logprobs: matched without them)
+        keys = [k for k in load_rules().match_sampling_keys if k not in ASKED_KEYS]
+        for before, after in match_requests(baseline, candidate, keys).pairs:
             if before.abort_progress is not None or after.abort_progress is not None:
                 continue  # where an abort lands is the replay's own finding
             if {before.request_id, after.request_id} & noisy or not deterministic(baseline, before):
