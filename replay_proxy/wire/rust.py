@@ -1,0 +1,307 @@
+"""The Rust frontend's wire schema, read from its own source with tree-sitter.
+
+vllm-rs declares what it writes and reads on the link as serde structs and
+enums in ``rust/src/engine-core-client/src/protocol/``. Each is read with a
+real Rust parser (tree-sitter-rust), never with regular expressions:
+
+* a struct's encoding: ``array`` when it derives ``Serialize_tuple`` /
+  ``Deserialize_tuple`` (serde_tuple: positional, as msgspec's
+  ``array_like``), ``transparent`` for ``#[serde(transparent)]`` or a tuple
+  struct, else ``map`` (named fields);
+* each field in declaration order: its name on the wire (``rename``), its
+  Rust type, whether it is an ``Option``, whether a missing value is filled
+  in (``#[serde(default)]`` on the field or the struct), ``flatten``,
+  ``skip``, ``skip_serializing_if``;
+* ``deny_unknown_fields``, and each enum: ``repr`` (an integer on the wire)
+  or its variants' names (``rename``, ``rename_all``), ``untagged``.
+
+What this says about a reader (which extra or missing values it accepts) is
+``compare/drift.py``'s to judge; here is only what the source declares.
+Every release from 0.22.0 has it; each is read once (``replay-proxy schema
+extract --rust``) and shipped in ``rust_schemas/RELEASE.json``, beside the
+Python schemas, or added with a release (``add-release``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+PROTOCOL = Path("rust/src/engine-core-client/src/protocol")  # within a vLLM source tree (an sdist's root)
+RUST_SCHEMAS = Path(__file__).resolve().parent / "rust_schemas"
+
+
+class RustField(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str  # on the wire
+    rust_name: str
+    type: str  # as written, e.g. Option<Vec<u32>>
+    position: int
+    optional: bool = False  # Option<...>
+    default: bool = False  # a missing value is filled in (serde default, on the field or its struct)
+    flatten: bool = False
+    skip: bool = False  # never read or written
+    skip_serializing_if: str | None = None  # left out when writing if this holds
+    allow_trailing: bool = False  # read through AllowTrailingFields: its structs' extra trailing elements pass
+
+    @property
+    def inner(self) -> str:
+        """The type inside ``Option<...>``."""
+        return self.type[len("Option<"):-1].strip() if self.optional else self.type
+
+
+class RustStruct(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    encoding: str  # array, map, transparent
+    fields: list[RustField]
+    file: str
+    deny_unknown_fields: bool = False
+
+
+class RustEnum(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    variants: list[str]  # as on the wire: names (after rename / rename_all), or integers for a repr enum
+    file: str
+    repr: bool = False
+    untagged: bool = False
+
+
+class RustSchema(msgspec.Struct, frozen=True):
+    release: str
+    structs: dict[str, RustStruct]
+    enums: dict[str, RustEnum]
+    # A type that crosses the wire as another: #[serde(from, into, try_from)], or a hand-written
+    # Serialize / Deserialize impl that goes through a wire type (StructuredOutputsParams -> its Wire...)
+    wire_forms: dict[str, str] = {}
+
+    def wire_form(self, name: str) -> str:
+        seen = set()
+        while name in self.wire_forms and name not in seen:
+            seen.add(name)
+            name = self.wire_forms[name]
+        return name
+
+
+def read_protocol(root: Path, release: str) -> RustSchema:
+    """The structs and enums declared in ``root`` (a vLLM source tree, or its protocol folder itself)."""
+    import tree_sitter_rust
+    from tree_sitter import Language, Parser
+
+    folder = root / PROTOCOL if (root / PROTOCOL).is_dir() else root
+    parser = Parser(Language(tree_sitter_rust.language()))
+    structs: dict[str, RustStruct] = {}
+    enums: dict[str, RustEnum] = {}
+    impls: dict[str, set[str]] = {}  # a type with hand-written serde impls -> the paths its impls call
+    forms: dict[str, str] = {}
+    for path in sorted(folder.rglob("*.rs")):
+        if path.name == "tests.rs" or "tests" in path.relative_to(folder).parts[:-1]:
+            continue
+        tree = parser.parse(path.read_bytes())
+        _read_items(tree.root_node, str(path.relative_to(folder)), structs, enums, impls, forms)
+    for name, called in impls.items():
+        wire = sorted(n for n in called if n in structs and n != name)
+        if wire and name not in forms:
+            forms[name] = wire[0]
+    return RustSchema(release, structs, enums, forms)
+
+
+SERDE_TRAITS = ("Serialize", "Deserialize", "serde::Serialize", "serde::Deserialize")
+
+
+def _read_items(node, file: str, structs: dict, enums: dict, impls: dict, forms: dict) -> None:
+    attributes: list = []
+    for child in node.children:
+        if child.type == "attribute_item":
+            attributes.append(child)
+            continue
+        serde = _serde(_attributes(attributes))
+        form = serde.get("into") or serde.get("from") or serde.get("try_from")
+        if child.type == "struct_item":
+            struct = _struct(child, _attributes(attributes), file)
+            if struct is not None:
+                structs[struct.name] = struct
+        elif child.type == "enum_item":
+            enum = _enum(child, _attributes(attributes), file)
+            if enum is not None:
+                enums[enum.name] = enum
+        elif child.type == "impl_item":
+            trait, target = child.child_by_field_name("trait"), child.child_by_field_name("type")
+            if trait is not None and target is not None and _base(trait.text.decode()) in SERDE_TRAITS:
+                impls.setdefault(_base(target.text.decode()), set()).update(_called_paths(child))
+        elif child.type == "mod_item" and not _is_test_module(attributes):  # (#[cfg(test)]: fixtures)
+            body = child.child_by_field_name("body")
+            if body is not None:
+                _read_items(body, file, structs, enums, impls, forms)
+        if form and child.type in ("struct_item", "enum_item"):
+            forms[child.child_by_field_name("name").text.decode()] = form
+        if child.type not in ("line_comment", "block_comment"):
+            attributes = []
+
+
+def _base(type_text: str) -> str:
+    """``Deserialize<'de>`` -> ``Deserialize``; ``Foo<T>`` -> ``Foo``."""
+    return type_text.split("<", 1)[0].strip()
+
+
+def _called_paths(node) -> set[str]:
+    """The first segment of every ``X::y`` path in ``node`` (the types an impl's body goes through)."""
+    found, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current.type == "scoped_identifier":
+            path = current.child_by_field_name("path")
+            if path is not None and path.type in ("identifier", "type_identifier"):
+                found.add(path.text.decode())
+        todo.extend(current.children)
+    return found
+
+
+def _is_test_module(attributes: list) -> bool:
+    return any(name == "cfg" and "test" in [k for k, _ in args] for name, args in _attributes(attributes))
+
+
+def _attributes(items: list) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    """Each ``#[name(key, key = "value", ...)]`` as (name, [(key, value or None), ...])."""
+    found = []
+    for item in items:
+        attribute = next((c for c in item.children if c.type == "attribute"), None)
+        if attribute is None or not attribute.children:
+            continue
+        name = attribute.children[0].text.decode()
+        tree = next((c for c in attribute.children if c.type == "token_tree"), None)
+        found.append((name, _arguments(tree) if tree is not None else []))
+    return found
+
+
+def _arguments(tree) -> list[tuple[str, str | None]]:
+    """The top-level ``key`` and ``key = "value"`` of a token tree; nested trees kept as their text."""
+    arguments: list[tuple[str, str | None]] = []
+    tokens = [c for c in tree.children if c.type not in ("(", ")", "[", "]", "{", "}")]
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.type == ",":
+            i += 1
+            continue
+        key = token.text.decode()
+        value = None
+        if i + 2 < len(tokens) and tokens[i + 1].type == "=":
+            literal = tokens[i + 2]
+            content = next((c for c in literal.children if c.type == "string_content"), None)
+            value = content.text.decode() if content is not None else literal.text.decode()
+            i += 3
+        else:
+            i += 1
+        arguments.append((key, value))
+    return arguments
+
+
+def _named(attributes, which: str) -> dict[str, str | None]:
+    return {k: v for name, args in attributes if name == which for k, v in args}
+
+
+def _serde(attributes) -> dict[str, str | None]:
+    return _named(attributes, "serde")
+
+
+def _derives(attributes) -> set[str]:
+    return {k for name, args in attributes if name == "derive" for k, _ in args}
+
+
+def _struct(node, attributes, file: str) -> RustStruct | None:
+    derives = _derives(attributes)
+    if not derives & {"Serialize", "Deserialize", "Serialize_tuple", "Deserialize_tuple"}:
+        return None  # not on the wire
+    name = node.child_by_field_name("name").text.decode()
+    serde = _serde(attributes)
+    body = node.child_by_field_name("body")
+    if body is None or body.type == "ordered_field_declaration_list" or "transparent" in serde:
+        return RustStruct(name, "transparent", _tuple_fields(body), file)
+    encoding = "array" if derives & {"Serialize_tuple", "Deserialize_tuple"} else "map"
+    container_default = "default" in serde
+    fields, pending = [], []
+    for child in body.children:
+        if child.type == "attribute_item":
+            pending.append(child)
+            continue
+        if child.type != "field_declaration":
+            continue
+        attributes_of_field = _attributes(pending)
+        own, serde_as = _serde(attributes_of_field), _named(attributes_of_field, "serde_as")
+        pending = []
+        rust_name = child.child_by_field_name("name").text.decode().removeprefix("r#")  # r#type: a raw identifier
+        type_text = " ".join(child.child_by_field_name("type").text.decode().split())
+        read_as = serde_as.get("deserialize_as") or serde_as.get("as") or ""
+        fields.append(RustField(
+            name=own.get("rename") or rust_name, rust_name=rust_name, type=type_text, position=len(fields),
+            optional=type_text.startswith("Option<"), default=container_default or "default" in own,
+            flatten="flatten" in own, skip="skip" in own, skip_serializing_if=own.get("skip_serializing_if"),
+            allow_trailing="AllowTrailingFields" in read_as))
+    return RustStruct(name, encoding, fields, file, deny_unknown_fields="deny_unknown_fields" in serde)
+
+
+def _tuple_fields(body) -> list[RustField]:
+    if body is None:
+        return []
+    types = [c for c in body.children if c.type not in ("(", ")", ",", "visibility_modifier", "attribute_item")]
+    return [RustField(name=str(i), rust_name=str(i), type=" ".join(t.text.decode().split()), position=i)
+            for i, t in enumerate(types)]
+
+
+def _enum(node, attributes, file: str) -> RustEnum | None:
+    derives = _derives(attributes)
+    repr_ = bool(derives & {"Serialize_repr", "Deserialize_repr"})
+    if not repr_ and not derives & {"Serialize", "Deserialize"}:
+        return None
+    serde = _serde(attributes)
+    variants, value, pending = [], -1, []
+    for variant in node.child_by_field_name("body").children:
+        if variant.type == "attribute_item":
+            pending.append(variant)
+            continue
+        if variant.type != "enum_variant":
+            continue
+        own = _serde(_attributes(pending))
+        pending = []
+        rust_name = variant.child_by_field_name("name").text.decode()
+        if repr_:
+            literal = variant.child_by_field_name("value")
+            value = int(literal.text.decode()) if literal is not None else value + 1
+            variants.append(str(value))
+        else:
+            variants.append(own.get("rename") or _renamed(rust_name, serde.get("rename_all")))
+    return RustEnum(node.child_by_field_name("name").text.decode(), variants, file, repr=repr_,
+                    untagged="untagged" in serde)
+
+
+def _renamed(name: str, rule: str | None) -> str:
+    """A variant's name under serde's ``rename_all`` rule."""
+    words, word = [], ""
+    for ch in name:
+        if ch.isupper() and word:
+            words.append(word)
+            word = ""
+        word += ch
+    words.append(word)
+    return {"lowercase": name.lower(), "UPPERCASE": name.upper(),
+            "snake_case": "_".join(w.lower() for w in words),
+            "SCREAMING_SNAKE_CASE": "_".join(w.upper() for w in words),
+            "kebab-case": "-".join(w.lower() for w in words)}.get(rule or "", name)
+
+
+def rust_schema_path(release: str) -> Path:
+    """A release's Rust schema file: one added by the user (``schema.added_releases``), else the package's."""
+    from replay_proxy.wire.schema import added_releases
+
+    added = added_releases() / "rust_schemas" / f"{release}.json"
+    return added if added.exists() else RUST_SCHEMAS / f"{release}.json"
+
+
+def load_rust_schema(release: str) -> RustSchema | None:
+    """The shipped (or added) Rust schema of ``release``; None if it has none."""
+    path = rust_schema_path(release)
+    return msgspec.json.decode(path.read_bytes(), type=RustSchema) if path.exists() else None
+
+
+def encode_rust_schema(schema: RustSchema) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(schema), indent=1) + b"\n"
