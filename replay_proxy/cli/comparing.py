@@ -71,8 +71,9 @@ def replay(
     finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
     noise_runs: Annotated[int, typer.Option(min=0, help=(
-        "First replay the session this many times against --baseline-cmd: what varies between "
-        "those runs of one build is the noise floor, not reported as regression."))] = 0,
+        "Replay the session this many times against --baseline-cmd and as many against the build under "
+        "test, interleaved: what varies between the baseline's runs is the noise floor, not regression. "
+        "Scoring needs 1, a timing verdict 2 or more."))] = 0,
     baseline_cmd: Annotated[str | None, typer.Option(
         help="--noise-runs: start the baseline build (the one the recording was made with) with this command.")]
         = None,
@@ -180,31 +181,83 @@ def schema_extract(
     python: Annotated[Path | None, typer.Option(help="Python interpreter of a vLLM installation.")] = None,
     vllm_src: Annotated[Path | None, typer.Option(
         help="With --python: a folder holding a vllm/ package to import instead (a source tree).")] = None,
+    rust: Annotated[bool, typer.Option(
+        "--rust", help="With --release: the Rust frontend's schema instead, read from the release's sdist "
+                       "(rust_schemas/RELEASE.json).")] = False,
+    rust_src: Annotated[Path | None, typer.Option(
+        help="The Rust frontend's schema of a source tree (a vLLM checkout, or its protocol folder).")] = None,
     output: Annotated[Path | None, typer.Option("--out", help="Write here (- for stdout).")] = None,
 ) -> None:
-    """Extract a release's wire schema from vLLM's own classes.
+    """Extract a release's wire schema from vLLM's own classes, or its Rust frontend's from its source.
 
     Example: replay-proxy schema extract --release 0.33.0
+
+    Example: replay-proxy schema extract --release 0.34.0 --rust
 
     Example: replay-proxy schema extract --python ~/vllm/.venv/bin/python --vllm-src ~/vllm --out -
     """
     from replay_proxy import releases
+    from replay_proxy.wire.rust import encode_rust_schema, read_protocol, rust_schema_path
     from replay_proxy.wire.schema import shipped_path
 
-    if (release is None) == (python is None):
-        raise fail("give either --release or --python", ExitCode.USAGE)
+    if sum(x is not None for x in (release, python, rust_src)) != 1:
+        raise fail("give one of --release, --python, --rust-src", ExitCode.USAGE)
     if vllm_src is not None and python is None:
         raise fail("--vllm-src goes with --python", ExitCode.USAGE)
+    if rust and release is None:
+        raise fail("--rust goes with --release (a source tree: --rust-src)", ExitCode.USAGE)
     try:
-        schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
+        if rust_src is not None:
+            schema = encode_rust_schema(read_protocol(rust_src, "source"))
+        elif rust:
+            schema = encode_rust_schema(read_protocol(releases.rust_protocol(release), release))
+        else:
+            schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
     except releases.ReleaseError as exc:
         raise fail(str(exc)) from None
-    output = output or (shipped_path(release) if release else None)
+    output = output or (None if release is None else rust_schema_path(release) if rust else shipped_path(release))
     if output is None or str(output) == "-":
         sys.stdout.write(schema.decode())
     else:
+        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(schema)
         err.print(f"wrote {output}")
+
+
+@schema_app.command("drift")
+def schema_drift(
+    release: Annotated[str, typer.Option(help="The release whose two languages are compared, e.g. 0.32.0.")],
+    rust_src: Annotated[Path | None, typer.Option(
+        help="Read the Rust side from this source tree (a vLLM checkout or branch) instead of the release's.")]
+        = None,
+    report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+    show_info: Annotated[bool, typer.Option("--all", help="Also list differences that break no reader.")] = False,
+) -> None:
+    """Drift between the two languages inside one release: Python's classes against vllm-rs's structs.
+
+    Each difference with its consequence on the wire: which reader rejects what, what is filled with a
+    default, what loses precision. Exit code 3 when a reader on the link rejects (docs/comparing.md).
+
+    Example: replay-proxy schema drift --release 0.32.0
+
+    Example: replay-proxy schema drift --release 0.34.0 --rust-src ~/vllm
+    """
+    from replay_proxy import releases
+    from replay_proxy.compare.report import drift_report
+    from replay_proxy.wire.rust import load_rust_schema, read_protocol
+    from replay_proxy.wire.schema import load_schema, shipped_releases
+
+    if release not in shipped_releases():
+        raise fail(f"no schema for {release!r}; shipped: {', '.join(shipped_releases())} (add one: "
+                   f"replay-proxy add-release {release})", ExitCode.USAGE)
+    if rust_src is not None and not rust_src.is_dir():
+        raise fail(f"--rust-src {rust_src} is not a folder", ExitCode.USAGE)
+    try:
+        rust = (read_protocol(rust_src, f"{release} (source {rust_src})") if rust_src is not None
+                else load_rust_schema(release) or read_protocol(releases.rust_protocol(release), release))
+    except releases.ReleaseError as exc:
+        raise fail(str(exc)) from None
+    finish_report(drift_report(load_schema(release), rust, rules_option(None)), report_dir, show_info)
 
 
 @schema_app.command("diff")

@@ -13,10 +13,12 @@ from replay_proxy.compare.performance import LATENCIES, latency_samples, perform
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
+from replay_proxy.compare.drift import drift_findings, pair_structs
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
 from replay_proxy.store.session import Request, Session, decode_and_load, match_requests
+from replay_proxy.wire.rust import RustSchema
 from replay_proxy.wire.schema import Schema, schema_lines
 
 HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-lengths`` sets in every ADD
@@ -158,6 +160,13 @@ def schema_report(old: Schema, new: Schema) -> Report:
     return Report(title="schema diff", baseline=old.release, candidate=new.release, findings=findings,
                   schemas=_side_by_side(old, new, findings),
                   checks=[f"schema:{n}" for n in sorted(set(old.structs) | set(new.structs))])
+
+
+def drift_report(python: Schema, rust: RustSchema, rules: Rules) -> Report:
+    """Every difference between a release's two languages, with the readers it breaks (``schema drift``)."""
+    findings = drift_findings(python, rust, rules.frontend_handled_sampling_keys)
+    return Report(title="schema drift", baseline=f"python {python.release}", candidate=f"rust {rust.release}",
+                  findings=findings, checks=[f"schema:{n}" for n in sorted(pair_structs(python, rust))])
 
 
 def _side_by_side(a: Schema, b: Schema, findings) -> dict[str, dict[str, list[str]]]:
