@@ -85,9 +85,9 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
     With ``options.noise_runs`` N, the session is replayed N times against the baseline build and N times
-    against the candidate, interleaved (baseline, candidate, baseline, ...), so that load which comes and goes
-    on the machine falls on both: what varies between the baseline's runs is the noise floor, not
-    regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
+    against the candidate, interleaved and counterbalanced (baseline, candidate, candidate, baseline, ...), so
+    that load which comes and goes on the machine falls on both: what varies between the baseline's runs is
+    the noise floor, not regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
     twice), and every request asks for the judging's logprobs. With a terminal ``console``, a progress bar
     shows while it runs. With ``kept`` (against an engine), the engine it holds is used if it can be for the
     candidate's first run, and that engine is kept there if the run ended clean (every other run starts an
@@ -103,24 +103,38 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     noise, runs, first = [], [], None
-    for i in range(1, max(1, options.noise_runs) + 1):
-        if options.noise_runs:
-            name = f"{recording.name}-noise-{stamp}-{i}"
-            session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
-                                                     console, scoring_passes=(2 if i == 1 else 1) * judging)
-            if failure:
-                failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
-                                                                   f"{failure.message}")
-                return _failed(title, recording.name, name, [failure]), None
-            noise.append(decode_and_load(db, str(session_id)))
+
+    def candidate_run(i: int) -> Report | None:
+        nonlocal first
         name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
         session_id, outcome, failure, rejections = _replay_once(
             recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log", console,
             kept if i == 1 else None, scoring_passes=judging and i == 1 and options.noise_runs > 0)
         if failure:
-            return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules)), None
+            return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules))
         runs.append(decode_and_load(db, str(session_id)))
         first = first or (session_id, outcome, rejections)
+        return None
+
+    def baseline_run(i: int) -> Report | None:
+        name = f"{recording.name}-noise-{stamp}-{i}"
+        session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
+                                                 console, scoring_passes=(2 if i == 1 else 1) * judging)
+        if failure:
+            failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
+                                                               f"{failure.message}")
+            return _failed(title, recording.name, name, [failure])
+        noise.append(decode_and_load(db, str(session_id)))
+        return None
+
+    # Counterbalanced (baseline, candidate, candidate, baseline, ...): load that comes and goes with the period
+    # of two runs falls on both builds alike, where strict alternation would put it on one build's every run.
+    for i in range(1, max(1, options.noise_runs) + 1):
+        order = (baseline_run, candidate_run) if i % 2 else (candidate_run, baseline_run)
+        for play in order if options.noise_runs else (candidate_run,):
+            failed = play(i)
+            if failed is not None:
+                return failed, None
     session_id, outcome, rejections = first
     report = build_report(title, recording, runs[0], options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND,
                           replayed_noise=True, held_lengths=options.hold_lengths, asked_logprobs=judging,

@@ -23,9 +23,9 @@ def significant(report, *categories):
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
-    """One replay, four real engine starts: the 0.31.0 candidate twice, interleaved with two replays of 0.32.0,
-    the baseline build, the first of which judges the candidate's behaviour; timing pools each build's runs.
-    Sessions: 1 the recording, 2 and 4 the 0.32.0 replays, 3 and 5 the 0.31.0 ones."""
+    """One replay, four real engine starts: the 0.31.0 candidate twice, between two replays of 0.32.0, the
+    baseline build (counterbalanced), the first of which judges the candidate's behaviour; timing pools each
+    build's runs. Sessions: 1 the recording, 2 and 5 the 0.32.0 replays, 3 and 4 the 0.31.0 ones."""
     tmp_path, port = tmp_path_factory.mktemp("replay-engine"), peers.free_port()
     result, report = peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
                                       "--engine-cmd", peers.engine_command(port, "0.31.0"), "--noise-runs", "2",
@@ -52,8 +52,8 @@ def test_same_release_gives_the_same_tokens_and_abort_point(replayed):
 def test_an_older_engine_release_shows_its_real_differences_over_the_noise_floor(replayed):
     tmp_path, _, report, db, names = replayed
     assert [(s["mode"], s["vllm_version"]) for s in db["sessions"].rows] == [
-        ("record", "0.32.0"), ("replay", "0.32.0"), ("replay", "0.31.0"), ("replay", "0.32.0"), ("replay", "0.31.0")]
-    assert report["noise"] == [f"{names[2]} (#2)", f"{names[4]} (#4)"]
+        ("record", "0.32.0"), ("replay", "0.32.0"), ("replay", "0.31.0"), ("replay", "0.31.0"), ("replay", "0.32.0")]
+    assert report["noise"] == [f"{names[2]} (#2)", f"{names[5]} (#5)"]
     codes = {(f["code"], f.get("struct"), f.get("position")) for f in report["findings"]}
     # 0.32.0 added EngineCoreOutputs.weight_version at position 8; a 0.31.0 engine sends 8 elements.
     assert ("array_shorter", "EngineCoreOutputs", 8) in codes
@@ -62,7 +62,7 @@ def test_an_older_engine_release_shows_its_real_differences_over_the_noise_floor
     # as those two replays hold, as `diff` of them counts them.
     timing = {f["field"]: f for f in report["findings"] if f["category"] == "performance"}
     assert timing["timing_baseline"]["message"].startswith("latency is compared with 2 run(s) of the baseline")
-    replays = performance(diff(tmp_path, names[2], names[4]))
+    replays = performance(diff(tmp_path, names[2], names[5]))
     assert timing["ttft_ms.p50"]["change"]["samples"][0] == sum(replays["ttft_ms.p50"]["change"]["samples"])
 
 

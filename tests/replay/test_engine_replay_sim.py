@@ -167,8 +167,8 @@ def test_noise_runs_of_a_stable_baseline_make_batched_mismatches_regressions(tmp
     assert {severity[f"r{k}"] for k in range(8)} == {Severity.REGRESSION}  # the baseline runs agreed
     names = [r["name"] for r in sqlite_utils.Database(db).query(
         "SELECT name FROM sessions WHERE mode = 'replay' AND status = 'complete' ORDER BY id")]
-    # The baseline build's runs and the candidate's, interleaved.
-    assert len(report.noise) == 2 and [n.split("-")[1] for n in names] == ["noise", "replay", "noise", "replay"]
+    # The baseline build's runs and the candidate's, interleaved and counterbalanced.
+    assert len(report.noise) == 2 and [n.split("-")[1] for n in names] == ["noise", "replay", "replay", "noise"]
 
 
 def test_a_session_recorded_with_its_coordinator_replays_without_it(tmp_path):
