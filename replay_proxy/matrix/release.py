@@ -6,6 +6,8 @@ What a maintainer would do, in one command, each step said as it goes:
    releases' folder (``wire.schema.added_releases``: the installed package may be read-only), where every
    command reads it from then on;
 2. what changed since the release before it (``schema diff``);
+2a. its Rust frontend's schema, read from its sdist's protocol source (``wire.rust``), beside it, and the drift
+   between its two languages (``schema drift``);
 3. a recording of what its Rust frontend sends: its ``vllm-rs`` from its wheel, serving a small HTTP
    workload (``WORKLOAD``) through ``replay-proxy record``, against the nearest installed engine whose
    release reads its requests, else the sim engine of its own release (a release that changed the
@@ -34,12 +36,15 @@ from pathlib import Path
 import msgspec
 
 from replay_proxy import peers, releases
+from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.findings import Finding, Severity
+from replay_proxy.compare.rules import load_rules
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.matrix import Cell, Frontend, added_recording
 from replay_proxy.matrix.run import run
 from replay_proxy.processes import Child, ChildError, free_port
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
+from replay_proxy.wire.rust import encode_rust_schema, read_protocol
 from replay_proxy.wire.schema import (Schema, added_releases, forget_schemas, load_schema, release_key,
                                       shipped_releases)
 from replay_proxy.wire.values import decode_msgpack
@@ -64,6 +69,7 @@ class AddedRelease(msgspec.Struct):
     release: str
     previous: str | None  # the release before it, of those known
     changes: list[Finding]  # previous -> release
+    drift: list[Finding]  # between its two languages (schema drift)
     engine: str  # what its Rust frontend was recorded against: a release, or "sim RELEASE"
     answers: dict[str, str]  # each workload request: "ok", or what the client got instead
     unread: list[str]  # the recording's messages its own schema does not read, a line per way
@@ -100,6 +106,19 @@ def add_release(release: str, *, engines: list[str] | None = None, db: Path | No
     for finding in changes:
         if finding.severity >= Severity.BREAKING:
             say(f"  [breaking] {finding.message}")
+    say(f"{release}: its Rust frontend's schema, from its sdist's protocol source")
+    rust = read_protocol(releases.rust_protocol(release), release)
+    rust_file = added_releases() / "rust_schemas" / f"{release}.json"
+    rust_file.parent.mkdir(parents=True, exist_ok=True)
+    rust_file.write_bytes(encode_rust_schema(rust))
+    drift = drift_findings(load_schema(release), rust, load_rules().frontend_handled_sampling_keys)
+    say(f"  -> {rust_file}; drift between its two languages: " + (", ".join(
+        f"{n} {s.name.lower()}" for s, n in sorted(Counter(f.severity for f in drift).items(), reverse=True))
+        or "none"))
+    for finding in drift:
+        if finding.severity >= Severity.WARNING:
+            say(f"  [{finding.severity.name.lower()}] {finding.message}")
+    step("rust schema")
     engine = reading_engine(release)
     say(f"vllm-rs {release}: recording what it sends, against {'engine ' + engine if engine else 'the sim engine'}")
     recording = added_recording(f"vllm-{release}-vllm-rs.db")
@@ -118,8 +137,8 @@ def add_release(release: str, *, engines: list[str] | None = None, db: Path | No
         cells = run(f"vllm-rs:{release}", ",".join(engines), db=db, workdir=workdir / "replays", ready_s=ready_s,
                     command=f"replay-proxy add-release {release}", progress=say).cells
         step("matrix")
-    return AddedRelease(release, previous, changes, f"sim {release}" if engine is None else engine, answers, unread,
-                        cells, seconds)
+    return AddedRelease(release, previous, changes, drift, f"sim {release}" if engine is None else engine, answers,
+                        unread, cells, seconds)
 
 
 def reading_engine(release: str) -> str | None:

@@ -1,5 +1,6 @@
 """`replay-proxy add-release` for 0.34.0 as if it had just shipped: its schema extracted into the added
-releases' folder (never the package), the changes since 0.33.0 said, its vllm-rs recorded against the sim
+releases' folder (never the package), the changes since 0.33.0 said, its Rust frontend's schema read from its
+sdist and the drift between its two languages said, its vllm-rs recorded against the sim
 engine of 0.34.0 (no installed engine reads its prompt arrays), every message read by its own schema, and
 its cell with a real 0.32.0 engine observed: breaks, the engine's decode error as evidence."""
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 import sqlite_utils
 
+from replay_proxy.wire.rust import RUST_SCHEMAS
 from replay_proxy.wire.schema import SCHEMAS
 from tests.real import peers
 
@@ -30,6 +32,11 @@ def test_a_release_is_added_on_its_day_and_used_from_then_on(tmp_path):
     assert (SCHEMAS / "0.34.0.json").read_bytes() == shipped  # the package untouched
     assert json.loads((added / "schemas" / "0.34.0.json").read_text()) == json.loads(shipped)
     assert said["previous"] == "0.33.0" and {"type_changed", "field_appended"} <= {c["code"] for c in said["changes"]}
+    # Its Rust frontend's schema, read from its sdist, as the package ships it; no drift between its two languages
+    # breaks a reader.
+    assert json.loads((added / "rust_schemas" / "0.34.0.json").read_text()) == json.loads(
+        (RUST_SCHEMAS / "0.34.0.json").read_text())
+    assert said["drift"] and not [d for d in said["drift"] if d["severity"] >= 3]
     assert "[breaking] EngineCoreRequest.prompt_token_ids changed type list[int] | None -> ndarray | None" \
         in result.stderr
     assert said["engine"] == "sim 0.34.0" and said["unread"] == []
