@@ -226,10 +226,14 @@ def schema_extract(
 
 @schema_app.command("drift")
 def schema_drift(
-    release: Annotated[str, typer.Option(help="The release whose two languages are compared, e.g. 0.32.0.")],
+    release: Annotated[str | None, typer.Option(
+        help="The release whose two languages are compared, e.g. 0.32.0.")] = None,
     rust_src: Annotated[Path | None, typer.Option(
         help="Read the Rust side from this source tree (a vLLM checkout or branch) instead of the release's.")]
         = None,
+    schema: Annotated[Path | None, typer.Option(
+        help="With --rust-src: the Python side from this schema file (what `schema extract --python ... "
+             "--vllm-src CHECKOUT` writes) instead of a release's.")] = None,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     show_info: Annotated[bool, typer.Option("--all", help="Also list differences that break no reader.")] = False,
 ) -> None:
@@ -241,23 +245,32 @@ def schema_drift(
     Example: replay-proxy schema drift --release 0.32.0
 
     Example: replay-proxy schema drift --release 0.34.0 --rust-src ~/vllm
+
+    Example: replay-proxy schema drift --schema checkout.json --rust-src ~/vllm
     """
+    import msgspec
+
     from replay_proxy import releases
     from replay_proxy.compare.report import drift_report
     from replay_proxy.wire.rust import load_rust_schema, read_protocol
-    from replay_proxy.wire.schema import load_schema, shipped_releases
+    from replay_proxy.wire.schema import Schema, load_schema, shipped_releases
 
-    if release not in shipped_releases():
+    if (release is None) == (schema is None) or (schema is not None and rust_src is None):
+        raise fail("give --release, or --schema with --rust-src (a checkout's two sides)", ExitCode.USAGE)
+    if release is not None and release not in shipped_releases():
         raise fail(f"no schema for {release!r}; shipped: {', '.join(shipped_releases())} (add one: "
                    f"replay-proxy add-release {release})", ExitCode.USAGE)
     if rust_src is not None and not rust_src.is_dir():
         raise fail(f"--rust-src {rust_src} is not a folder", ExitCode.USAGE)
     try:
-        rust = (read_protocol(rust_src, f"{release} (source {rust_src})") if rust_src is not None
+        python = load_schema(release) if release else msgspec.json.decode(schema.read_bytes(), type=Schema)
+        rust = (read_protocol(rust_src, f"source {rust_src}") if rust_src is not None
                 else load_rust_schema(release) or read_protocol(releases.rust_protocol(release), release))
+    except (OSError, msgspec.DecodeError) as exc:
+        raise fail(f"--schema {schema}: {exc}", ExitCode.USAGE) from None
     except releases.ReleaseError as exc:
         raise fail(str(exc)) from None
-    finish_report(drift_report(load_schema(release), rust, rules_option(None)), report_dir, show_info)
+    finish_report(drift_report(python, rust, rules_option(None)), report_dir, show_info)
 
 
 @schema_app.command("diff")

@@ -10,6 +10,7 @@ would build, a real engine whose registration a 0.32.0 frontend rejects.
 
 import os
 import re
+import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -80,3 +81,27 @@ def test_the_scheduled_job_finds_whether_pypi_has_a_release_the_matrix_lacks(tmp
     assert done.returncode == 0, done.stderr
     said = dict(line.split("=", 1) for line in output.read_text().splitlines())
     assert said["release"] and (said.get("new") == "true") == (said["release"] not in shipped_releases())
+
+
+def test_the_pull_request_job_fails_a_checkout_whose_two_languages_drifted(tmp_path):
+    """Its `drift` step, run on a checkout made of 0.34.0's own sources (its classes, fetched with its wheel, and
+    its Rust protocol, from its sdist), first as released, then with a field added to the Rust registration."""
+    from replay_proxy.releases import message_classes, rust_protocol
+
+    [step] = [s for s in workflow("vllm two languages")["jobs"]["drift"]["steps"] if s.get("id") == "drift"]
+    checkout = tmp_path / "vllm"
+    protocol = checkout / "rust" / "src" / "engine-core-client" / "src" / "protocol"
+    shutil.copytree(rust_protocol("0.34.0"), protocol, ignore=shutil.ignore_patterns(".complete"))
+    (checkout / "vllm").symlink_to(message_classes("0.34.0") / "vllm")
+    env = {**os.environ, "REPLAY_PROXY_CACHE": str(cache_dir()), "COLUMNS": "200",
+           "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    run = lambda: subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], cwd=tmp_path, env=env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=600)
+    released = run()
+    assert released.returncode == 0, released.stdout[-2000:] + released.stderr[-2000:]
+    handshake = protocol / "handshake.rs"
+    anchor = "    pub enable_expert_parallel: bool,\n"
+    handshake.write_text(handshake.read_text().replace(anchor, anchor + "    pub weights_digest: String,\n", 1))
+    drifted = run()
+    assert drifted.returncode == 3 and "EngineCoreReadyResponse.weights_digest" in drifted.stdout, drifted.stdout
+    assert (tmp_path / "reports" / "drift" / "junit.xml").exists()
