@@ -149,3 +149,54 @@ def ephemeral_ports() -> range:
     except (OSError, ValueError):
         low, high = 32768, 60999
     return range(low, high + 1)
+
+
+class OtherLoad:
+    """The share of the machine's CPU time that went to processes other than this one and its descendants,
+    steal time included (a hypervisor's other tenants), between ``start`` and ``share`` (from /proc; 0 where
+    there is none). A replay's timing is judged only on runs the machine gave it whole."""
+
+    def __init__(self) -> None:
+        self._machine = self._ours = None
+
+    def start(self) -> OtherLoad:
+        self._machine, self._ours = _machine_ticks(), _own_ticks()
+        return self
+
+    def share(self) -> float:
+        if self._machine is None:
+            return 0.0
+        busy, total = (now - then for now, then in zip(_machine_ticks(), self._machine))
+        ours = sum(ticks - self._ours.get(pid, 0) for pid, ticks in _own_ticks().items())
+        return max(0.0, (busy - ours) / total) if total > 0 else 0.0
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot: /proc/stat's first line (steal counts as busy)."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    user, nice, system, idle, iowait, irq, softirq, steal = values + [0] * (8 - len(values))
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def _own_ticks() -> dict[int, int]:
+    """CPU ticks (user and system) of this process and each of its descendants, by PID."""
+    parents, ticks = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # past "(command name)"
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        parents[int(entry.name)] = int(fields[1])
+        ticks[int(entry.name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    ours, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        ours.add(pid)
+        todo += [child for child, parent in parents.items() if parent == pid and child not in ours]
+    return {pid: ticks[pid] for pid in ours if pid in ticks}

@@ -28,7 +28,7 @@ ASKED_KEYS = frozenset({"logprobs"})  # what a replay against an engine asks of 
 def build_report(title: str, baseline: Session, candidate: Session, rules: Rules,
                  noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False,
                  held_lengths: bool = False, asked_logprobs: bool = False,
-                 candidate_runs: list[Session] = ()) -> Report:
+                 candidate_runs: list[Session] = (), other_cpu: dict[str, float] | None = None) -> Report:
     """The one place where two sessions become a report.
 
     ``noise``: more runs of the baseline build. ``replayed_noise``: the candidate and those runs are replays,
@@ -40,6 +40,8 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     (``replay --hold-lengths``), so max_tokens and min_tokens are theirs, not the recording's.
     ``asked_logprobs``: they asked for the judging's logprobs (a replay against an engine).
     ``candidate_runs``: more runs of the candidate, interleaved with the baseline's: timing pools them.
+    ``other_cpu``: by run, the share of the machine's CPU that other processes took while it ran: timing is
+    not judged where one took more than ``performance.max_other_cpu`` (a busy neighbour, not this build).
 
     A redacted recording's tokens are pseudonyms an engine never produces: against an engine, behaviour
     is judged against the baseline build's replay of it (the first noise run), or not at all.
@@ -64,6 +66,7 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     findings += scored_findings
     if asked_logprobs and replayed_noise:
         findings += sampled_findings(list(noise), candidate, judged_matching.pairs, rules)
+    busy = {run: share for run, share in (other_cpu or {}).items() if share > rules.performance.max_other_cpu}
     if replayed_noise and len(noise) < 2:
         findings.append(Finding("performance", Severity.INFO, "timing_not_judged", (
             "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
@@ -71,6 +74,12 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
                                      "one run of the baseline build does not say how much runs of one build differ")
             + "; --baseline-cmd with --noise-runs 2 or more compares it with the baseline build's runs, "
             "interleaved with the candidate's"), field="timing"))
+    elif busy:
+        findings.append(Finding("performance", Severity.INFO, "timing_not_judged", (
+            "timing not judged: other processes took " + ", ".join(f"{share:.0%} of the machine's CPU during {run}"
+                                                                   for run, share in busy.items())
+            + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
+            "measured; replay on a quieter machine"), field="timing", candidate=busy))
     else:
         findings += _timing_findings(baseline, candidate, noise, candidate_runs, replayed_noise, keys, rules)
     if pseudonyms:

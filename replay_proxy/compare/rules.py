@@ -1,4 +1,5 @@
-"""Noise rules and thresholds are data: ``rules.json``, with ``--rules FILE`` replacing any of its keys.
+"""Noise rules and thresholds are data: ``rules.json``, with ``--rules FILE`` replacing any of its keys (in the
+sections ``performance`` and ``judging``, any of theirs).
 
 Both are read into ``Rules``, which knows every key: a key it does not know (a typo) is an error,
 not silently ignored. Keys that begin with ``_`` are comments.
@@ -16,6 +17,9 @@ import msgspec
 from replay_proxy.errors import ReplayProxyError
 
 
+SECTIONS = ("performance", "judging")  # keys whose object a rules file changes key by key
+
+
 class RulesError(ReplayProxyError):
     """A rules file that cannot be used: not JSON, not an object, an unknown key or a value of the wrong type."""
 
@@ -26,6 +30,7 @@ class Performance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     min_relative_change: float
     min_delta_ms: dict[str, float]  # by metric: ttft_ms, itl_ms, e2e_ms
+    max_other_cpu: float  # a replay run during which other processes took more of the machine's CPU: not timed
 
 
 class Judging(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,9 +77,12 @@ def load_rules(path: Path | None = None) -> Rules:
     if path is not None:
         where = f"rules file {path}"
         try:
-            rules.update(_keys(json.loads(Path(path).read_text()), where))
+            given = _keys(json.loads(Path(path).read_text()), where)
         except (OSError, json.JSONDecodeError) as exc:
             raise RulesError(f"{where}: {exc}") from None
+        for key, value in given.items():  # a section's keys one by one: a file written before a key was added
+            section = key in SECTIONS and isinstance(value, dict)  # to it still reads
+            rules[key] = {**rules[key], **_keys(value, f"{where}: {key}")} if section else value
     try:
         return msgspec.convert(rules, Rules, strict=False)
     except msgspec.ValidationError as exc:

@@ -33,7 +33,7 @@ from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.rejection import FAILED, fold_consequences, read_as, reader_rejections, sent_lengths
 from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
-from replay_proxy.processes import Child
+from replay_proxy.processes import Child, OtherLoad
 from replay_proxy.replay.play_engine import EnginePlayer
 from replay_proxy.replay.play_frontend import EngineLink, EngineNotReset, FrontendPlayer
 from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
@@ -104,6 +104,8 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     noise, runs, first = [], [], None
 
+    other_cpu: dict[str, float] = {}  # each run's session: the machine's CPU share other processes took
+
     def candidate_run(i: int) -> Report | None:
         nonlocal first
         name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
@@ -113,18 +115,20 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
         if failure:
             return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules))
         runs.append(decode_and_load(db, str(session_id)))
+        other_cpu[runs[-1].label] = outcome.other_cpu
         first = first or (session_id, outcome, rejections)
         return None
 
     def baseline_run(i: int) -> Report | None:
         name = f"{recording.name}-noise-{stamp}-{i}"
-        session_id, _, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
-                                                 console, scoring_passes=(2 if i == 1 else 1) * judging)
+        session_id, outcome, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
+                                                       console, scoring_passes=(2 if i == 1 else 1) * judging)
         if failure:
             failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
                                                                f"{failure.message}")
             return _failed(title, recording.name, name, [failure])
         noise.append(decode_and_load(db, str(session_id)))
+        other_cpu[noise[-1].label] = outcome.other_cpu
         return None
 
     # Counterbalanced (baseline, candidate, candidate, baseline, ...): load that comes and goes with the period
@@ -138,7 +142,7 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     session_id, outcome, rejections = first
     report = build_report(title, recording, runs[0], options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND,
                           replayed_noise=True, held_lengths=options.hold_lengths, asked_logprobs=judging,
-                          candidate_runs=runs[1:])
+                          candidate_runs=runs[1:], other_cpu=other_cpu)
     if judging:
         report.findings.append(Finding("behaviour", Severity.INFO, "judging_cost", (
             f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
@@ -190,8 +194,10 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         return player.outcome
 
     outcome = failure = None
+    load = OtherLoad().start()
     try:
         outcome = trio.run(main)
+        outcome.other_cpu = load.share()
         sent, finished, total, tokens = player.tally()
         outcome.summary = (f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
                            + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))

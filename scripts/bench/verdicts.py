@@ -26,20 +26,17 @@ import concurrent.futures
 import json
 import shutil
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from replay_proxy.compare.findings import Severity, exit_code  # noqa: E402
-from replay_proxy.compare.rules import load_rules  # noqa: E402
 from replay_proxy.processes import free_port  # noqa: E402
-from replay_proxy.replay.player import PeerUnderTest, ReplayOptions  # noqa: E402
-from replay_proxy.replay.run import replay_session  # noqa: E402
-from replay_proxy.wire.messages import Side  # noqa: E402
 from tests.real.peers import PEAKED, injected_engine_command  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "inject"))
@@ -59,33 +56,36 @@ def frequent_token(db: Path) -> int:
 
 
 def replay(kind: str, slot: int, noise_runs: int, folder: Path, judging: bool = True) -> tuple[set[str], float]:
-    """One replay of the session against ``kind``: the tiers that reported a regression, and its wall time."""
+    """One replay of the session against ``kind``, as ``replay-proxy replay`` in a process of its own (so that a
+    replay beside it is another process to it, as a neighbour on a CI runner is): the tiers that reported a
+    regression, and its wall time."""
     folder.mkdir(parents=True)
     db = folder / "replay.db"
     shutil.copy(RECORDING, db)
     port = free_port()
-    rules = load_rules()
+    rules = []
     if not judging:
-        import msgspec
-        rules = msgspec.structs.replace(rules, judging=msgspec.structs.replace(rules.judging, top_logprobs=0))
-    options = ReplayOptions(ready_timeout_s=600, finish_timeout_s=120, report_dir=folder, rules=rules,
-                            noise_runs=noise_runs, baseline_command=injected_engine_command(port, "", slot))
-    peer = PeerUnderTest(side=Side.ENGINE, address=f"tcp://127.0.0.1:{port}",
-                         command=injected_engine_command(port, "" if kind == "same" else kind, slot))
+        off = folder / "judging-off.json"
+        off.write_text(json.dumps({"judging": {"top_logprobs": 0}}))
+        rules = ["--rules", str(off)]
     start = time.monotonic()
-    report, _ = replay_session(db, SESSION, peer, options)
+    subprocess.run([sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", SESSION,
+                    "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+                    "--engine-cmd", injected_engine_command(port, "" if kind == "same" else kind, slot),
+                    "--noise-runs", str(noise_runs), "--baseline-cmd", injected_engine_command(port, "", slot),
+                    "--ready-timeout", "600", "--report-dir", str(folder), *rules],
+                   capture_output=True, timeout=3600)
     took = time.monotonic() - start
+    report = json.loads((folder / "report.json").read_text())
     found = set()
-    for f in report.findings:
-        if f.severity < Severity.REGRESSION:
+    for f in report["findings"]:
+        if f["severity"] not in ("regression", "breaking"):
             continue
-        if f.category == "behaviour":
-            found.add(f.tier if f.tier in TIERS else "other behaviour")
-        elif f.category == "performance":
-            found.add("performance")
+        if f["category"] == "behaviour":
+            found.add(f.get("tier") if f.get("tier") in TIERS else "other behaviour")
         else:
-            found.add(f.category)
-    if int(exit_code(report.findings)):
+            found.add(f["category"])
+    if report["exit_code"]:
         found.add("gate")
     (folder / "found.json").write_text(json.dumps(sorted(found)))
     return found, took

@@ -147,3 +147,19 @@ def test_load_that_falls_on_one_candidate_run_is_not_a_regression_and_a_slower_b
     assert transient.code == "itl_no_change" and "within the runs' spread" in transient.message, transient.message
     slower = interleaved([1.0, 1.02], [1.3, 1.28])["itl_ms.p50"]
     assert slower.code == "itl_regression", slower.message
+
+
+def test_a_run_the_machine_did_not_give_whole_is_not_timed():
+    """Other processes took 60% of the machine's CPU during a candidate run (a neighbour's engine starting):
+    no timing verdict, said so, rather than a slower build measured."""
+    from replay_proxy.compare.report import build_report
+
+    recording, runs = session(40, name="rec"), [session(41, name="b1"), session(42, name="b2")]
+    slower = session(43, factor=1.5, name="c1")
+    quiet = build_report("replay", recording, slower, RULES, runs, replayed_noise=True,
+                         other_cpu={"c1 (#43)": 0.05, "b1 (#41)": 0.02})
+    assert {f.code for f in quiet.findings if f.severity is Severity.REGRESSION} >= {"itl_regression"}
+    busy = build_report("replay", recording, slower, RULES, runs, replayed_noise=True,
+                        other_cpu={"c1 (#43)": 0.6, "b1 (#41)": 0.02})
+    [said] = [f for f in busy.findings if f.category == "performance"]
+    assert said.code == "timing_not_judged" and "60% of the machine's CPU during c1 (#43)" in said.message

@@ -53,3 +53,13 @@ def test_a_set_sent_as_a_list_in_another_order_is_the_same_result_for_the_method
     assert (changed.code, changed.field) == ("utility_result_changed", "list_loras")
     other = session(("get_supported_tasks", '[null,["embed"]]'))
     assert [f.field for f in _utility_findings(recorded, other, False, unordered)][0] == "get_supported_tasks"
+
+
+def test_a_section_s_keys_are_replaced_one_by_one(tmp_path):
+    """A file written before ``performance.max_other_cpu`` existed still reads, and keeps that key's default."""
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"performance": {"min_relative_change": 0.2, "min_delta_ms": {"ttft_ms": 3}},
+                                "judging": {"top_logprobs": 5}}))
+    rules, defaults = load_rules(path), load_rules()
+    assert rules.performance.max_other_cpu == defaults.performance.max_other_cpu
+    assert (rules.judging.top_logprobs, rules.judging.min_kl) == (5, defaults.judging.min_kl)

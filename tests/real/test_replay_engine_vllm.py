@@ -27,9 +27,13 @@ def replayed(tmp_path_factory):
     baseline build (counterbalanced), the first of which judges the candidate's behaviour; timing pools each
     build's runs. Sessions: 1 the recording, 2 and 5 the 0.32.0 replays, 3 and 4 the 0.31.0 ones."""
     tmp_path, port = tmp_path_factory.mktemp("replay-engine"), peers.free_port()
+    # The suite's other worker shares the machine: every run is timed whatever else ran meanwhile (what is
+    # tested is how timing is stated; the refusal of a disturbed run: tests/compare/test_performance.py).
+    timed = tmp_path / "timed.json"
+    timed.write_text(json.dumps({"performance": {"max_other_cpu": 1.0}}))
     result, report = peers.replay_cli(tmp_path, "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
                                       "--engine-cmd", peers.engine_command(port, "0.31.0"), "--noise-runs", "2",
-                                      "--baseline-cmd", peers.engine_command(port, "0.32.0"))
+                                      "--baseline-cmd", peers.engine_command(port, "0.32.0"), "--rules", str(timed))
     db = sqlite_utils.Database(tmp_path / "replay.db")
     names = {row["id"]: row["name"] for row in db["sessions"].rows}
     return tmp_path, result, report, db, names
