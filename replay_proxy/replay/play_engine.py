@@ -39,6 +39,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.processes import OtherLoad
 from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
 from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
@@ -91,6 +92,7 @@ class EnginePlayer(Player):
                 if waiting.cancelled_caught:
                     raise ReplayError(f"the frontend was not ready {self.ready_timeout:g} s after the recorded "
                                       "registration and READY: see its log for what it rejected")
+                load = OtherLoad().start()  # what else the machine does while the session is timed
                 async with trio.open_nursery() as clients:
                     start = trio.current_time()
                     first = self._user_actions[0].ts_ns if self._user_actions else 0
@@ -104,6 +106,7 @@ class EnginePlayer(Player):
                 with trio.move_on_after(self.finish_timeout):  # e.g. the ABORT that follows a disconnect
                     while self._streams:
                         await self._stream_ended.wait()
+                self.outcome.other_cpu = load.share()
                 nursery.cancel_scope.cancel()
         finally:
             self._close()

@@ -57,6 +57,7 @@ import zmq
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
+from replay_proxy.processes import OtherLoad
 from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
 from replay_proxy.store.session import SCORE_PREFIX, RecordedFrame, Session
 from replay_proxy.wire.encode import encode, token_ids
@@ -165,8 +166,10 @@ class FrontendPlayer(Player):
                                      frame.parts, frame.ts_ns)
                     self._start_reading(nursery)
                 nursery.start_soon(self._refuse_extra_engines)
+                load = OtherLoad().start()  # what else the machine does while the session is timed
                 await self._send_inputs()
                 await self._wait_finished()
+                self.outcome.other_cpu = load.share()
                 scoring_from = trio.current_time()
                 for scoring in range(self.scoring_passes):
                     await self._score(scoring)

@@ -52,7 +52,7 @@ class ReplayOutcome(msgspec.Struct):
     pacing_errors_ms: list[float] = []  # how late each paced send went out
     send_seconds: float = 0.0  # from the first send to the last
     scoring_seconds: float = 0.0  # the teacher-forced scoring passes after the session (against an engine)
-    other_cpu: float = 0.0  # the share of the machine's CPU that other processes took meanwhile (processes.OtherLoad)
+    other_cpu: float = 0.0  # the machine's CPU share other processes took while the session ran (processes.OtherLoad)
     http: dict[str, dict[str, Any]] = {}  # against a frontend: recorded request id -> what its HTTP client saw
 
 

@@ -33,7 +33,7 @@ from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.rejection import FAILED, fold_consequences, read_as, reader_rejections, sent_lengths
 from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
-from replay_proxy.processes import Child, OtherLoad
+from replay_proxy.processes import Child
 from replay_proxy.replay.play_engine import EnginePlayer
 from replay_proxy.replay.play_frontend import EngineLink, EngineNotReset, FrontendPlayer
 from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
@@ -194,10 +194,8 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         return player.outcome
 
     outcome = failure = None
-    load = OtherLoad().start()
     try:
         outcome = trio.run(main)
-        outcome.other_cpu = load.share()
         sent, finished, total, tokens = player.tally()
         outcome.summary = (f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
                            + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))
