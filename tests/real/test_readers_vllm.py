@@ -3,8 +3,9 @@
 Python: real 0.32.0 frames from our recording, changed one way each, decoded by vLLM's own classes
 (tests/real/oracle.py). Rust: each release's recording replayed against that release's real vllm-rs
 binary (0.27.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0; 0.33.0 with 0.32.0's recording) with the proxy as its engine,
-changed the same ways. Each test compares what the real reader did with what the rules say it does,
-so a rule that is wrong fails here.
+changed the same ways, each change sized by that release's own Rust structs (read from its source).
+Each test compares what the real reader did with what the rules, and the Rust structs they turn on,
+say it does, so a rule or a struct read wrong fails here.
 """
 
 import json
@@ -15,7 +16,7 @@ import pytest
 import sqlite_utils
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
-from replay_proxy.compare.readers import verdict
+from replay_proxy.compare.readers import reader_schema, verdict
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
@@ -118,22 +119,27 @@ def each_output(change):
     return apply
 
 
+def rust_length(release, struct):
+    """How many elements vllm-rs ``release``'s Rust struct for ``struct`` has (its own source's layout)."""
+    return len(reader_schema(RUST_FRONTEND, release).structs[struct].fields)
+
+
 def one_beyond(release, struct):
-    """An array of ``struct`` padded with nils to ``release``'s length, then one element more: a trailing
-    element that reader has no field for, whatever the recording's release."""
-    length = len(load_schema(release).structs[struct].fields)
+    """An array of ``struct`` padded with nils to vllm-rs ``release``'s length, then one element more: a
+    trailing element that reader has no field for, whatever the recording's release."""
+    length = rust_length(release, struct)
     return lambda array: [*array, *[None] * (length - len(array)), 7]
 
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path, release):
-    assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutputs") == "rejects"
+    assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutputs", release) == "rejects"
     result, codes, report = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", one_beyond(release, "EngineCoreOutputs")))
     # Named as the schema break it is: the element past the reader's last field (exit 3); the HTTP failures
     # it caused are listed under it, not as findings of their own.
     assert result.returncode == 3 and "http_failed" not in codes, result.stdout + result.stderr
     [rejected] = [f for f in report["findings"] if f["code"] == "reader_rejected"]
-    length = len(load_schema(release).structs["EngineCoreOutputs"].fields)
+    length = rust_length(release, "EngineCoreOutputs")
     assert (rejected["struct"], rejected["position"], rejected["breaks"]) == ("EngineCoreOutputs", length,
                                                                               [RUST_FRONTEND])
     assert f"EngineCoreOutputs: array had incorrect length, expected {length}" in rejected["message"]
@@ -155,14 +161,15 @@ def test_vllm_rs_extra_trailing_elements_of_an_engine_core_output(tmp_path, rele
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_fills_missing_trailing_output_elements(tmp_path, release):
-    assert verdict(RUST_FRONTEND, "missing_trailing_with_default") == "fills"
+    assert verdict(RUST_FRONTEND, "missing_trailing_with_default", "EngineCoreOutput", release) == "fills"
+    assert not any(f.required for f in reader_schema(RUST_FRONTEND, release).structs["EngineCoreOutput"].fields[7:])
     result, codes, _ = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", each_output(lambda o: o[:7])))
     assert not codes & FAILED, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_ignores_an_unknown_registration_key(tmp_path, release):
-    assert verdict(RUST_FRONTEND, "unknown_map_key") == "ignores"
+    assert verdict(RUST_FRONTEND, "unknown_map_key", "EngineCoreReadyResponse", release) == "ignores"
     unknown = edit_frames("REGISTRATION", lambda r: {**r, "sim_unknown_key": 1})
     result, codes, _ = replay_vllm_rs(tmp_path, release, unknown)
     assert not codes & FAILED, result.stdout + result.stderr
@@ -170,7 +177,7 @@ def test_vllm_rs_ignores_an_unknown_registration_key(tmp_path, release):
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_rejects_a_changed_type(tmp_path, release):
-    assert verdict(RUST_FRONTEND, "changed_type") == "rejects"
+    assert verdict(RUST_FRONTEND, "changed_type", "EngineCoreReadyResponse", release) == "rejects"
     as_text = edit_frames("REGISTRATION", lambda r: {**r, "block_size": "16"})
     result, codes, report = replay_vllm_rs(tmp_path, release, as_text)
     assert result.returncode == 3 and codes == {"reader_rejected"}, result.stdout + result.stderr
