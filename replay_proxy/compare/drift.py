@@ -15,7 +15,9 @@ both ways, as each language's reader treats what the other writes:
   rejects a registration without ``block_size`` that Rust encoded;
 * an element at one position named otherwise on each side: misread;
 * a value the reader is narrower for: a Python float as Rust's ``f32`` loses
-  precision.
+  precision; a value of a Python enum that the Rust enum lacks is rejected,
+  and a plain Python string that Rust reads as a closed enum (the
+  registration's ``dtype``) is rejected outside that set.
 
 A rejection is breaking whichever language writes: in production the frontend
 writes requests and utility calls and the engine the registration and
@@ -82,9 +84,41 @@ def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset
             continue
         findings += _struct_drift(name, py.encoding, py.fields, rs, rust.wire_fields(rs), rust_name in lenient,
                                   writers.get(name))
+        findings += _enum_drift(name, py.by_name, rs, rust, python, writers.get(name))
     return [_unaskable(f) if f.struct == "SamplingParams" and f.code == "only_in_python" and f.severity is
             Severity.INFO and f.field not in frontend_handled and not f.field.startswith("_") else f
             for f in findings]
+
+
+def _enum_drift(name: str, py_fields: dict[str, Field], rs: RustStruct, rust: RustSchema, python: Schema,
+                writer: str | None) -> list[Finding]:
+    """Each field that is a closed enum in Rust, against what Python lets it hold: a value of Python's enum
+    that Rust's lacks is rejected by the Rust reader (a finish reason vllm-rs cannot read); a plain Python
+    string that Rust reads as a closed set is a rejection waiting for a value outside it."""
+    findings = []
+    for rf in rust.wire_fields(rs):
+        py = py_fields.get(rf.name)
+        enum = next((rust.enums[rust.wire_form(n)] for n in type_names(rf.type) if rust.wire_form(n) in rust.enums),
+                    None)
+        if py is None or enum is None or enum.untagged:
+            continue
+        python_enum = next((n for n in type_names(py.type.replace(" | ", "|").replace("|", " ")) if n in python.enums),
+                           None)
+        where = f"{name}.{rf.name}"
+        if python_enum is not None:
+            values = {str(v): k for k, v in python.enums[python_enum].items()}
+            unreadable = [f"{values[v]} ({v})" for v in values if v not in enum.variants]
+            if unreadable:
+                findings.append(_finding(name, rf.name, rf.position, "enum_value_only_in_python", (
+                    f"{where}: Python's {python_enum} has {', '.join(unreadable)}, which Rust's {enum.name} "
+                    f"({enum.file}) does not accept: the Rust reader rejects a message that carries it"),
+                    {"python": False, "rust": True}, writer))
+        elif set(py.kinds) <= {"str", "nil"} and not enum.repr:
+            findings.append(Finding(
+                "schema", Severity.WARNING if writer == "engine" else Severity.INFO, "closed_enum_in_rust",
+                f"{where} is any string in Python and one of {', '.join(enum.variants)} in Rust ({enum.file}: "
+                f"{enum.name}): the Rust reader rejects a message with any other", struct=name, field=rf.name))
+    return findings
 
 
 def _unaskable(finding: Finding) -> Finding:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+
 from replay_proxy.compare.drift import drift_findings, pair_structs
 from replay_proxy.compare.findings import RUST_FRONTEND, PYTHON_FRONTEND, Severity
 from replay_proxy.compare.rules import load_rules
@@ -72,3 +74,23 @@ def test_a_field_added_on_one_side_only_in_a_copy_of_a_release_s_source_is_named
 def test_a_reader_that_rejects_only_what_the_other_language_writes_is_named():
     found = drift("0.23.0")[("EngineCoreReadyResponse", "block_size")]
     assert RUST_FRONTEND not in found.breaks  # vllm-rs reads Python's registration: the extra key is ignored
+
+
+def test_a_value_of_a_python_enum_that_the_rust_enum_lacks_is_a_rejection_by_vllm_rs():
+    """0.34.0's FinishReason and Rust's EngineCoreFinishReason agree (0 to 4); a Python enum grown by one value
+    (as a release could) is an output finish reason the Rust frontend cannot read."""
+    python, rust = load_schema("0.34.0"), load_rust_schema("0.34.0")
+    assert ("EngineCoreOutput", "finish_reason") not in drift("0.34.0")
+    grown = msgspec.structs.replace(python, enums={**python.enums, "FinishReason": {
+        **python.enums["FinishReason"], "TIMEOUT": 5}})
+    [found] = [f for f in drift_findings(grown, rust) if f.code == "enum_value_only_in_python"]
+    assert (found.struct, found.field, found.severity, found.breaks) == (
+        "EngineCoreOutput", "finish_reason", Severity.BREAKING, (RUST_FRONTEND,))
+    assert "TIMEOUT (5)" in found.message and "EngineCoreFinishReason" in found.message
+
+
+def test_a_python_string_that_rust_reads_as_a_closed_enum_is_a_warning_where_the_engine_writes_it():
+    found = drift("0.34.0")
+    dtype, backend = found[("EngineCoreReadyResponse", "dtype")], found[("StructuredOutputsParams", "_backend")]
+    assert dtype.severity is Severity.WARNING and "one of float16, bfloat16, float32 in Rust" in dtype.message
+    assert backend.severity is Severity.INFO  # the frontend writes requests: no Rust reader in production
