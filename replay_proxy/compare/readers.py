@@ -123,6 +123,19 @@ def rejecting(readers: tuple[str, ...], rule: Rule, struct: str | None = None,
     return tuple(r for r in readers if verdict(r, rule, struct, release) == "rejects")
 
 
+def requiring(readers: tuple[str, ...], struct: str, field: str, release: str) -> tuple[str, ...]:
+    """Those of ``readers`` whose own layout of ``release`` requires ``field`` of ``struct``: a Python reader
+    as its release's class declares it, vllm-rs as its Rust struct does (one it does not declare, it never
+    reads)."""
+    required = []
+    for reader in readers:
+        layout = reader_schema(reader, release).structs.get(struct)
+        declared = layout.by_name.get(field) if layout is not None else None
+        if declared is not None and declared.required:
+            required.append(reader)
+    return tuple(required)
+
+
 def how_they_read(readers: tuple[str, ...], rule: Rule, struct: str | None = None, release: str | None = None) -> str:
     """One clause per verdict: 'python-frontend ignores them; rust-frontend rejects them (...)'."""
     by_verdict: dict[str, list[str]] = {}

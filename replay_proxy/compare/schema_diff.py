@@ -10,7 +10,7 @@ deployment: the struct's reader of one release with its writer of the other.
 from __future__ import annotations
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
-from replay_proxy.compare.readers import how_they_read, rejecting
+from replay_proxy.compare.readers import how_they_read, rejecting, requiring
 from replay_proxy.wire.schema import Field, Schema, StructSchema
 
 # Roots of what the frontend sends; everything else travels engine -> frontend.
@@ -141,7 +141,8 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
     old_rest, new_rest = old_names[common:], new_names[common:]
     if not old_rest:  # pure append
         for field in b.fields[common:]:
-            breaks = tuple(who) if field.required else rejecting(who, "extra_trailing_elements", name, old)
+            # New readers that require it (of older writers' messages), old readers that reject the extra element
+            breaks = _union(requiring(who, name, field.name, new), rejecting(who, "extra_trailing_elements", name, old))
             severity = Severity.BREAKING if breaks else Severity.INFO
             why = ("required: older writers cannot send it" if field.required else
                    f"{new} writers send it; of {old}'s readers, {how_they_read(who, 'extra_trailing_elements', name, old)}")
@@ -152,11 +153,12 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
         return findings
     if not new_rest:  # pure removal from the end
         for field in a.fields[common:]:
-            findings.append(Finding("schema", Severity.BREAKING if field.required else Severity.WARNING,
+            breaks = requiring(who, name, field.name, old) if field.required else ()
+            findings.append(Finding("schema", Severity.BREAKING if breaks else Severity.WARNING,
                                     "trailing_field_removed",
                                     f"{name}.{field.name} (position {field.position}) removed in {new}",
                                     struct=name, field=field.name, position=field.position,
-                                    baseline=field.type, breaks=tuple(who) if field.required else ()))
+                                    baseline=field.type, breaks=breaks))
         return findings
     # Something in the middle moved: every later position means something else now.
     first = common
@@ -189,12 +191,15 @@ def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ..
          f"{new} readers ignore it when an {old} peer sends it", "baseline"),
     )
     for code, present, absent, if_required, if_optional, side in directions:
+        requiring_release = new if present is b else old
         for key in [f for f in present.fields if f.name not in absent.by_name]:
+            breaks = tuple(r for r in requiring(who, name, key.name, requiring_release)
+                           if r in rejecting(who, "missing_required_key")) if key.required else ()
             findings.append(Finding(
-                "schema", Severity.BREAKING if key.required else Severity.INFO, code,
-                f"{name}.{key.name} {code.removeprefix('key_')} ({if_required if key.required else if_optional})",
-                struct=name, field=key.name, breaks=rejecting(who, "missing_required_key") if key.required else (),
-                **{side: key.type}))
+                "schema", Severity.BREAKING if breaks else Severity.INFO, code,
+                f"{name}.{key.name} {code.removeprefix('key_')} ({if_required if key.required else if_optional})"
+                + _only(who, breaks),
+                struct=name, field=key.name, breaks=breaks, **{side: key.type}))
     for field_a in a.fields:
         field_b = b.by_name.get(field_a.name)
         if field_b is not None:  # map fields have no position on the wire
@@ -202,14 +207,27 @@ def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ..
     return findings
 
 
+def _union(*groups: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r for group in groups for r in group))
+
+
+def _only(who: tuple[str, ...], breaks: tuple[str, ...]) -> str:
+    """Where a reader's own layout does not require what its release's Python class does (vllm-rs declaring
+    an Option), the finding says who is spared."""
+    spared = [r for r in who if r not in breaks]
+    return f"; {' and '.join(spared)} {'does' if len(spared) == 1 else 'do'} not require it" if spared and breaks \
+        else ""
+
+
 def _type_change(name: str, a: Field, b: Field, who: tuple[str, ...], old: str, new: str,
                  position: int | None) -> list[Finding]:
     findings = []
     if a.required != b.required:
         if b.required:
-            findings.append(Finding("schema", Severity.BREAKING, "became_required",
-                                    f"{name}.{a.name} became required in {new}", struct=name, field=a.name,
-                                    position=position, breaks=who))
+            breaks = requiring(who, name, b.name, new)
+            findings.append(Finding("schema", Severity.BREAKING if breaks else Severity.INFO, "became_required",
+                                    f"{name}.{a.name} became required in {new}" + _only(who, breaks), struct=name,
+                                    field=a.name, position=position, breaks=breaks))
         else:
             findings.append(Finding("schema", Severity.INFO, "became_optional",
                                     f"{name}.{a.name} became optional in {new}", struct=name, field=a.name,

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from replay_proxy.compare.findings import PYTHON_ENGINE, RUST_FRONTEND, Severity
+from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Severity
 from replay_proxy.compare.schema_diff import diff_schemas, readers
 from replay_proxy.wire.schema import load_schema
 
@@ -60,3 +60,14 @@ def test_cli_exit_code_and_reports(tmp_path):
     same = subprocess.run([sys.executable, "-m", "replay_proxy", "schema", "diff", "0.32.0", "0.32.0"],
                           capture_output=True, text=True, timeout=60)
     assert same.returncode == 0
+
+
+def test_a_key_that_python_requires_breaks_vllm_rs_only_where_its_own_rust_struct_requires_it():
+    """0.23.0 made block_size a required registration key; vllm-rs 0.23.0's Rust struct had no block_size yet
+    (vLLM PR 45557), so a 0.22.1 engine's registration breaks the Python frontend only."""
+    [added] = [f for f in diff_schemas(load_schema("0.22.1"), load_schema("0.23.0"))
+               if (f.code, f.field) == ("key_added", "block_size")]
+    assert added.breaks == (PYTHON_FRONTEND,) and "rust-frontend does not require it" in added.message
+    [required] = [f for f in diff_schemas(load_schema("0.22.1"), load_schema("0.23.0"))
+                  if (f.code, f.field) == ("became_required", "dtype")]
+    assert required.breaks == (PYTHON_FRONTEND, RUST_FRONTEND)  # a ModelDtype, no Option, in handshake.rs
