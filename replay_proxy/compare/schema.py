@@ -3,7 +3,9 @@
 What a struct looked like is observed from the raw frames, not from the
 schema the recorder named them with: an inserted or removed positional field
 shows as a shift of the kinds seen at each position, a longer array as new
-trailing positions (which readers reject or skip: ``readers.json`` says).
+trailing positions (which readers reject or skip: ``readers.json`` says). A
+missing key or element breaks the readers whose own layout of the baseline's
+release requires it: vllm-rs as its Rust struct declares it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
-from replay_proxy.compare.readers import how_they_read, rejecting
+from replay_proxy.compare.readers import how_they_read, rejecting, requiring
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.schema_diff import readers
 from replay_proxy.store.session import Session
@@ -72,14 +74,16 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
     spec = baseline.schema.structs["EngineCoreReadyResponse"]
     keys_a, keys_b = (set().union(*s.registrations) for s in (baseline, candidate))
     if keys_a:
+        release = baseline.schema.release
         for key in sorted(keys_a - keys_b):
-            required = key in spec.by_name and spec.by_name[key].required
+            # Each frontend of the baseline's release as its own layout declares the key (vllm-rs: its Rust struct)
+            breaks = tuple(r for r in requiring((PYTHON_FRONTEND, RUST_FRONTEND), "EngineCoreReadyResponse", key,
+                                                release) if r in rejecting((r,), "missing_required_key"))
             findings.append(Finding(
-                "schema", Severity.BREAKING if required else Severity.WARNING, "registration_key_missing",
-                f"the registration lacks {key!r}" + (f", which a {baseline.schema.release} frontend requires "
-                                                     f"(\"Object missing required field `{key}`\")" if required else ""),
-                message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key,
-                breaks=rejecting((PYTHON_FRONTEND, RUST_FRONTEND), "missing_required_key") if required else ()))
+                "schema", Severity.BREAKING if breaks else Severity.WARNING, "registration_key_missing",
+                f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} requires "
+                                                     f"(\"missing required field `{key}`\")" if breaks else ""),
+                message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key, breaks=breaks))
         for key in sorted(keys_b - keys_a):
             findings.append(Finding("schema", Severity.INFO, "registration_key_added",
                                     f"the registration has a new key {key!r} (frontends ignore unknown keys)",
@@ -157,12 +161,15 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
             f"{how_they_read(who, 'extra_trailing_elements', struct, schema_a.release)}",
             struct=struct, position=length_a, baseline=length_a, candidate=length_b, breaks=breaks))
     elif at == end and shift < 0:
-        required = [f.name for f in schema_a.structs[struct].fields[length_b:length_a] if f.required]
+        missing = [f.name for f in schema_a.structs[struct].fields[length_b:length_a]]
+        # Each reader as its own layout declares them (vllm-rs: its Rust struct)
+        breaks = tuple(r for r in who if any(requiring((r,), struct, name, schema_a.release) for name in missing))
+        required = [n for n in missing if schema_a.structs[struct].by_name[n].required]
         findings.append(Finding(
-            "schema", Severity.BREAKING if required else Severity.INFO, "array_shorter",
+            "schema", Severity.BREAKING if breaks else Severity.INFO, "array_shorter",
             f"{struct} arrays shrank from {length_a} to {length_b} elements (missing: "
             f"{', '.join(name_a(p) for p in range(length_b, length_a))})"
-            + (f"; {', '.join(required)} required" if required else "; readers fill in defaults"),
-            struct=struct, position=length_b, baseline=length_a, candidate=length_b,
-            breaks=who if required else ()))
+            + (f"; {', '.join(required)} required by {' and '.join(breaks)}" if breaks else
+               "; readers fill in defaults"),
+            struct=struct, position=length_b, baseline=length_a, candidate=length_b, breaks=breaks))
     return findings

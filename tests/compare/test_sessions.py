@@ -105,3 +105,13 @@ async def test_an_inserted_request_field_is_found_and_its_requests_never_run(db_
     assert schema == [("field_inserted", "EngineCoreRequest", "prompt_is_token_ids", 10)]
     # The engine's decoder rejects every ADD (client_index is now None): no request produces tokens.
     assert sum(f.code == "token_mismatch" and f.candidate == [] for f in significant) == 6
+
+
+@pytest.mark.parametrize("key, breaks", [("block_size", ("python-frontend", "rust-frontend")),
+                                         ("dp_stats_address", ("python-frontend",))])
+async def test_a_missing_registration_key_breaks_the_frontends_whose_own_layout_requires_it(db_path, key, breaks):
+    """Both of 0.32.0's frontends require block_size; vllm-rs 0.32.0 declares dp_stats_address an Option."""
+    with trio.fail_after(30):
+        significant, _ = await diff(db_path, engine_drift=EngineDrift(drop_registration_key=key))
+    [missing] = [f for f in significant if f.code == "registration_key_missing"]
+    assert (missing.field, missing.severity, missing.breaks) == (key, Severity.BREAKING, breaks)
