@@ -46,7 +46,8 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     A redacted recording's tokens are pseudonyms an engine never produces: against an engine, behaviour
     is judged against the baseline build's replay of it (the first noise run), or not at all.
     """
-    set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked_logprobs else frozenset())
+    asked = asked_logprobs or baseline.sent_by_replay or candidate.sent_by_replay  # (diff of a replay's session)
+    set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked else frozenset())
     keys = [k for k in rules.match_sampling_keys if k not in set_by_replay]
     matching = match_requests(baseline, candidate, keys)
     shapes = observed_shapes(baseline), observed_shapes(candidate)

@@ -100,7 +100,9 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     title = f"replay against {peer.side}"
     logs = options.report_dir or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
+    # Asking a speculating engine for logprobs changes what it generates: vLLM 0.32.0 with n-gram drafts gave a
+    # greedy request a token 1.3 nats below the most likely once asked (tests/real/test_fan_out_vllm.py)
+    judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0 and not recording.speculates
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     noise, runs, first = [], [], None
 
@@ -149,6 +151,11 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
             + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
                f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
             field="judging_cost"))
+    elif peer.side is Side.ENGINE and recording.speculates:
+        report.findings.append(Finding("behaviour", Severity.INFO, "judging_not_asked", (
+            "no logprobs asked: the recorded engine drafts tokens (speculative decoding), and asking a speculating "
+            "engine for logprobs changes what it generates; each request is sent as recorded, its tokens judged "
+            "exactly where it reproduces"), field="judging_cost"))
     report.findings = fold_consequences([*report.findings, *outcome.findings, *rejections], options.rules)
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome
@@ -165,8 +172,11 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
     reuse = kept is not None and kept.ready_for(recording, options.ready_timeout_s)
     # Its writer yields the CPU to the peer under test and the player (store/recorder.py: SCHED_IDLE).
-    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", listen=peer.address,
-                                                       baseline_session_id=recording.id))
+    # As in a recording: listen, where the engines dial the proxy (playing the frontend); upstream, where the
+    # proxy dials the frontend's handshake (playing the engines)
+    address = {"listen": peer.address} if peer.side is Side.ENGINE else {"upstream": peer.address}
+    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", baseline_session_id=recording.id,
+                                                       **address))
     observer = LastSent(recorder, peer.side.reads)
     player: Player  # plays the other side: the recorded frontend to an engine, the recorded engines to a frontend
     if peer.side is Side.ENGINE:

@@ -101,6 +101,9 @@ class Session(msgspec.Struct):
     utility: list[dict[str, Any]]  # calls beside their results, in call order
     redacted: bool = False  # its tokens are pseudonyms (``replay-proxy redact``, ``record --redact-key``)
     cut_from: dict[str, Any] | None = None  # what it was cut from (``replay-proxy cut``): source digest, session
+    # Its requests were sent by a replay against an engine (the proxy as the frontend): as recorded, but for
+    # what the replay asks of every request (the judging's logprobs; --hold-lengths)
+    sent_by_replay: bool = False
     # Teacher-forced scoring (a replay's): by pass, by recorded request id, the logprobs of each token the
     # request produced when recorded, given its prompt and the tokens before it.
     scores: dict[int, dict[str, list[TokenLogprobs]]] = {}
@@ -117,6 +120,12 @@ class Session(msgspec.Struct):
     @property
     def parallel_config(self) -> dict[str, Any]:
         return (self.init or {}).get("parallel_config") or {}
+
+    @property
+    def speculates(self) -> bool:
+        """Its engine drafted tokens (speculative decoding): its outputs' scheduler stats count drafts."""
+        return any(isinstance(f.decoded, dict) and (f.decoded.get("scheduler_stats") or {}).get("spec_decoding_stats")
+                   for f in self.outputs)
 
     @property
     def finish_reasons(self) -> set[str]:
@@ -190,7 +199,8 @@ def load_session(db_path: Path, session: str) -> Session:
         scores=_scores(requests, outputs),
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
                               "WHERE session_id = ? ORDER BY called_ns", [sid])),
-        redacted=row.get("redaction_key") is not None, cut_from=json.loads(row["cut_from"] or "null"))
+        redacted=row.get("redaction_key") is not None, cut_from=json.loads(row["cut_from"] or "null"),
+        sent_by_replay=row["mode"] == "replay" and not row["upstream"])
 
 
 def _outputs(db, sid: int) -> dict[str, list[dict]]:

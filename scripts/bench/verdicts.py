@@ -45,6 +45,7 @@ from replay_proxy_inject import KINDS  # noqa: E402
 RECORDING = ROOT / "recordings" / "vllm-0.32.0-bench-serve.db"
 SESSION = "bench-serve"
 TIERS = ("exact", "first_divergence", "scored", "invariants", "sampled", "other behaviour", "performance", "gate")
+UNTIMED = "untimed"  # a replay whose timing was not judged: a run the machine did not give whole
 
 
 def frequent_token(db: Path) -> int:
@@ -87,6 +88,8 @@ def replay(kind: str, slot: int, noise_runs: int, folder: Path, judging: bool = 
             found.add(f["category"])
     if report["exit_code"]:
         found.add("gate")
+    if any(f["code"] == "timing_not_judged" and "other processes" in f["message"] for f in report["findings"]):
+        found.add(UNTIMED)
     (folder / "found.json").write_text(json.dumps(sorted(found)))
     return found, took
 
@@ -124,9 +127,10 @@ def main() -> None:
     print(f"\nshare of {args.runs} replay(s) per kind in which each tier reported a regression "
           f"(--noise-runs {args.noise_runs}{', two at a time' if args.beside else ''}):")
     width = max(map(len, TIERS)) + 1
-    print("kind".ljust(22) + "".join(t.rjust(width) for t in TIERS))
+    print("kind".ljust(22) + "".join(t.rjust(width) for t in (*TIERS, UNTIMED)))
     for kind, found in counts.items():
-        print(kind.ljust(22) + "".join(f"{found[t]}/{args.runs}".rjust(width) for t in TIERS))
+        print(kind.ljust(22) + "".join(f"{found[t]}/{args.runs}".rjust(width) for t in (*TIERS, UNTIMED)))
+    print(f"({UNTIMED}: timing not judged, another process having taken more than max_other_cpu of a run)")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from replay_proxy.compare.scoring import position_kl
 from replay_proxy.compare.tokens import invariant_violations
 from replay_proxy.errors import ExitCode
 from replay_proxy.report.render import grouped
-from replay_proxy.store.session import Request, Session, TokenLogprobs
+from replay_proxy.store.session import Request, Session, TokenLogprobs, load_session
 from replay_proxy.wire.schema import load_schema
+
+RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 
 RULES = load_rules()
 SCHEMA = load_schema("0.32.0")
@@ -180,3 +182,9 @@ def test_findings_with_one_cause_are_shown_once_with_their_requests():
     codes = {f.code: names for f, names in groups}
     assert sorted(codes["token_mismatch"]) == sorted(f"r{k}" for k in range(12))
     assert len(groups) == len(codes)  # each kind of finding once
+
+
+def test_a_session_whose_engine_drafted_tokens_speculates():
+    """The committed fan-out recording's engine ran n-gram speculative decoding; the staging one's did not."""
+    assert load_session(RECORDINGS / "vllm-0.32.0-python-fan-out.db", "1").speculates
+    assert not load_session(RECORDINGS / "vllm-0.32.0-python.db", "1").speculates

@@ -10,6 +10,8 @@ import sqlite_utils
 import trio
 
 from replay_proxy.compare.findings import Severity, exit_code
+from replay_proxy.compare.report import diff_sessions
+from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
 from replay_proxy.processes import free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
@@ -94,6 +96,10 @@ def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_pat
     assert replayed_at == recorded_at >= 3
     [landed] = [f for f in report.findings if f.code == "abort_landed"]
     assert (landed.request_id, landed.baseline, landed.candidate) == ("long", recorded_at, recorded_at)
+    # `diff` of the recording and the replay pairs every request, though the replay asked each for logprobs.
+    same = diff_sessions(db, "1", db, "2", load_rules())
+    assert [f for f in same.findings if f.severity >= Severity.WARNING and f.category != "performance"] == []
+    assert len(same.verdicts) == 9
 
 
 def test_an_abort_lands_at_its_recorded_progress_on_an_engine_faster_than_the_recorded_one(tmp_path, recorded):
