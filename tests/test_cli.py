@@ -111,6 +111,24 @@ def test_missing_database_is_one_line_exit_1(tmp_path):
     assert "no recording at" in result.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ["sessions"], ["query", "SELECT 1"], ["cut", "--session", "1", "--out", "cut.db"],
+    ["redact", "--out", "redacted.db", "--key-file", "key", "--vocab-size", "100"],
+    ["export", "--parquet", "out"], ["diff", "--baseline", "1", "--candidate", "2"],
+    ["replay", "--session", "1", "--against", "engine", "--listen", "tcp://127.0.0.1:1", "--engine-cmd", "true"],
+])
+@pytest.mark.parametrize("not_a_recording", ["text", "folder"])
+def test_a_db_that_is_no_recording_is_one_line_naming_it(tmp_path, command, not_a_recording):
+    db = tmp_path / "x.db"
+    db.mkdir() if not_a_recording == "folder" else db.write_text("not a database\n")
+    (tmp_path / "key").write_bytes(bytes(32))
+    result = subprocess.run([*CLI, *command[:1], "--db", str(db), *command[1:]], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert str(db) in line and ("is a folder" if not_a_recording == "folder" else "not a SQLite file") in line
+
+
 def test_query_sql_json_csv_and_presets_over_the_demo_recording():
     db = str(ROOT / "recordings" / "demo.db")
     as_json = cli("query", "--db", db, "--json", "SELECT COUNT(*) AS n FROM requests")

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.queries import require_recording
 from replay_proxy.redact.settings import Redaction
 from replay_proxy.store.tables import TABLES, open_database
 from replay_proxy.store.writer import DECODE_FRAMES, Writer
@@ -40,6 +41,7 @@ def redact_database(source: Path, out: Path, redaction: Redaction, sessions: lis
     (name, id in ``out``, frames) of each."""
     if out.exists() and out.stat().st_size:
         raise CopyError(f"{out} exists: redact writes a new file (never over one, so nothing unredacted stays)")
+    require_recording(source)
     with contextlib.closing(sqlite3.connect(source)) as db:
         db.row_factory = sqlite3.Row
         rows = [dict(r) for r in db.execute("SELECT * FROM sessions ORDER BY id")]

@@ -26,6 +26,7 @@ import msgspec
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.copy import CopyError, recorded_frames, session_row, write_session
+from replay_proxy.store.queries import require_recording
 from replay_proxy.store.subset import Cutter, Edit
 
 
@@ -157,6 +158,7 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
     """The cut of ``session`` (a name or an id) into the new file ``out``: (its id there, requests, frames)."""
     if out.exists() and out.stat().st_size:
         raise CopyError(f"{out} exists: cut writes a new file")
+    require_recording(source)
     digest = source_digest(source)
     with contextlib.closing(sqlite3.connect(source)) as db:
         db.row_factory = sqlite3.Row

@@ -66,12 +66,26 @@ SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vl
 def open_existing(path: str | Path) -> sqlite_utils.Database:
     """An existing recording, brought up to this version's tables and views (adds what is missing)."""
     path = Path(path)
-    if not path.exists():
-        raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
+    require_recording(path)
     db = sqlite_utils.Database(path)
     if db["sessions"].exists():
         ensure_schema(db)
     return db
+
+
+def require_recording(path: Path) -> None:
+    """That ``path`` is a SQLite file, else the one-line reason it is no recording."""
+    if not path.exists():
+        raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
+    if path.is_dir():
+        raise QueryError(f"{path} is a folder, not a recording (a SQLite file that `replay-proxy record` wrote)")
+    try:
+        with path.open("rb") as file:
+            header = file.read(16)
+    except OSError as exc:
+        raise QueryError(f"{path} cannot be read: {exc.strerror}") from None
+    if header and header != b"SQLite format 3\x00":
+        raise QueryError(f"{path} is not a recording: not a SQLite file")
 
 
 def list_sessions(path: str | Path) -> list[dict[str, Any]]:
