@@ -1,6 +1,8 @@
 """The command line, acted on as a user does; checked through the database."""
 
 import re
+import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +165,29 @@ def test_every_command_has_help_and_is_in_the_readme():
     for command in commands:
         assert cli(command, "--help").returncode == 0
         assert f"replay-proxy {command}" in readme, command
+
+
+@pytest.mark.parametrize("command, code", [
+    (["schema", "diff", "0.31.0", "0.32.0"], 3),
+    (["schema", "drift", "--release", "0.23.0"], 3),
+    (["diff", "--db", str(ROOT / "recordings" / "vllm-0.32.0-vllm-rs.db"), "--candidate", "vllm-rs-frontend",
+      "--baseline-db", str(ROOT / "recordings" / "vllm-0.32.0-python.db"), "--baseline", "python-frontend"], None),
+])
+def test_json_is_the_reports_document_alone_on_stdout(command, code):
+    result = cli(*command, "--json")
+    document = json.loads(result.stdout)  # nothing else on stdout
+    assert result.returncode == document["exit_code"] == (code if code is not None else result.returncode)
+    assert {"title", "findings", "exit_code"} <= document.keys() and document["findings"]
+
+
+def test_a_replay_with_json_prints_its_report_alone_and_leaves_progress_on_stderr(tmp_path):
+    db = tmp_path / "demo.db"
+    db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    engines = " & ".join(shlex.join([*CLI, "sim", "engine", "--handshake", listen, "--index", str(i)]) for i in (0, 1))
+    result = cli("replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen", listen,
+                 "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast", "--json",
+                 timeout=120)
+    document = json.loads(result.stdout)
+    assert document["exit_code"] == result.returncode and document["title"] == "replay against engine"
+    assert "replaying 'demo' against the engine" in result.stderr

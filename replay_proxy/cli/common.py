@@ -35,11 +35,21 @@ def fail(message: str, code: ExitCode = ExitCode.ERROR) -> typer.Exit:
     return typer.Exit(int(code))
 
 
-def finish_report(report: Report, report_dir: Path | None, show_info: bool = False) -> NoReturn:
-    """The ending of every command that produces a report: summary, report files, exit code."""
+JSON_HELP = "Print the report's document (what report.json holds) on stdout instead of the summary."
+
+
+def finish_report(report: Report, report_dir: Path | None, show_info: bool = False, as_json: bool = False
+                  ) -> NoReturn:
+    """The ending of every command that produces a report: summary (or, ``as_json``, the report's document),
+    report files, exit code."""
+    from replay_proxy.compare.findings import report_json
     from replay_proxy.report.render import print_summary, write_reports
 
-    print_summary(report, out, show_info)
+    if as_json:
+        sys.stdout.buffer.write(report_json(report) + b"\n")
+        sys.stdout.flush()
+    else:
+        print_summary(report, out, show_info)
     if report_dir is not None:
         for path in write_reports(report, report_dir):
             err.print(f"wrote {path}")

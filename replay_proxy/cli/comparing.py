@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from replay_proxy.cli.common import app, check_address, err, fail, finish_report, out, rules_option, schema_app
+from replay_proxy.cli.common import (JSON_HELP, app, check_address, err, fail, finish_report, out, rules_option,
+                                     schema_app)
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.wire.messages import Side
 
@@ -30,6 +31,7 @@ def diff(
         = None,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     show_info: Annotated[bool, typer.Option("--all", help="Also list informational findings.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Compare two recorded sessions: schema, behaviour and performance findings.
 
@@ -45,7 +47,7 @@ def diff(
         report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
-    finish_report(report, report_dir, show_info)
+    finish_report(report, report_dir, show_info, as_json)
 
 
 @app.command()
@@ -81,6 +83,7 @@ def replay(
         "--against engine: each request asks for exactly its recorded number of output tokens, so the "
         "replay's load has the recorded shape even when its tokens differ (a redacted recording)."))] = False,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Replay a recorded session against a new engine or frontend build and report what changed.
 
@@ -116,7 +119,7 @@ def replay(
         raise fail(str(exc)) from None
     if outcome is not None:
         err.print(outcome.summary)
-    finish_report(report, report_dir)
+    finish_report(report, report_dir, as_json=as_json)
 
 
 @app.command()
@@ -236,6 +239,7 @@ def schema_drift(
              "--vllm-src CHECKOUT` writes) instead of a release's.")] = None,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     show_info: Annotated[bool, typer.Option("--all", help="Also list differences that break no reader.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Drift between the two languages inside one release: Python's classes against vllm-rs's structs.
 
@@ -270,7 +274,7 @@ def schema_drift(
         raise fail(f"--schema {schema}: {exc}", ExitCode.USAGE) from None
     except releases.ReleaseError as exc:
         raise fail(str(exc)) from None
-    finish_report(drift_report(python, rust, rules_option(None)), report_dir, show_info)
+    finish_report(drift_report(python, rust, rules_option(None)), report_dir, show_info, as_json)
 
 
 @schema_app.command("diff")
@@ -279,6 +283,7 @@ def schema_diff(
     new: Annotated[str, typer.Argument(help="The newer release, e.g. 0.32.0.")],
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     show_info: Annotated[bool, typer.Option("--all", help="Also list compatible changes.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """What breaks between two shipped release schemas, and for which decoder.
 
@@ -292,7 +297,7 @@ def schema_diff(
     for release in (old, new):
         if release not in shipped_releases():
             raise fail(f"no shipped schema for {release!r}; shipped: {', '.join(shipped_releases())}", ExitCode.USAGE)
-    finish_report(schema_report(load_schema(old), load_schema(new)), report_dir, show_info)
+    finish_report(schema_report(load_schema(old), load_schema(new)), report_dir, show_info, as_json)
 
 
 @schema_app.command("history")
