@@ -107,28 +107,63 @@ def test_bad_arguments_get_one_line_and_exit_2(args, message, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_missing_database_is_one_line_exit_1(tmp_path):
-    result = cli("sessions", "--db", str(tmp_path / "none.db"))
-    assert (result.returncode, result.stderr.count("\n")) == (1, 1)
-    assert "no recording at" in result.stderr
+# Every command that reads a recording, with what it needs besides; DB stands for the --db under test.
+READS_A_RECORDING = {
+    "sessions": [], "query": ["SELECT 1"], "cut": ["--session", "demo", "--out", "cut.db"],
+    "redact": ["--out", "redacted.db", "--key-file", "key", "--vocab-size", "100"],
+    "export": ["--parquet", "out"], "diff": ["--baseline", "demo", "--candidate", "demo"],
+    "replay": ["--session", "demo", "--against", "engine", "--listen", "tcp://127.0.0.1:1", "--engine-cmd", "true"],
+    "shrink": ["--session", "demo", "--out", "shrunk", "--against", "engine", "--engine-cmd", "true {port}"],
+}
+# Each class of bad input: how to make it, and what the one line says. All are input errors: exit 1.
+BAD_INPUTS = {
+    "missing file": (lambda db: None, "no recording at"),
+    "folder": (lambda db: db.mkdir(), "is a folder"),
+    "not SQLite": (lambda db: db.write_bytes(b"id,name\n1,demo\n"), "not a SQLite file"),
+}
 
 
-@pytest.mark.parametrize("command", [
-    ["sessions"], ["query", "SELECT 1"], ["cut", "--session", "1", "--out", "cut.db"],
-    ["redact", "--out", "redacted.db", "--key-file", "key", "--vocab-size", "100"],
-    ["export", "--parquet", "out"], ["diff", "--baseline", "1", "--candidate", "2"],
-    ["replay", "--session", "1", "--against", "engine", "--listen", "tcp://127.0.0.1:1", "--engine-cmd", "true"],
-])
-@pytest.mark.parametrize("not_a_recording", ["text", "folder"])
-def test_a_db_that_is_no_recording_is_one_line_naming_it(tmp_path, command, not_a_recording):
+@pytest.mark.parametrize("command", sorted(READS_A_RECORDING))
+@pytest.mark.parametrize("bad", sorted(BAD_INPUTS))
+def test_a_db_that_is_no_recording_is_one_line_naming_it_and_exit_1(tmp_path, command, bad):
     db = tmp_path / "x.db"
-    db.mkdir() if not_a_recording == "folder" else db.write_text("not a database\n")
+    make, says = BAD_INPUTS[bad]
+    make(db)
     (tmp_path / "key").write_bytes(bytes(32))
-    result = subprocess.run([*CLI, *command[:1], "--db", str(db), *command[1:]], capture_output=True, text=True,
-                            timeout=60, cwd=tmp_path)
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    result = subprocess.run([*CLI, command, "--db", str(db), *READS_A_RECORDING[command]], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert str(db) in line and ("is a folder" if not_a_recording == "folder" else "not a SQLite file") in line
+    assert str(db) in line and says in line
+
+
+@pytest.mark.parametrize("command", ["cut", "diff", "replay", "export"])
+def test_an_unknown_session_is_one_line_and_exit_1(tmp_path, command):
+    db = tmp_path / "demo.db"
+    db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
+    args = [a.replace("demo", "nope") if a == "demo" else a for a in READS_A_RECORDING[command]]
+    args += ["--session", "nope"] if command == "export" else []
+    result = subprocess.run([*CLI, command, "--db", str(db), *args], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] and "nope" in result.stderr
+
+
+@pytest.mark.parametrize("option, content, says", [
+    ("--rules", None, "rules"), ("--rules", b"{not json", "rules"), ("--key-file", None, "key")])
+def test_a_rules_or_key_file_that_cannot_be_used_is_an_input_error_too(tmp_path, option, content, says):
+    db = tmp_path / "demo.db"
+    db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
+    given = tmp_path / "given"
+    if content is not None:
+        given.write_bytes(content)
+    command = (["diff", "--db", str(db), "--baseline", "demo", "--candidate", "demo", "--rules", str(given)]
+               if option == "--rules" else
+               ["redact", "--db", str(db), "--out", str(tmp_path / "r.db"), "--key-file", str(given),
+                "--vocab-size", "100"])
+    result = subprocess.run([*CLI, *command], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert (result.returncode, result.stderr.count("\n")) == (1, 1), result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
 
 
 def test_query_sql_json_csv_and_presets_over_the_demo_recording():

@@ -76,8 +76,8 @@ def check_host_port(value: str | None) -> str | None:
 
 
 def rules_option(path: Path | None) -> Rules:
-    """``--rules FILE`` over the defaults; a file that cannot be used is a usage error."""
+    """``--rules FILE`` over the defaults; a file that cannot be used is an input error (exit 1), as a --db is."""
     try:
         return load_rules(path)
     except RulesError as exc:
-        raise fail(str(exc), ExitCode.USAGE) from None
+        raise fail(str(exc)) from None

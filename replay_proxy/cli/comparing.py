@@ -152,25 +152,28 @@ def shrink(
     """
     from replay_proxy.replay.player import pace_factor
     from replay_proxy.replay.shrink import Peer, shrink as shrink_session
+    from replay_proxy.store.queries import require_recording
 
     command = engine_cmd if against is Side.ENGINE else frontend_cmd
     holes = ("{port}",) if against is Side.ENGINE else ("{http}", "{rpc}")
     if command is None or not all(hole in command for hole in holes):
         option = "--engine-cmd" if against is Side.ENGINE else "--frontend-cmd"
         raise fail(f"--against {against} needs {option} with {' and '.join(holes)} in it", ExitCode.USAGE)
-    if not db.exists():
-        raise fail(f"{db} does not exist", ExitCode.USAGE)
     try:
         pace_factor(pace)
     except ReplayProxyError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
+    try:
+        require_recording(db)
+    except ReplayProxyError as exc:
+        raise fail(str(exc)) from None
     peer = Peer(against=against, command=command, pace=pace, ready_timeout_s=ready_timeout,
                 finish_timeout_s=finish_timeout)
     try:
         summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,
                                  progress=lambda line: err.print(f"shrink: {line}", highlight=False))
     except ReplayProxyError as exc:
-        raise fail(str(exc), ExitCode.USAGE) from None
+        raise fail(str(exc)) from None
     before, after = summary["requests"]["before"], summary["requests"]["after"]
     err.print(f"{summary['finding']['code']}: {before:,} -> {after:,} requests in {summary['replays']} replays"
               f"{'' if summary['minimal'] else ' (--max-replays ran out: not minimal)'}: {out / 'shrunk.db'}")
@@ -271,7 +274,7 @@ def schema_drift(
         rust = (read_protocol(rust_src, f"source {rust_src}") if rust_src is not None
                 else load_rust_schema(release) or read_protocol(releases.rust_protocol(release), release))
     except (OSError, msgspec.DecodeError) as exc:
-        raise fail(f"--schema {schema}: {exc}", ExitCode.USAGE) from None
+        raise fail(f"--schema {schema}: {exc}") from None
     except releases.ReleaseError as exc:
         raise fail(str(exc)) from None
     finish_report(drift_report(python, rust, rules_option(None)), report_dir, show_info, as_json)

@@ -144,7 +144,7 @@ def duration_s(text: str, option: str) -> float:
 
 
 def redaction_settings(key: Path, policy: Path | None, vocab_size: int | None, option: str) -> RedactionSettings:
-    """The redaction options, checked: a key or policy that cannot be used is a usage error."""
+    """The redaction options, checked: a key or policy file that cannot be used is an input error (exit 1)."""
     from replay_proxy.redact.settings import Redaction, RedactionSettings
 
     if vocab_size is None:
@@ -154,7 +154,7 @@ def redaction_settings(key: Path, policy: Path | None, vocab_size: int | None, o
     try:
         Redaction(settings)
     except ReplayProxyError as exc:
-        raise fail(str(exc), ExitCode.USAGE) from None
+        raise fail(str(exc)) from None
     return settings
 
 
@@ -180,8 +180,6 @@ def redact(
     from replay_proxy.redact.settings import Redaction
     from replay_proxy.store.copy import redact_database
 
-    if not db.exists():
-        raise fail(f"{db} does not exist", ExitCode.USAGE)
     if out.resolve() == db.resolve():
         raise fail("--out is --db: redact writes a new file, never in place", ExitCode.USAGE)
     redaction = Redaction(redaction_settings(key_file, policy, vocab_size, "redact"))
@@ -222,8 +220,6 @@ def cut(
     """
     from replay_proxy.store.cut import Selection, cut_database
 
-    if not db.exists():
-        raise fail(f"{db} does not exist", ExitCode.USAGE)
     if out.resolve() == db.resolve():
         raise fail("--out is --db: cut writes a new file", ExitCode.USAGE)
     selection = Selection(requests=requests or None, where=where, from_s=from_s, to_s=to_s, sample=sample,
@@ -231,7 +227,7 @@ def cut(
     try:
         session_id, kept, frames = cut_database(db, out, session, selection, name)
     except ReplayProxyError as exc:
-        raise fail(str(exc), ExitCode.USAGE) from None
+        raise fail(str(exc)) from None
     err.print(f"session {session!r}: {kept:,} requests, {frames:,} frames -> {out} (id {session_id})")
 
 
