@@ -91,6 +91,10 @@ async def test_a_drifted_engine_raises_a_drift_alarm_while_recording_and_fail_on
     (["record", "--listen", "localhost:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"], "not a ZMQ address"),
     (["record", "--listen", "tcp://127.0.0.1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"], "has no port"),
     (["record", "--listen", "tcp://127.0.0.1:1"], "Missing option '--upstream'"),
+    (["record", "--listen", "tcp://127.0.0.1:99999", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"],
+     "port 99999 is not 0-65535"),  # (libzmq would listen on 99999 - 65536)
+    (["record", "--listen", "tcp://no-such-host.invalid:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"],
+     "neither a host this machine resolves nor one of its network interfaces"),
     (["record", "--listen", "tcp://127.0.0.1:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db", "--metrics", "9464"],
      "is not HOST:PORT"),
     (["record", "--listen", "tcp://127.0.0.1:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db",

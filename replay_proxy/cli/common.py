@@ -57,13 +57,33 @@ def finish_report(report: Report, report_dir: Path | None, show_info: bool = Fal
 
 
 def check_address(value: str | None) -> str | None:
+    """A ZMQ address the proxy can bind or dial as given: libzmq takes a port past 65535 modulo 65536, and an
+    unknown host fails only when the socket is used, deep in a session."""
     if value is None:
         return None
     if not value.startswith(("tcp://", "ipc://")):
         raise typer.BadParameter(f"{value!r} is not a ZMQ address: use tcp://HOST:PORT or ipc:///PATH")
-    if value.startswith("tcp://") and not value.rsplit(":", 1)[-1].isdigit():
+    if value.startswith("ipc://"):
+        return value
+    host, _, port = value.removeprefix("tcp://").rpartition(":")
+    if not port.isdigit():
         raise typer.BadParameter(f"{value!r} has no port: use tcp://HOST:PORT")
+    if not 0 <= int(port) <= 65535:
+        raise typer.BadParameter(f"{value!r}: port {port} is not 0-65535")
+    if host not in ("*", "") and not _resolves(host.strip("[]")):
+        raise typer.BadParameter(f"{value!r}: {host} is neither a host this machine resolves nor one of its "
+                                 "network interfaces")
     return value
+
+
+def _resolves(host: str) -> bool:
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except (socket.gaierror, UnicodeError):
+        return host in {name for _, name in socket.if_nameindex()}
 
 
 def check_host_port(value: str | None) -> str | None:
