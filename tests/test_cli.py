@@ -219,7 +219,7 @@ def test_json_is_the_reports_document_alone_on_stdout(command, code):
     assert {"title", "findings", "exit_code"} <= document.keys() and document["findings"]
 
 
-def test_a_replay_with_json_prints_its_report_alone_and_leaves_progress_on_stderr(tmp_path):
+def test_a_replay_with_json_prints_its_report_alone_and_says_each_run_on_stderr_unless_quiet(tmp_path):
     db = tmp_path / "demo.db"
     db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
     listen = f"tcp://127.0.0.1:{free_port()}"
@@ -229,4 +229,10 @@ def test_a_replay_with_json_prints_its_report_alone_and_leaves_progress_on_stder
                  timeout=120)
     document = json.loads(result.stdout)
     assert document["exit_code"] == result.returncode and document["title"] == "replay against engine"
-    assert "replaying 'demo' against the engine" in result.stderr
+    progress = result.stderr.splitlines()  # a line a run as it starts, and what it replayed
+    assert progress[:2] == ["replaying 'demo' against the engine at " + listen, "run 1 of 1: the build under test"]
+    assert progress[2].startswith("  replayed 21 recorded requests: 21 sent, 20 finished")  # one aborted
+    quiet = cli("replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen", listen,
+                "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast", "--quiet",
+                timeout=120)
+    assert quiet.returncode == result.returncode and "run 1 of 1" not in quiet.stderr

@@ -84,6 +84,8 @@ def replay(
         "replay's load has the recorded shape even when its tokens differ (a redacted recording)."))] = False,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr: only errors and the result.")]
+        = False,
 ) -> None:
     """Replay a recorded session against a new engine or frontend build and report what changed.
 
@@ -112,13 +114,12 @@ def replay(
                                 report_dir=report_dir, hold_lengths=hold_lengths)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    err.print(f"replaying {session!r} against the {against} at {peer.address}")
+    if not quiet:
+        err.print(f"replaying {session!r} against the {against} at {peer.address}")
     try:
-        report, outcome = replay_session(db, session, peer, options, console=err)
+        report, _ = replay_session(db, session, peer, options, console=None if quiet else err)
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
-    if outcome is not None:
-        err.print(outcome.summary)
     finish_report(report, report_dir, as_json=as_json)
 
 

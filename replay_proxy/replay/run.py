@@ -88,8 +88,8 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     against the candidate, interleaved and counterbalanced (baseline, candidate, candidate, baseline, ...), so
     that load which comes and goes on the machine falls on both: what varies between the baseline's runs is
     the noise floor, not regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
-    twice), and every request asks for the judging's logprobs. With a terminal ``console``, a progress bar
-    shows while it runs. With ``kept`` (against an engine), the engine it holds is used if it can be for the
+    twice), and every request asks for the judging's logprobs. A ``console`` is told each run as it starts and
+    ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds is used if it can be for the
     candidate's first run, and that engine is kept there if the run ended clean (every other run starts an
     engine of its own)."""
     if kept is not None and peer.side is not Side.ENGINE:
@@ -135,9 +135,14 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
 
     # Counterbalanced (baseline, candidate, candidate, baseline, ...): load that comes and goes with the period
     # of two runs falls on both builds alike, where strict alternation would put it on one build's every run.
+    planned, started = 2 * options.noise_runs or 1, 0
     for i in range(1, max(1, options.noise_runs) + 1):
         order = (baseline_run, candidate_run) if i % 2 else (candidate_run, baseline_run)
         for play in order if options.noise_runs else (candidate_run,):
+            started += 1
+            if console is not None:  # a line a run: minutes of silence look like a hang in a CI log
+                build = "the baseline build" if play is baseline_run else "the build under test"
+                console.print(f"run {started} of {planned}: {build}", highlight=False)
             failed = play(i)
             if failed is not None:
                 return failed, None
@@ -209,6 +214,8 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         sent, finished, total, tokens = player.tally()
         outcome.summary = (f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
                            + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))
+        if console is not None:
+            console.print(f"  {outcome.summary}", highlight=False)
     except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
         if not isinstance(leaf(exc), ReplayError):
             raise
