@@ -290,7 +290,7 @@ class FrontendPlayer(Player):
                 self.outcome.pacing_errors_ms.append((trio.current_time() - due) * 1e3)
             await self._send(frame)
         with trio.move_on_after(self.finish_timeout):
-            while self._pending_aborts:
+            while self._pending_aborts and not self._dead_on_api_servers:
                 await self._moved.wait()
         for frame in list(self._pending_aborts):  # never reached their progress: sent late, and reported so
             self._pending_aborts.remove(frame)
@@ -397,7 +397,8 @@ class FrontendPlayer(Player):
         done = lambda r: r in self._finished or r in aborted  # noqa: E731
         pending = lambda: ([r for r in self._recorded_requests if not done(r)], calls - self._answered)  # noqa: E731
         with trio.move_on_after(self.finish_timeout) as waiting:
-            while any(pending()):
+            # (a dead engine answers nothing more: vLLM's frontend fails every request then, and so does this)
+            while any(pending()) and not self._dead_on_api_servers:
                 await self._moved.wait()
         unfinished, unanswered = pending()
         self.outcome.finished = sum(r in self._finished for r in self._recorded_requests)

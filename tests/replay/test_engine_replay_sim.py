@@ -146,6 +146,8 @@ def test_each_engine_drift_is_caught(tmp_path, recorded, drift, code, expected):
     report, _, _ = replay(tmp_path, recorded, drift, pace="original")  # fast would batch every request
     assert expected in {f.code for f in report.findings if f.severity >= Severity.WARNING}
     assert exit_code(report.findings) is code
+    if expected == "engine_dead":  # the replay ended when the engine died, not after --finish-timeout
+        assert "finish_timeout" not in {f.code for f in report.findings}
 
 
 def test_changed_tokens_of_batched_requests_are_judged_at_their_first_divergence(tmp_path, recorded):
