@@ -7,6 +7,7 @@ fixture, which the demo leaves alone), and a few example queries show what
 it holds.
 """
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def main() -> None:
     finally:
         for child in children:
             child.stop()
+    shutil.rmtree(logs)  # (a failure above exits with the log's tail, and keeps the folder)
     for query in QUERIES:
         print(f"\n$ replay-proxy query --db demo/demo.db {' '.join(repr(q) if ' ' in q else q for q in query)}")
         subprocess.run([*CLI, "query", "--db", str(DB), *query], check=True, timeout=60)

@@ -1,7 +1,8 @@
 """The command line, acted on as a user does; checked through the database."""
 
-import re
 import json
+import os
+import re
 import shlex
 import subprocess
 import sys
@@ -232,7 +233,11 @@ def test_a_replay_with_json_prints_its_report_alone_and_says_each_run_on_stderr_
     progress = result.stderr.splitlines()  # a line a run as it starts, and what it replayed
     assert progress[:2] == ["replaying 'demo' against the engine at " + listen, "run 1 of 1: the build under test"]
     assert progress[2].startswith("  replayed 21 recorded requests: 21 sent, 20 finished")  # one aborted
-    quiet = cli("replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen", listen,
-                "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast", "--quiet",
-                timeout=120)
+    scratch = tmp_path / "tmp"  # the replay's own temporary folder (the peers' logs) is gone at its end
+    scratch.mkdir()
+    quiet = subprocess.run([*CLI, "replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen",
+                            listen, "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast",
+                            "--quiet"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TMPDIR": str(scratch)})
     assert quiet.returncode == result.returncode and "run 1 of 1" not in quiet.stderr
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("replay-proxy-replay-")] == []

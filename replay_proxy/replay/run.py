@@ -89,16 +89,25 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     that load which comes and goes on the machine falls on both: what varies between the baseline's runs is
     the noise floor, not regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
     twice), and every request asks for the judging's logprobs. A ``console`` is told each run as it starts and
-    ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds is used if it can be for the
-    candidate's first run, and that engine is kept there if the run ended clean (every other run starts an
-    engine of its own)."""
+    ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it
+    holds is used if it can be for the candidate's first run, and that engine is kept there if the run ended
+    clean (every other run starts an engine of its own). The peers' logs go to ``options.report_dir``; without
+    one, to a folder removed at the end (what a finding needs of them, it quotes)."""
     if kept is not None and peer.side is not Side.ENGINE:
         raise ReplayError("only an engine under test can be kept for the next replay")
+    if options.report_dir is not None or kept is not None:  # (a kept engine's log outlives this replay)
+        return _replay(db, session, peer, options, options.report_dir or Path(tempfile.mkdtemp(
+            prefix="replay-proxy-replay-")), console, kept)
+    with tempfile.TemporaryDirectory(prefix="replay-proxy-replay-") as logs:
+        return _replay(db, session, peer, options, Path(logs), console, kept)
+
+
+def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, logs: Path,
+            console: Console | None, kept: KeptEngine | None) -> tuple[Report, ReplayOutcome | None]:
     recording = decode_and_load(db, session)
     if recording.init is None:
         raise SessionError(f"session {recording.name!r} has no INIT: the handshake was not recorded")
     title = f"replay against {peer.side}"
-    logs = options.report_dir or Path(tempfile.mkdtemp(prefix="replay-proxy-replay-"))
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     # Asking a speculating engine for logprobs changes what it generates: vLLM 0.32.0 with n-gram drafts gave a
     # greedy request a token 1.3 nats below the most likely once asked (tests/real/test_fan_out_vllm.py)
