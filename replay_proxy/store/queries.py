@@ -74,18 +74,18 @@ def open_existing(path: str | Path) -> sqlite_utils.Database:
 
 
 def require_recording(path: Path) -> None:
-    """That ``path`` is a SQLite file, else the one-line reason it is no recording."""
+    """That ``path`` is a SQLite file, else the one-line reason it is no recording. Asked of SQLite itself: a
+    file of this process's SQLite connections opened and closed by other means loses their locks."""
     if not path.exists():
         raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
     if path.is_dir():
         raise QueryError(f"{path} is a folder, not a recording (a SQLite file that `replay-proxy record` wrote)")
     try:
-        with path.open("rb") as file:
-            header = file.read(16)
-    except OSError as exc:
-        raise QueryError(f"{path} cannot be read: {exc.strerror}") from None
-    if header and header != b"SQLite format 3\x00":
-        raise QueryError(f"{path} is not a recording: not a SQLite file")
+        with contextlib.closing(sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)) as connection:
+            connection.execute("PRAGMA schema_version")
+    except sqlite3.DatabaseError as exc:
+        raise QueryError(f"{path} is not a recording: " + (
+            "not a SQLite file" if "not a database" in str(exc) else str(exc))) from None
 
 
 def list_sessions(path: str | Path) -> list[dict[str, Any]]:
