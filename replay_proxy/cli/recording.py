@@ -218,7 +218,7 @@ def cut(
 
     Example: replay-proxy cut --db staging.db --session staging --out ci.db --sample 200 --seed 1
     """
-    from replay_proxy.store.cut import Selection, cut_database
+    from replay_proxy.store.cut import CutError, Selection, cut_database
 
     if out.resolve() == db.resolve():
         raise fail("--out is --db: cut writes a new file", ExitCode.USAGE)
@@ -226,7 +226,9 @@ def cut(
                           seed=seed)
     try:
         session_id, kept, frames = cut_database(db, out, session, selection, name)
-    except ReplayProxyError as exc:
+    except CutError as exc:  # the selection options themselves
+        raise fail(str(exc), ExitCode.USAGE) from None
+    except ReplayProxyError as exc:  # what they name: the file, the session
         raise fail(str(exc)) from None
     err.print(f"session {session!r}: {kept:,} requests, {frames:,} frames -> {out} (id {session_id})")
 

@@ -211,13 +211,13 @@ def test_a_redacted_session_replays_against_an_engine_with_its_lengths_held(tmp_
     assert [tokens for tokens, _ in replayed[:3]] == [tokens for tokens, _ in recorded[:3]]
 
 
-@pytest.mark.parametrize("arguments, error", [
-    (["--vocab-size", "900", "--key-file", "short.key"], "needs 16 or more"),
-    (["--key-file", "redaction.key"], "needs --vocab-size"),
-    (["--vocab-size", "900", "--key-file", "redaction.key", "--out", "in.db"], "never in place"),
-    (["--vocab-size", "900", "--key-file", "missing.key"], "cannot read the redaction key"),
+@pytest.mark.parametrize("arguments, error, code", [  # 1: a key file that cannot be used; 2: the arguments
+    (["--vocab-size", "900", "--key-file", "short.key"], "needs 16 or more", 1),
+    (["--key-file", "redaction.key"], "needs --vocab-size", 2),
+    (["--vocab-size", "900", "--key-file", "redaction.key", "--out", "in.db"], "never in place", 2),
+    (["--vocab-size", "900", "--key-file", "missing.key"], "cannot read the redaction key", 1),
 ])
-def test_redact_refuses_what_it_cannot_do_in_one_line(tmp_path, key_file, arguments, error):
+def test_redact_refuses_what_it_cannot_do_in_one_line(tmp_path, key_file, arguments, error, code):
     (tmp_path / "short.key").write_bytes(b"0123")
     sqlite_utils.Database(tmp_path / "in.db")["sessions"].insert({"id": 1, "name": "x"})
     arguments = [str(tmp_path / a) if a.endswith((".key", ".db")) else a for a in arguments]
@@ -225,7 +225,7 @@ def test_redact_refuses_what_it_cannot_do_in_one_line(tmp_path, key_file, argume
         arguments += ["--out", str(tmp_path / "out.db")]
     done = subprocess.run([sys.executable, "-m", "replay_proxy", "redact", "--db", str(tmp_path / "in.db"),
                            *arguments], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and error in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == code and error in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out.db").exists()
 
 

@@ -72,14 +72,14 @@ def test_a_pair_that_fails_only_together_shrinks_to_the_pair(tmp_path, sixteen):
     assert {"requests": 1, "finding": False} in summary["candidates"]
 
 
-def test_a_finding_that_is_not_in_the_whole_replay_is_exit_2_saying_what_was(tmp_path, sixteen):
+def test_a_finding_that_is_not_in_the_whole_replay_is_exit_1_saying_what_was(tmp_path, sixteen):
     with pytest.raises(ShrinkError, match="has no token_mismatch"):
         shrink(sixteen, "staging", tmp_path / "out", engine(), finding="token_mismatch")
     result = subprocess.run([sys.executable, "-m", "replay_proxy", "shrink", "--db", str(sixteen), "--session",
                              "staging", "--out", str(tmp_path / "cli"), "--against", "engine", "--engine-cmd",
                              engine().command, "--finding", "token_mismatch", "--ready-timeout", "20",
                              "--finish-timeout", "10"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "has no token_mismatch" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 1 and "has no token_mismatch" in result.stderr and "Traceback" not in result.stderr
     missing = subprocess.run([sys.executable, "-m", "replay_proxy", "shrink", "--db", str(sixteen), "--session",
                               "staging", "--out", str(tmp_path / "cli2"), "--against", "engine", "--engine-cmd",
                               "sim engine without a port"], capture_output=True, text=True, timeout=60)
