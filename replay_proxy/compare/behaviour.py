@@ -83,7 +83,9 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                     request_id=rid, field=rule, tier=INVARIANTS))
         judged.append(Verdict(rid, INVARIANTS, not broken, "; ".join(w for _, w in broken) or (
             f"{len(b.tokens)} tokens within its sampling parameters"
-            + ("" if b.token_logprobs else " (lengths and stop tokens: no logprobs to rank them)"))))
+            + ("" if b.token_logprobs and not candidate.speculates else " (lengths and stop tokens: " + (
+                "the engine drafted tokens, and its raw logprobs do not rank what its rejection sampler chose)"
+                if b.token_logprobs else "no logprobs to rank them)")))))
         verdicts.append(_strongest(judged))
         if a.finish_reason != b.finish_reason:
             severity = Severity.REGRESSION if deterministic(baseline, a) and rid not in noisy else Severity.WARNING

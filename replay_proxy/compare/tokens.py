@@ -140,6 +140,8 @@ def invariant_violations(session: Session, request: Request, eos: int | None) ->
     if any(value(k) not in (None, default) for k, default in LOGIT_CHANGERS.items()) or any(
             value(k) for k in LOGIT_LISTS):
         return broken  # the sampler's logits are not the raw ones the logprobs come from
+    if session.speculates:  # a rejection sampler's draws are not ranked by the target's raw logprobs either:
+        return broken  # real 0.32.0 with n-gram drafts gave a greedy request a rank-407 token at a rejected draft
     temperature, top_k = value("temperature") or 0.0, value("top_k") or 0
     top_p, min_p = value("top_p") or 1.0, value("min_p") or 0.0
     # Until min_tokens are out the engine masks every stop token (its _all_stop_token_ids): not candidates then.

@@ -109,9 +109,7 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
         raise SessionError(f"session {recording.name!r} has no INIT: the handshake was not recorded")
     title = f"replay against {peer.side}"
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    # Asking a speculating engine for logprobs changes what it generates: vLLM 0.32.0 with n-gram drafts gave a
-    # greedy request a token 1.3 nats below the most likely once asked (tests/real/test_fan_out_vllm.py)
-    judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0 and not recording.speculates
+    judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
     noise, runs, first = [], [], None
 
@@ -165,11 +163,6 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
             + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
                f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
             field="judging_cost"))
-    elif peer.side is Side.ENGINE and recording.speculates:
-        report.findings.append(Finding("behaviour", Severity.INFO, "judging_not_asked", (
-            "no logprobs asked: the recorded engine drafts tokens (speculative decoding), and asking a speculating "
-            "engine for logprobs changes what it generates; each request is sent as recorded, its tokens judged "
-            "exactly where it reproduces"), field="judging_cost"))
     report.findings = fold_consequences([*report.findings, *outcome.findings, *rejections], options.rules)
     save_findings(db, session_id, recording.id, report.findings)
     return report, outcome

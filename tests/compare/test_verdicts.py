@@ -18,7 +18,8 @@ from replay_proxy.compare.scoring import position_kl
 from replay_proxy.compare.tokens import invariant_violations
 from replay_proxy.errors import ExitCode
 from replay_proxy.report.render import grouped
-from replay_proxy.store.session import Request, Session, TokenLogprobs, load_session
+from replay_proxy.store.session import RecordedFrame, Request, Session, TokenLogprobs, load_session
+from replay_proxy.wire.messages import Kind
 from replay_proxy.wire.schema import load_schema
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
@@ -121,6 +122,19 @@ def test_sampled_tokens_are_held_to_their_request_s_sampling_parameters():
     assert violations([10, 11], temperature=0.0) == {"greedy"}
     # Penalties change the logits the sampler sees: the raw logprobs no longer rank its choice.
     assert violations([10, 13], temperature=0.8, top_k=3, repetition_penalty=1.3) == set()
+
+
+def test_an_engine_that_drafted_tokens_is_held_to_lengths_and_stop_tokens_only():
+    """Its rejection sampler's draws are not ranked by the raw logprobs (a real 0.32.0 engine with n-gram drafts:
+    a greedy token of rank 407 at a rejected draft), so greedy is not checked; stop tokens still are."""
+    drafted = RecordedFrame(1, 0, Kind.OUTPUTS, 0, 0, [], {"scheduler_stats": {"spec_decoding_stats": {
+        "num_drafts": 1, "num_draft_tokens": 1, "num_accepted_tokens": 0}}})
+    speculating = msgspec.structs.replace(session("c"), outputs=[drafted])
+    assert speculating.speculates and not session("c").speculates
+    greedy_miss = request("r", [10, 11], temperature=0.0)
+    assert {rule for rule, _ in invariant_violations(speculating, greedy_miss, eos=1)} == set()
+    stop_missed = request("r", [10, 12, 11], temperature=0.8, stop_token_ids=[12])
+    assert {rule for rule, _ in invariant_violations(speculating, stop_missed, eos=1)} == {"stop_token_ids"}
 
 
 def test_stop_tokens_end_a_request_once_its_min_tokens_are_out_and_not_before():

@@ -66,6 +66,8 @@ def test_the_fanned_out_session_replays_against_a_same_release_engine_with_no_re
     serious = [f for f in report["findings"] if f["severity"] in ("breaking", "regression")
                and f["category"] != "performance"]
     assert result.returncode in (0, 5) and serious == [], result.stdout[-3000:]
-    # The engine speculates: asked for logprobs, it once gave a greedy request a token 1.3 nats below the most
-    # likely (rank 407), so the replay sends each request as recorded and says so.
-    assert "judging_not_asked" in {f["code"] for f in report["findings"]}
+    # The engine speculates: at a rejected draft it gave a greedy request token 333, rank 407 by its own raw
+    # logprobs, in two fresh-clone runs of this test. A speculating engine's draws are held to lengths and stop
+    # tokens only, and each such verdict says why.
+    speculating = [v for v in report["verdicts"] if v["tier"] == "invariants" and "drafted tokens" in v["why"]]
+    assert speculating and all(v["passed"] for v in speculating), report["verdicts"]
