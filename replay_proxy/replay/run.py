@@ -230,18 +230,21 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         failure = Finding("replay", Severity.REGRESSION, "replay_failed" if observer.events else "peer_not_reached",
                           why)
     finally:
-        recorder.close("failed" if failure else "complete", failure and failure.message)
-        if reuse and child is not None and log != child.log_path:  # this replay's part of the kept engine's log
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(f"# {child.name} (pid {child.pid}), started for an earlier replay and kept; its whole "
-                           f"log: {child.log_path}\n" + "".join(f"{line}\n" for line in child.log_lines(log_from)))
-        if kept is not None:
-            kept.child, kept.link = child, player.link
-            clean = outcome is not None and not any(f.code in UNCLEAN for f in outcome.findings)
-            if not (clean and (child is None or child.running())):
-                kept.stop()
-        elif child is not None:
-            child.stop(timeout=30)
+        try:
+            recorder.close("failed" if failure else "complete", failure and failure.message)
+        finally:  # (a recording that could not be closed leaves no peer running)
+            if reuse and child is not None and log != child.log_path:  # this replay's part of the kept engine's log
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text(f"# {child.name} (pid {child.pid}), started for an earlier replay and kept; its "
+                               f"whole log: {child.log_path}\n"
+                               + "".join(f"{line}\n" for line in child.log_lines(log_from)))
+            if kept is not None:
+                kept.child, kept.link = child, player.link
+                clean = outcome is not None and not any(f.code in UNCLEAN for f in outcome.findings)
+                if not (clean and (child is None or child.running())):
+                    kept.stop()
+            elif child is not None:
+                child.stop(timeout=30)
     rejections = []
     if observer.events:  # what the peer said of the link, once it had been sent something of it
         said = child.log_lines(log_from) if child is not None else []

@@ -265,3 +265,28 @@ def test_teacher_forced_scoring_finds_distributions_that_moved_under_unchanged_t
     sharper, _, _ = replay(tmp_path / "sharper", recorded, {"logprob_scale": 0.05}, noise_runs=1)
     regressions = {f.code for f in sharper.findings if f.severity is Severity.REGRESSION}
     assert {"scoring_kl", "scores_diverge"} <= regressions and "token_mismatch" not in regressions, regressions
+
+
+def test_a_replay_whose_recording_cannot_be_closed_leaves_no_engine_running(tmp_path, recorded, monkeypatch):
+    """An exception closing the replay's recording (a database that went bad) still stops the peer it started."""
+    from replay_proxy.replay import run
+    from replay_proxy.store.recorder import Recorder
+
+    started, unclosed, close = [], [], Recorder.close
+
+    class Watched(run.Child):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def broken_close(self, *args, **kwargs):
+        unclosed.append(self)
+        raise RuntimeError("database disk image is malformed")
+
+    monkeypatch.setattr(run, "Child", Watched)
+    monkeypatch.setattr(Recorder, "close", broken_close)
+    with pytest.raises(RuntimeError, match="malformed"):
+        replay(tmp_path, recorded)
+    assert started and not any(child.running() for child in started)
+    for recorder in unclosed:  # (its writer process, which the broken close left waiting)
+        close(recorder, "failed", "closed by the test")
