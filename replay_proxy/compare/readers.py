@@ -64,7 +64,7 @@ def rust_layouts(python: Schema, rust: RustSchema) -> Schema:
         mirror = python.structs[name]
         fields = tuple(_as_read(f, position, _mirrored(mirror, declared.encoding, f, position))
                        for position, f in enumerate(rust.wire_fields(declared)))
-        structs[name] = msgspec.structs.replace(python.structs[name], encoding=declared.encoding,
+        structs[name] = msgspec.structs.replace(mirror, encoding=declared.encoding,
                                                 omit_defaults=False, fields=fields)
     return msgspec.structs.replace(python, structs=structs, extracted_from=f"vllm-rs {rust.release}'s Rust structs")
 

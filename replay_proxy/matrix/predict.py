@@ -49,15 +49,15 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
     of request recorded on both sides (completion always: a side not recorded makes it unknown)."""
     evidence: list[Evidence] = []
     kinds = []
+    # Each side's layouts are its own release's declarations: a vllm-rs frontend's are its Rust structs.
+    frontend_layouts, engine_layouts = (reader_schema(frontend.reader, frontend.release),
+                                        reader_schema(PYTHON_ENGINE, engine))
     for kind in KINDS:
         sent_by_frontend = recording_of(frontend, recordings, kind)
         sent_by_engine = engine_recording(engine, recordings, kind)
         if kind != "completion" and (sent_by_frontend is None or sent_by_engine is None):
             continue
         kinds.append(kind)
-        # Each side's layouts are its own release's declarations: a vllm-rs frontend's are its Rust structs.
-        frontend_layouts, engine_layouts = (reader_schema(frontend.reader, frontend.release),
-                                            reader_schema(PYTHON_ENGINE, engine))
         for direction, recording, writer, reader, reader_layouts in (
                 (Direction.TO_ENGINE, sent_by_frontend, frontend_layouts, PYTHON_ENGINE, engine_layouts),
                 (Direction.TO_FRONTEND, sent_by_engine, engine_layouts, frontend.reader, frontend_layouts)):
@@ -84,7 +84,8 @@ def from_schemas(direction: Direction, writer_name: object, writer: Schema, read
     them that breaks this reader (schema diff's; within one release, between its Python classes and its Rust
     structs, drift's), or unknown, the reason said (no traffic: never works)."""
     why = NO_RECORDING.format(writer=writer_name)
-    if writer.release == reader_schema.release:
+    if writer.release == reader_schema.release and writer.extracted_from != reader_schema.extracted_from:
+        # one release's two languages (vllm-rs and a Python engine): what differs between them is drift
         python = load_schema(writer.release)
         changes = [f for f in drift_findings(python, load_rust_schema(writer.release))
                    if reader in f.breaks and reader in readers_of(python, f.struct)]
