@@ -1,5 +1,6 @@
 """The command line, acted on as a user does; checked through the database."""
 
+import hashlib
 import json
 import os
 import re
@@ -220,24 +221,29 @@ def test_json_is_the_reports_document_alone_on_stdout(command, code):
     assert {"title", "findings", "exit_code"} <= document.keys() and document["findings"]
 
 
-def test_a_replay_with_json_prints_its_report_alone_and_says_each_run_on_stderr_unless_quiet(tmp_path):
-    db = tmp_path / "demo.db"
-    db.write_bytes((ROOT / "recordings" / "demo.db").read_bytes())
+def test_a_replay_leaves_its_recording_untouched_prints_json_alone_and_says_each_run_unless_quiet(tmp_path):
+    recording = ROOT / "recordings" / "demo.db"
+    before = hashlib.sha256(recording.read_bytes()).hexdigest()
     listen = f"tcp://127.0.0.1:{free_port()}"
     engines = " & ".join(shlex.join([*CLI, "sim", "engine", "--handshake", listen, "--index", str(i)]) for i in (0, 1))
-    result = cli("replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen", listen,
-                 "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast", "--json",
-                 timeout=120)
+    replay = [*CLI, "replay", "--db", str(recording), "--session", "demo", "--against", "engine", "--listen", listen,
+              "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast"]
+    result = subprocess.run([*replay, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     document = json.loads(result.stdout)
     assert document["exit_code"] == result.returncode and document["title"] == "replay against engine"
+    out = tmp_path / "replay-demo.db"  # the default --out, in the folder it ran in
+    assert document["recorded_in"] == "replay-demo.db"
     progress = result.stderr.splitlines()  # a line a run as it starts, and what it replayed
-    assert progress[:2] == ["replaying 'demo' against the engine at " + listen, "run 1 of 1: the build under test"]
+    assert progress[:2] == [f"replaying 'demo' against the engine at {listen}, recorded into replay-demo.db",
+                            "run 1 of 1: the build under test"]
     assert progress[2].startswith("  replayed 21 recorded requests: 21 sent, ")
     scratch = tmp_path / "tmp"  # the replay's own temporary folder (the peers' logs) is gone at its end
     scratch.mkdir()
-    quiet = subprocess.run([*CLI, "replay", "--db", str(db), "--session", "demo", "--against", "engine", "--listen",
-                            listen, "--engine-cmd", f"bash -c {shlex.quote(engines + ' & wait')}", "--pace", "fast",
-                            "--quiet"], capture_output=True, text=True, timeout=120,
+    quiet = subprocess.run([*replay, "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                            env={**os.environ, "TMPDIR": str(scratch)})
     assert quiet.returncode == result.returncode and "run 1 of 1" not in quiet.stderr
     assert [p.name for p in scratch.iterdir() if p.name.startswith("replay-proxy-replay-")] == []
+    # The recording is as it was; its session, copied once, and both replays of it are in the --out file.
+    assert hashlib.sha256(recording.read_bytes()).hexdigest() == before
+    sessions = [(r["id"], r["mode"], r["baseline_session_id"]) for r in sqlite_utils.Database(out)["sessions"].rows]
+    assert sessions == [(1, "record", None), (2, "replay", 1), (3, "replay", 1)]

@@ -52,7 +52,7 @@ def diff(
 
 @app.command()
 def replay(
-    db: Annotated[Path, typer.Option(help="Recording database; the replay is recorded into it too.")],
+    db: Annotated[Path, typer.Option(help="The recording (it is only read).")],
     session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
     against: Annotated[Side, typer.Option(
         help="The side under test: 'engine' (the proxy plays the recorded frontend) or 'frontend' (it plays "
@@ -83,6 +83,10 @@ def replay(
         "--against engine: each request asks for exactly its recorded number of output tokens, so the "
         "replay's load has the recorded shape even when its tokens differ (a redacted recording)."))] = False,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
+    out_db: Annotated[Path | None, typer.Option("--out", help=(
+        "Record the replay here, beside a copy of the session (default: replay.db in --report-dir, else "
+        "replay-SESSION.db here); an earlier replay's file takes more. --out equal to --db records into the "
+        "recording itself."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr: only errors and the result.")]
         = False,
@@ -96,6 +100,7 @@ def replay(
     """
     from replay_proxy.replay.player import PeerUnderTest, ReplayError, ReplayOptions
     from replay_proxy.replay.run import replay_session
+    from replay_proxy.store.copy import copy_session
 
     if against is Side.ENGINE and listen is None:
         raise fail("--against engine needs --listen (the handshake address the engine dials)", ExitCode.USAGE)
@@ -114,12 +119,18 @@ def replay(
                                 report_dir=report_dir, hold_lengths=hold_lengths)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    if not quiet:
-        err.print(f"replaying {session!r} against the {against} at {peer.address}")
+    if out_db is None:
+        out_db = report_dir / "replay.db" if report_dir else Path(f"replay-{session.replace('/', '_')}.db")
     try:
-        report, _ = replay_session(db, session, peer, options, console=None if quiet else err)
+        if out_db.resolve() != db.resolve():
+            session = copy_session(db, session, out_db)
+        if not quiet:
+            err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
+                      highlight=False)
+        report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
     except ReplayProxyError as exc:
         raise fail(str(exc)) from None
+    report.recorded_in = str(out_db)
     finish_report(report, report_dir, as_json=as_json)
 
 

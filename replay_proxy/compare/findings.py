@@ -85,6 +85,7 @@ class Report(msgspec.Struct, kw_only=True):
     kl: dict[str, list[float]] = {}
     # Requests whose tokens diverged: {request id: {"position": i, "baseline": [logprob, ...], "candidate": [...]}}
     divergences: dict[str, dict[str, Any]] = {}
+    recorded_in: str | None = None  # a replay's: the database its sessions were recorded in
 
 
 def exit_code(findings: list[Finding]) -> ExitCode:

@@ -1,4 +1,5 @@
-"""``replay-proxy redact``: a recording's sessions, redacted, into a new file (and what ``cut`` shares).
+"""``replay-proxy redact``: a recording's sessions, redacted, into a new file (and what ``cut`` and
+``replay --out`` share).
 
 Never in place: SQLite leaves deleted data in freed pages and in its WAL, so
 the redacted copy is a new database. Each session's frames go, in seq order,
@@ -16,9 +17,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import msgspec
+import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.queries import require_recording
+from replay_proxy.store.queries import QueryError, find_session, require_recording
 from replay_proxy.redact.settings import Redaction
 from replay_proxy.store.tables import TABLES, open_database
 from replay_proxy.store.writer import DECODE_FRAMES, Writer
@@ -55,6 +57,31 @@ def redact_database(source: Path, out: Path, redaction: Redaction, sessions: lis
             raise CopyError(f"{source} holds no session")
         new_ids: dict[int, int] = {}  # a source session's id -> its copy's: a replay's baseline follows its copy
         return [_copy(db, row, out, redaction, new_ids) for row in rows]
+
+
+def copy_session(source: Path, session: str, out: Path) -> str:
+    """Session ``session`` (name or id) of ``source`` into ``out`` as recorded, so that what is done with it
+    there (a replay recorded beside it) leaves ``source`` as it was: its name. ``out`` may be new, or hold
+    that very session already (an earlier replay's file), never another of its name."""
+    require_recording(source)
+    with contextlib.closing(sqlite3.connect(f"file:{source.resolve()}?mode=ro", uri=True)) as db:
+        try:
+            row = find_session(sqlite_utils.Database(db), session)
+        except QueryError as exc:
+            raise CopyError(f"{source}: {exc}") from None
+        if out.exists() and out.stat().st_size:
+            require_recording(out)
+            with contextlib.closing(sqlite3.connect(f"file:{out.resolve()}?mode=ro", uri=True)) as there:
+                held = [started for (started,) in there.execute(
+                    "SELECT started_at FROM sessions WHERE name = ? AND mode = ?", [row["name"], row["mode"]])]
+            if row["started_at"] in held:
+                return row["name"]
+            if held:
+                raise CopyError(f"{out} holds another session named {row['name']!r}: give another --out")
+        values = session_row(row)
+        values["baseline_session_id"] = None
+        write_session(out, values, recorded_frames(db, row["id"]))
+    return row["name"]
 
 
 def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, new_ids: dict[int, int]

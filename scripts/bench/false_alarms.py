@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures
 import json
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,8 @@ def replay(recorded: Path, folder: Path, fraction: float, noise_runs: int) -> tu
     """One replay, as ``replay-proxy replay`` in a process of its own (so that a replay beside it is another
     process to it, as a neighbour on a CI runner is): its performance findings by field, its exit code, and
     whether its timing went unjudged for a busy machine."""
-    db = folder / "replay.db"
-    shutil.copy(recorded, db)
     listen = f"tcp://127.0.0.1:{free_port()}"
-    subprocess.run([sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "paced",
+    subprocess.run([sys.executable, "-m", "replay_proxy", "replay", "--db", str(recorded), "--session", "paced",
                     "--against", "engine", "--listen", listen, "--pace", "original", "--ready-timeout", "30",
                     "--finish-timeout", "30", "--report-dir", str(folder), "--quiet",
                     "--engine-cmd", shlex.join(paced.engine_argv(listen, fraction)),

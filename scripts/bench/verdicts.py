@@ -24,7 +24,6 @@ import argparse
 import collections
 import concurrent.futures
 import json
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -61,8 +60,6 @@ def replay(kind: str, slot: int, noise_runs: int, folder: Path, judging: bool = 
     replay beside it is another process to it, as a neighbour on a CI runner is): the tiers that reported a
     regression, and its wall time."""
     folder.mkdir(parents=True)
-    db = folder / "replay.db"
-    shutil.copy(RECORDING, db)
     port = free_port()
     rules = []
     if not judging:
@@ -70,7 +67,7 @@ def replay(kind: str, slot: int, noise_runs: int, folder: Path, judging: bool = 
         off.write_text(json.dumps({"judging": {"top_logprobs": 0}}))
         rules = ["--rules", str(off)]
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", SESSION,
+    subprocess.run([sys.executable, "-m", "replay_proxy", "replay", "--db", str(RECORDING), "--session", SESSION,
                     "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
                     "--engine-cmd", injected_engine_command(port, "" if kind == "same" else kind, slot),
                     "--noise-runs", str(noise_runs), "--baseline-cmd", injected_engine_command(port, "", slot),

@@ -193,15 +193,16 @@ def recording_of(release: str) -> Path:
 
 def replay_cli(tmp_path: Path, *target: str, edit=None, recording: Path = RECORDING,
                session: str = "python-frontend", finish_timeout_s: float = 60) -> tuple:
-    """Run `replay-proxy replay` on a copy of a Python-frontend recording (changed by ``edit(db)``
-    if given); return (result, report JSON)."""
+    """Run `replay-proxy replay` of a Python-frontend recording (of a copy changed by ``edit(db)`` if given),
+    recorded into tmp_path/replay.db (its default --out); return (result, report JSON)."""
     import shutil
     import subprocess
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    db = tmp_path / "replay.db"
-    shutil.copy(recording, db)
+    db = recording
     if edit is not None:
+        db = tmp_path / "edited.db"
+        shutil.copy(recording, db)
         edit(db)
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,

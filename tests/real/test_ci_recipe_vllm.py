@@ -8,9 +8,11 @@ from source): the cached 0.28.0 release's venv stands in for the engine it
 would build, a real engine whose registration a 0.32.0 frontend rejects.
 """
 
+import hashlib
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -51,6 +53,8 @@ def run_job(workspace: Path, **overrides: str) -> dict[str, subprocess.Completed
 
 def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tmp_path):
     peers.install_engine("0.28.0")  # what the build step would have built
+    recording = ROOT / workflow()["jobs"]["replay"]["env"]["RECORDING"]
+    committed = hashlib.sha256(recording.read_bytes()).hexdigest()
     # A port of its own: the recipe's fixed one is taken when a second suite runs this test beside it (seen).
     results = run_job(tmp_path, ENGINE_VLLM=str(peers.vllm_program("0.28.0")), ENGINE_RELEASE="0.28.0",
                       FRONTEND="vllm==0.27.0", ENGINE_PORT=str(free_port()))
@@ -68,6 +72,10 @@ def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tm
     assert all((tmp_path / p).is_file() for p in paths), [p for p in paths if not (tmp_path / p).is_file()]
     failures = ET.parse(tmp_path / "reports/replay/junit.xml").getroot().iter("failure")
     assert any("supports_lora" in (f.get("message") or "") + (f.text or "") for f in failures)
+    # The tracked recording is as committed; the replay is in the report folder, beside its session.
+    assert hashlib.sha256(recording.read_bytes()).hexdigest() == committed
+    modes = sqlite3.connect(tmp_path / "reports/replay/replay.db").execute("SELECT mode FROM sessions").fetchall()
+    assert modes == [("record",), ("replay",)]
 
 
 def test_the_scheduled_job_finds_whether_pypi_has_a_release_the_matrix_lacks(tmp_path):

@@ -9,7 +9,6 @@ scripts/bench/verdicts.py's to measure; here, one replay of each case the gate m
 """
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -27,11 +26,9 @@ RECORDING = peers.RECORDINGS / "vllm-0.32.0-bench-serve.db"
 def replay(tmp_path, kind: str, recording=RECORDING) -> tuple[int, dict]:
     """`replay-proxy replay` of the session against an engine injecting ``kind``: exit code and report."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    db = tmp_path / "replay.db"
-    shutil.copy(recording, db)
     port = peers.free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "bench-serve",
+        [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording), "--session", "bench-serve",
          "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
          "--engine-cmd", peers.injected_engine_command(port, kind), "--noise-runs", "1",
          "--baseline-cmd", peers.injected_engine_command(port), "--ready-timeout", str(peers.READY_TIMEOUT_S),
