@@ -37,6 +37,8 @@ def matrix(
              "keep each replay (its report, the peer's log, its database) under replays/.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
     ready_timeout: ReadyTimeout = READY_S,
+    as_json: Annotated[bool, typer.Option("--json", help="Print matrix.json's document on stdout, not the table.")]
+        = False,
 ) -> None:
     """Which frontend release works with which engine release: every cell predicted from the schemas
     and the readers' rules, and observed by replaying real peers (docs/matrix.md).
@@ -45,17 +47,19 @@ def matrix(
     """
     from replay_proxy.matrix import RECORDINGS, MatrixError
     from replay_proxy.matrix.run import run
-    from replay_proxy.report.matrix import print_run, write_reports
+    from replay_proxy.report.matrix import matrix_json, print_run, write_reports
 
     try:
         done = run(frontends, engines, predict_only=predict_only, observe=observe or [],
-                   recordings=recordings or RECORDINGS, db=db, workdir=report_dir and report_dir / "replays",
+                   recordings=recordings or RECORDINGS, db=db, report_dir=report_dir,
                    ready_s=ready_timeout,
                    command="replay-proxy matrix " + " ".join(sys.argv[2:]),
                    progress=lambda line: err.print(line, highlight=False))
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    print_run(done, out, err)
+    if as_json:
+        sys.stdout.buffer.write(matrix_json(done.cells) + b"\n")
+    print_run(done, err if as_json else out, err)
     if report_dir is not None:
         for path in write_reports(done.cells, report_dir):
             err.print(f"wrote {path}")
@@ -119,9 +123,12 @@ def can_i_deploy(
     current_engine: Annotated[str | None, typer.Option(help="The engine running now: vllm==Y.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
     report_dir: Annotated[Path | None, typer.Option(
-        help="--verify: keep each replay (its report, the peer's log, its database) here, where the evidence "
-             "points (default: a temporary folder).")] = None,
+        help="--verify: keep each replay (its report, the peer's log, its database) under replays/ here, "
+             "where the evidence points (default: not kept).")] = None,
     ready_timeout: ReadyTimeout = READY_S,
+    as_json: Annotated[bool, typer.Option("--json", help=(
+        "Print the answer as a JSON document (verdict, exit code, each kind's source and evidence, upgrade "
+        "order) on stdout."))] = False,
 ) -> None:
     """Will this frontend work with that engine, and in which order to upgrade?
 
@@ -134,7 +141,7 @@ def can_i_deploy(
     """
     from replay_proxy.matrix import RECORDINGS, MatrixError, engine_release, kinds_in, parse_build
     from replay_proxy.matrix.deploy import can_i_deploy as answer
-    from replay_proxy.report.matrix import print_answer
+    from replay_proxy.report.matrix import answer_json, print_answer
 
     try:
         build, release = parse_build(frontend), engine_release(engine)
@@ -145,8 +152,11 @@ def can_i_deploy(
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     result = answer(build, release, db, uses=kinds, verify=verify, current=current,
-                    recordings=recordings or RECORDINGS, workdir=report_dir, ready_s=ready_timeout)
-    print_answer(result, out)
+                    recordings=recordings or RECORDINGS, report_dir=report_dir, ready_s=ready_timeout)
+    if as_json:
+        sys.stdout.buffer.write(answer_json(result) + b"\n")
+    else:
+        print_answer(result, out)
     raise typer.Exit(int(result.verdict.exit_code))
 
 

@@ -67,18 +67,19 @@ class Answer(msgspec.Struct):
 
 
 def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = False, uses: list[str] | None = None,
-            recordings: Path = RECORDINGS, workdir: Path | None = None, ready_s: float = READY_S) -> tuple[Cell, str]:
+            recordings: Path = RECORDINGS, report_dir: Path | None = None, ready_s: float = READY_S
+            ) -> tuple[Cell, str]:
     """The cell, predicted from the recordings now, with its observation (verified now, of the kinds in
     ``uses`` recorded for it, default all; or from the matrix database), and where that observation comes
-    from (``workdir`` and ``ready_s``: where a verification keeps its replays, and how long each waits for
-    its peer)."""
+    from (``report_dir`` and ``ready_s``: where a verification keeps its replays, under replays/, and how long
+    each waits for its peer)."""
     cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
     observable = [kind for kind in uses or KINDS if kind in cell.predicted.kinds
                   and recording_of(frontend, recordings, kind) and engine_recording(engine, recordings, kind)]
     if verify and not observable:  # nothing to replay: nothing is run, and nothing said to be observed
         return cell, "predicted: not verifiable here, no recording of what one side sends"
     if verify:
-        [cell] = build([frontend], [engine], recordings=recordings, workdir=workdir, ready_s=ready_s,
+        [cell] = build([frontend], [engine], recordings=recordings, report_dir=report_dir, ready_s=ready_s,
                        kinds=observable)
         if db is not None:
             database.save(db, [cell], f"can-i-deploy --frontend {frontend} --engine vllm=={engine} --verify",
@@ -94,11 +95,11 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
 
 def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, uses: list[str] | None = None,
                  verify: bool = False, current: tuple[Frontend, str] | None = None, recordings: Path = RECORDINGS,
-                 workdir: Path | None = None, ready_s: float = READY_S) -> Answer:
+                 report_dir: Path | None = None, ready_s: float = READY_S) -> Answer:
     """Whether ``frontend`` works with ``engine`` for the kinds of request in ``uses`` (default: every kind
     judged), and the upgrade order from ``current`` (default: both sides at the older of the two releases)
     that keeps every step working for them."""
-    cell, source = cell_of(frontend, engine, db, verify=verify, uses=uses, recordings=recordings, workdir=workdir,
+    cell, source = cell_of(frontend, engine, db, verify=verify, uses=uses, recordings=recordings, report_dir=report_dir,
                            ready_s=ready_s)
     uses = uses or cell.kinds
     if cell.verdict_for(uses) is Verdict.BREAKS:
@@ -157,8 +158,11 @@ def bisect(db: Path, session: str, against: Side, releases: str, *, frontend_kin
            progress=lambda line: None) -> tuple[str | None, list[Tried]]:
     """The first release of ``releases`` on side ``against`` whose replay of ``session`` regresses (None:
     none does), and the releases tried, in the order tried; each replay waits ``ready_s`` for its peer."""
+    if workdir is None:  # the replays' files, not kept
+        with tempfile.TemporaryDirectory(prefix="replay-proxy-bisect-") as scratch:
+            return bisect(db, session, against, releases, frontend_kind=frontend_kind, workdir=Path(scratch),
+                          ready_s=ready_s, progress=progress)
     order = releases_in(releases)
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-bisect-"))
     tried: dict[str, Tried] = {}
 
     def regresses(index: int) -> bool:

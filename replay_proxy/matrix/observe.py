@@ -52,6 +52,7 @@ from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import KeptEngine, replay_session
+from replay_proxy.store.copy import copy_session
 from replay_proxy.store.session import decode_and_load, load_session, match_requests
 from replay_proxy.wire.messages import Direction, Side, WireDecoder
 from replay_proxy.wire.schema import load_schema
@@ -77,8 +78,12 @@ class Leg:
     engine kept from the leg before (``EngineBatch``) runs in this process."""
 
     def __init__(self, direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
-                 frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion"):
+                 frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion",
+                 shown: str | None = None):
+        """``shown``: how the evidence names ``workdir`` (relative to the report folder the user chose; None:
+        it is not kept)."""
         self.direction, self.recording, self.workdir = direction, recording, workdir
+        self.shown = shown
         self.engine, self.frontend, self.ready_s, self.kind = engine, frontend, ready_s, kind
         self.result: Judgement | None = None
 
@@ -98,14 +103,15 @@ class Leg:
         if report is None:
             return Judgement(Verdict.UNKNOWN, [Evidence(Verdict.UNKNOWN, self.direction, report_path)])
         db = self.workdir / "replay.db"
-        evidence = failure_evidence(self.direction, report["findings"], str(report_path))
-        evidence += [Evidence(Verdict.DEGRADED, self.direction, f["message"], rule=f["code"], source=str(report_path))
+        source = f"{self.shown}/report.json" if self.shown else "the replay's report (not kept: give --report-dir)"
+        evidence = failure_evidence(self.direction, report["findings"], source)
+        evidence += [Evidence(Verdict.DEGRADED, self.direction, f["message"], rule=f["code"], source=source)
                      for f in report["findings"] if f["code"] in DEGRADING_CODES.get(self.direction, ())]
         if self.direction is Direction.TO_ENGINE and not evidence:
             evidence += self._against_own_frontend(db, report["candidate"])
         if not evidence:
             evidence.append(Evidence(Verdict.WORKS, self.direction, f"replayed clean: {report['candidate']}",
-                                     source=str(report_path)))
+                                     source=source))
         how = f"{self.recording[0].name} replayed against {self.peer} (exit {code}); {UNRELATED}"
         return Judgement(worst(e.verdict for e in evidence), evidence, how)
 
@@ -196,14 +202,12 @@ def batched_legs(legs: list[Leg]) -> list[Leg | EngineBatch]:
 def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, engine: str | None = None,
            frontend: Frontend | None = None, ready_s: float = peers.READY_S, kind: str = "completion",
            kept: KeptEngine | None = None) -> tuple[int, dict | None, str]:
-    """``replay-proxy replay`` of ``recording`` (a copy, in ``workdir``) against a real engine ``engine``
+    """``replay-proxy replay`` of ``recording`` (into ``workdir``/replay.db) against a real engine ``engine``
     (direction to-engine) or frontend ``frontend`` serving ``kind``'s requests, installed first if need be,
     waiting ``ready_s`` for it to be ready: (exit code, its report, the report's path) or (exit code, None,
     why there is no report). With ``kept``, the engine it holds (or one started for this replay, kept there
     after it) runs it, in this process."""
     workdir.mkdir(parents=True, exist_ok=True)
-    db = workdir / "replay.db"
-    shutil.copy(recording[0], db)
     scratch = peers.scratch_dir()  # the peer's own files: gone with the replay (an engine's are 150 MB)
     serving = peers.SERVING[kind]
     if direction is Direction.TO_ENGINE:
@@ -211,15 +215,14 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
         port = free_port()
         command = peers.command(peers.engine_argv(port, engine), scratch, serving)
         if kept is not None:
-            return replay_on_kept(db, recording[1], f"tcp://127.0.0.1:{port}", command, scratch, ready_s, workdir,
-                                  kept)
+            return replay_on_kept(recording, f"tcp://127.0.0.1:{port}", command, scratch, ready_s, workdir, kept)
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}", "--engine-cmd", command]
     else:
         peers.ready_frontend(frontend, serving)
         http, rpc = free_port(), free_port()
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
                   "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch, serving)]
-    argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", recording[1], *target,
+    argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording[0]), "--session", recording[1], *target,
             "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
     leg_s = ready_s + FINISH_S + SLACK_S
     try:
@@ -237,13 +240,16 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
     return done.returncode, json.loads(report.read_text()), str(report)
 
 
-def replay_on_kept(db: Path, session: str, listen: str, command: str, scratch: Path, ready_s: float, workdir: Path,
-                   kept: KeptEngine) -> tuple[int, dict | None, str]:
+def replay_on_kept(recording: tuple[Path, str], listen: str, command: str, scratch: Path, ready_s: float,
+                   workdir: Path, kept: KeptEngine) -> tuple[int, dict | None, str]:
     """``replay``'s to-engine leg in this process, against ``kept``'s engine if it can serve it, else one started
-    with ``command`` (its files in ``scratch``, removed once it has stopped), its report.json in ``workdir``."""
+    with ``command`` (its files in ``scratch``, removed once it has stopped), into ``workdir``/replay.db as the
+    command would, its report.json there too."""
     peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=command)
     options = ReplayOptions(ready_timeout_s=ready_s, finish_timeout_s=FINISH_S, report_dir=workdir)
+    db = workdir / "replay.db"
     try:
+        session = copy_session(*recording, db)
         report, _ = replay_session(db, session, peer, options, kept=kept)
     except ReplayProxyError as exc:  # the command's one line: why there is no report
         return int(ExitCode.REPLAY_FAILED), None, f"the replay could not run: {exc}"
@@ -273,11 +279,18 @@ def sends(recording: tuple[Path, str], release: str) -> str:
 Legs = dict[str, tuple[Leg, Leg]]  # a cell's two legs for each kind of request recorded on both sides
 
 
-def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path, ready_s: float = peers.READY_S,
-            kinds: list[str] | None = None) -> dict[tuple[Frontend, str], Legs | None]:
+def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, folder: Path, ready_s: float = peers.READY_S,
+            kinds: list[str] | None = None, *, keep: bool = True) -> dict[tuple[Frontend, str], Legs | None]:
     """The two legs of each kind (of ``kinds``, default all) of each cell (None: a recording of the first kind
-    is missing), engine legs shared between frontends that send the same; each waits ``ready_s`` for its peer."""
+    is missing), engine legs shared between frontends that send the same; each waits ``ready_s`` for its peer,
+    and works in a folder of its own under ``folder``/replays/ (named from ``folder`` in its evidence when it
+    is ``keep``-t there)."""
     kinds = kinds or list(KINDS)
+
+    def leg(direction: Direction, recording: tuple[Path, str], name: str, **peer) -> Leg:
+        name = f"replays/{name}".replace(":", "-")
+        return Leg(direction, recording, folder / name, ready_s=ready_s, shown=name if keep else None, **peer)
+
     engine_legs: dict[tuple[str, str, str], Leg] = {}
     legs: dict[tuple[Frontend, str], Legs | None] = {}
     for frontend, engine in cells:
@@ -289,12 +302,10 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, workdir: Path, 
                 continue
             key = (sends(sent, frontend.release), engine, kind)
             if key not in engine_legs:
-                engine_legs[key] = Leg(Direction.TO_ENGINE, sent,
-                                       workdir / f"{frontend}{suffix}-to-engine-{engine}".replace(":", "-"),
-                                       engine=engine, ready_s=ready_s, kind=kind)
-            by_kind[kind] = (engine_legs[key], Leg(
-                Direction.TO_FRONTEND, got, workdir / f"engine-{engine}{suffix}-to-{frontend}".replace(":", "-"),
-                frontend=frontend, ready_s=ready_s, kind=kind))
+                engine_legs[key] = leg(Direction.TO_ENGINE, sent, f"{frontend}{suffix}-to-engine-{engine}",
+                                       engine=engine, kind=kind)
+            by_kind[kind] = (engine_legs[key], leg(Direction.TO_FRONTEND, got, f"engine-{engine}{suffix}-to-{frontend}",
+                                                   frontend=frontend, kind=kind))
         legs[(frontend, engine)] = by_kind if kinds[0] in by_kind else None
     return legs
 

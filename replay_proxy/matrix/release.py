@@ -134,7 +134,7 @@ def add_release(release: str, *, engines: list[str] | None = None, db: Path | No
     engines = [e for e in shipped_releases() if peers.engine_installed(e)] if engines is None else engines
     if engines:
         say(f"vllm-rs:{release} observed against engines {', '.join(engines)}")
-        cells = run(f"vllm-rs:{release}", ",".join(engines), db=db, workdir=workdir / "replays", ready_s=ready_s,
+        cells = run(f"vllm-rs:{release}", ",".join(engines), db=db, report_dir=workdir, ready_s=ready_s,
                     command=f"replay-proxy add-release {release}", progress=say).cells
         step("matrix")
     return AddedRelease(release, previous, changes, drift, f"sim {release}" if engine is None else engine, answers,

@@ -22,23 +22,34 @@ WORKERS = 4
 
 
 def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Callable[[Frontend, str], bool] = True,
-          recordings: Path = RECORDINGS, workdir: Path | None = None, workers: int = WORKERS,
+          recordings: Path = RECORDINGS, report_dir: Path | None = None, workers: int = WORKERS,
           ready_s: float = READY_S, kinds: list[str] | None = None,
           progress: Callable[[str], None] = lambda line: None) -> list[Cell]:
     """A cell per frontend x engine, predicted; observed too where ``observe`` says (all, or a predicate), for
-    ``kinds`` of request (default: every kind recorded), each replay waiting ``ready_s`` for its peer."""
+    ``kinds`` of request (default: every kind recorded), each replay waiting ``ready_s`` for its peer, and kept
+    under ``report_dir``/replays/ (the evidence names it from there), else in a folder removed at the end."""
     cells = [Cell(str(f), e, predict(f, e, recordings)) for f in frontends for e in engines]
     wanted = [(f, e) for f in frontends for e in engines if (observe(f, e) if callable(observe) else observe)]
     if not wanted:
         return cells
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="replay-proxy-matrix-"))
-    legs = legs_of(wanted, recordings, workdir, ready_s, kinds)
+    if report_dir is not None:
+        _observe(cells, wanted, recordings, report_dir, True, workers, ready_s, kinds, progress)
+    else:
+        with tempfile.TemporaryDirectory(prefix="replay-proxy-matrix-") as scratch:
+            _observe(cells, wanted, recordings, Path(scratch), False, workers, ready_s, kinds, progress)
+    return cells
+
+
+def _observe(cells: list[Cell], wanted: list[tuple[Frontend, str]], recordings: Path, folder: Path, keep: bool,
+             workers: int, ready_s: float, kinds: list[str] | None, progress: Callable[[str], None]) -> None:
+    workdir = folder / "replays"
+    legs = legs_of(wanted, recordings, folder, ready_s, kinds, keep=keep)
     unique = list({id(leg): leg for by_kind in legs.values() if by_kind for pair in by_kind.values()
                    for leg in pair}.values())
     work = batched_legs(unique)
     batches = sum(isinstance(w, EngineBatch) for w in work)
     progress(f"observing {len(wanted)} cells with {len(unique)} replays ({workers} at a time, {batches} batches "
-             f"against a kept engine), work in {workdir}")
+             f"against a kept engine), work in {workdir}" + ("" if keep else " (removed at the end)"))
     started = time.monotonic()
 
     def show(leg: Leg) -> None:
@@ -61,7 +72,6 @@ def build(frontends: list[Frontend], engines: list[str], *, observe: bool | Call
             continue
         cell = by_cell[(str(frontend), engine)]
         cell.observed, cell.observed_at = judge(pair), now
-    return cells
 
 
 class MatrixRun(msgspec.Struct):
@@ -75,19 +85,19 @@ class MatrixRun(msgspec.Struct):
 
 
 def run(frontends: str, engines: str, *, predict_only: bool = False, observe: list[str] = (),
-        recordings: Path = RECORDINGS, db: Path | None = None, workdir: Path | None = None,
+        recordings: Path = RECORDINGS, db: Path | None = None, report_dir: Path | None = None,
         ready_s: float = READY_S, command: str = "replay-proxy matrix",
         progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
     """``replay-proxy matrix``: the cells of ``frontends`` x ``engines`` (their specs, as ``frontends_in`` and
     ``releases_in`` read them), predicted, and observed unless ``predict_only``: every cell, or only the
-    ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept in ``workdir``
-    (default: a temporary folder); the cells kept in ``db`` if given. Bad specs raise ``MatrixError``."""
+    ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept under
+    ``report_dir``/replays/ (default: not kept); the cells kept in ``db`` if given. Bad specs raise ``MatrixError``."""
     started = time.monotonic()
     builds, releases = frontends_in(frontends), releases_in(engines)
     chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
     wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \
         (lambda f, e: (f, e) in chosen) if chosen else True
-    cells = build(builds, releases, observe=wanted, recordings=recordings, workdir=workdir, ready_s=ready_s,
+    cells = build(builds, releases, observe=wanted, recordings=recordings, report_dir=report_dir, ready_s=ready_s,
                   progress=progress)
     seconds = time.monotonic() - started
     if db is not None:

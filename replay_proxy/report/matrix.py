@@ -206,12 +206,29 @@ def html_page(cells: list[Cell], title: str = "replay-proxy compatibility matrix
             f"<table><tr><th>frontend</th>{head}</tr>{''.join(rows)}</table>{''.join(details)}</body></html>")
 
 
+def matrix_json(cells: list[Cell]) -> bytes:
+    """matrix.json, and ``matrix --json``: every cell, its verdict, prediction, observation and evidence."""
+    return msgspec.json.format(msgspec.json.encode(
+        [{**msgspec.to_builtins(c), "observed": msgspec.to_builtins(c.observed), "verdict": c.verdict.value,
+          "agrees": c.agrees} for c in cells]))  # "observed" is null, not missing, where nothing was observed
+
+
+def answer_json(answer: Answer) -> bytes:
+    """``can-i-deploy --json``: what ``print_answer`` says, as a document."""
+    verdict = answer.verdict
+    return msgspec.json.format(msgspec.json.encode({
+        "frontend": answer.cell.frontend, "engine": answer.cell.engine, "verdict": verdict.value,
+        "exit_code": int(verdict.exit_code), "uses": answer.uses,
+        "kinds": [{"kind": kind, "verdict": kind_verdict.value, "source": source,
+                   "evidence": [{**msgspec.to_builtins(e), "count": count} for e, count in reasons]}
+                  for kind, kind_verdict, source, reasons in answer.by_kind()],
+        "upgrade": answer.upgrade}))
+
+
 def write_reports(cells: list[Cell], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / name for name in ("matrix.json", "junit.xml", "matrix.html", "matrix.md")}
-    paths["matrix.json"].write_bytes(msgspec.json.format(msgspec.json.encode(
-        [{**msgspec.to_builtins(c), "observed": msgspec.to_builtins(c.observed), "verdict": c.verdict.value,
-          "agrees": c.agrees} for c in cells])))  # "observed" is null, not missing, where nothing was observed
+    paths["matrix.json"].write_bytes(matrix_json(cells))
     paths["junit.xml"].write_bytes(junit(cells))
     paths["matrix.html"].write_text(html_page(cells))
     paths["matrix.md"].write_text(markdown(cells) + "\n" + evidence_markdown(cells))

@@ -78,6 +78,24 @@ def test_can_i_deploy_exits_with_the_verdict_and_prints_the_evidence(tmp_path):
     assert works.returncode == 0 and "works" in works.stdout
 
 
+def test_can_i_deploy_and_matrix_json_are_their_documents_alone_on_stdout(tmp_path):
+    breaks = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.29.0", "--engine", "vllm==0.28.0",
+                             "--json"], capture_output=True, text=True, timeout=60)
+    answer = json.loads(breaks.stdout)
+    assert breaks.returncode == answer["exit_code"] == 3 and answer["verdict"] == "breaks"
+    [completion] = [k for k in answer["kinds"] if k["kind"] == "completion"]
+    assert completion["source"] == "predicted: not observed yet"
+    assert any(e["struct"] == "EngineCoreReadyResponse" and e["field"] == "supports_lora" and e["count"] >= 1
+               for e in completion["evidence"])
+    assert any("no upgrade order helps" in line for line in answer["upgrade"])
+    matrix = subprocess.run([*CLI, "matrix", "--predict-only", "--frontends", "vllm:0.28.0..0.29.0", "--engines",
+                             "0.28.0..0.29.0", "--json", "--report-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    cells = json.loads(matrix.stdout)
+    assert matrix.returncode == 0 and cells == json.loads((tmp_path / "matrix.json").read_text())
+    assert {(c["frontend"], c["engine"]): c["verdict"] for c in cells}[("vllm:0.29.0", "0.28.0")] == "breaks"
+
+
 def test_bad_matrix_arguments_get_one_line():
     for argv in (["matrix", "--engines", "0.99.0"], ["matrix", "--frontends", "sglang:0.1.0"],
                  ["can-i-deploy", "--frontend", "vllm-rs", "--engine", "0.32.0"],

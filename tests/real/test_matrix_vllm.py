@@ -150,7 +150,7 @@ def test_verify_with_a_file_missing_is_unknown_before_any_replay(tmp_path):
     first = result.stdout.splitlines()[0]
     assert first == "vllm:0.31.0 with engine 0.32.0: unknown (verified now: observed by real peers)", result.stdout
     assert f"missing {tmp_path / 'cache' / 'tiny-model' / 'tokenizer.json'}" in result.stdout
-    assert not list((tmp_path / "r").glob("*/report.json"))  # no peer was started: no replay ran
+    assert not list((tmp_path / "r").glob("replays/*/report.json"))  # no peer was started: no replay ran
 
 
 def test_verify_with_a_peer_that_cannot_run_is_unknown_with_its_reason_and_evidence_to_follow(tmp_path):
@@ -160,8 +160,10 @@ def test_verify_with_a_peer_that_cannot_run_is_unknown_with_its_reason_and_evide
     assert result.stdout.splitlines()[0].endswith(": unknown (verified now: observed by real peers)"), result.stdout
     # Both peers really ran and failed on the model; what they said is quoted, and the reports are kept.
     assert result.stdout.count("its log says: OSError: It looks like the config file at") == 2, result.stdout
-    reports = sorted((tmp_path / "r").glob("*/report.json"))
-    assert len(reports) == 2 and all(str(path) in result.stdout for path in reports)
+    # The evidence names them from the report folder chosen, wherever that folder is later read.
+    reports = sorted((tmp_path / "r").glob("replays/*/report.json"))
+    assert len(reports) == 2 and all(f"(source: {path.relative_to(tmp_path / 'r')})" in result.stdout
+                                     for path in reports)
     assert "breaks" not in result.stdout
 
 
