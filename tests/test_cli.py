@@ -1,6 +1,7 @@
 """The command line, acted on as a user does; checked through the database."""
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -9,10 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 import sqlite_utils
 import trio
+import typer
+from click.testing import CliRunner
+from rich.console import Console
 
+from replay_proxy.cli import app
 from replay_proxy.processes import Child, free_port
 from replay_proxy.sim.drift import EngineDrift
 from replay_proxy.sim.engine import SimEngine
@@ -201,11 +207,53 @@ def test_query_never_changes_a_recording_unless_told(tmp_path):
 def test_every_command_has_help_and_is_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     listing = cli("--help").stdout
-    commands = re.findall(r"│ (\w+)\s{2,}", listing.split("Commands")[1])
-    assert {"record", "sessions", "query", "schema", "sim"} <= set(commands)
+    commands = re.findall(r"^  ([\w-]+)\s{2,}", listing.split("Commands:")[1], re.M)
+    assert {"record", "sessions", "query", "schema", "sim", "can-i-deploy"} <= set(commands)
     for command in commands:
         assert cli(command, "--help").returncode == 0
         assert f"replay-proxy {command}" in readme, command
+
+
+def commands(command: click.Command, path: tuple[str, ...] = ()):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from commands(sub, (*path, name))
+
+
+@pytest.mark.parametrize("path, command", list(commands(typer.main.get_command(app))), ids=lambda p: " ".join(p)
+                         if isinstance(p, tuple) else "")
+def test_every_help_is_readable_at_80_columns_with_every_option_name_whole(path, command):
+    shown = CliRunner().invoke(typer.main.get_command(app), [*path, "-h"], env={"COLUMNS": "80"}, terminal_width=80,
+                               prog_name="replay-proxy")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert [line for line in lines if len(line) > 80] == []
+    names = [name for param in command.params for name in (*param.opts, *param.secondary_opts) if name[0] == "-"]
+    assert [name for name in names if not re.search(rf"(^|[\s,/]){re.escape(name)}([\s,]|$)", shown.output, re.M)] == []
+
+
+def test_the_main_tables_read_whole_at_80_columns():
+    """A diff's findings and performance estimates, and the sessions table: every metric, column and code whole,
+    no line past 80 columns."""
+    from replay_proxy.compare.report import diff_sessions
+    from replay_proxy.compare.rules import load_rules
+    from replay_proxy.report.render import print_summary
+    from replay_proxy.report.tables import print_rows
+    from replay_proxy.store.queries import list_sessions
+
+    recordings = ROOT / "recordings"
+    report = diff_sessions(recordings / "vllm-0.32.0-python.db", "python-frontend",
+                           recordings / "vllm-0.32.0-vllm-rs.db", "vllm-rs-frontend", load_rules())
+    console = Console(width=80, record=True, file=io.StringIO())
+    print_summary(report, console)
+    sessions = list_sessions(recordings / "demo.db")
+    print_rows(sessions, "table", console, title="sessions")
+    shown = console.export_text()
+    assert [line for line in shown.splitlines() if len(line) > 80] == []
+    metrics = {f.field for f in report.findings if f.change is not None}
+    assert {"e2e_ms.p50", "ttft_ms.p50", "itl_ms.p90"} <= metrics
+    words = set(re.findall(r"[\w.]+", shown))
+    assert metrics | {f.code for f in report.findings if f.severity > 0} | set(sessions[0]) <= words
 
 
 @pytest.mark.parametrize("command, code", [

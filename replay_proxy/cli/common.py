@@ -6,25 +6,53 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from replay_proxy.compare.findings import Report, exit_code
 from replay_proxy.compare.rules import Rules, RulesError, load_rules
 from replay_proxy.errors import ExitCode
 
-app = typer.Typer(
+class PanelledCommand(TyperCommand):
+    """Help as click lays it out, each option's name whole and its help wrapped beside or under it (a rich
+    table cuts names at 80 columns), in a section per ``rich_help_panel`` where a command groups its options."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        panels: dict[str, list[tuple[str, str]]] = {"Options": []}  # the command's own first
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                panels.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for name, records in panels.items():
+            if records:
+                with formatter.section(name):
+                    formatter.write_dl(records)
+
+
+class App(typer.Typer):
+    """A Typer whose commands are ``PanelledCommand``s, with plain (unstyled) help."""
+
+    def __init__(self, **kwargs):
+        super().__init__(rich_markup_mode=None, **kwargs)
+
+    def command(self, *args, **kwargs):
+        return super().command(*args, cls=kwargs.pop("cls", PanelledCommand), **kwargs)
+
+
+app = App(
     help="Record and replay the ZeroMQ link between vLLM frontends and engines.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-schema_app = typer.Typer(help="Per-release wire schemas.", no_args_is_help=True)
+schema_app = App(help="Per-release wire schemas.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
-sim_app = typer.Typer(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
+sim_app = App(help="Protocol-faithful fake peers, to try the proxy without vLLM.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
-peers_app = typer.Typer(help="Real vLLM peers, fetched from pip into the cache ($REPLAY_PROXY_CACHE).",
-                        no_args_is_help=True)
+peers_app = App(help="Real vLLM peers, fetched from pip into the cache ($REPLAY_PROXY_CACHE).",
+                no_args_is_help=True)
 app.add_typer(peers_app, name="peers")
 out = Console(width=None if sys.stdout.isatty() else 200)  # query results are wide: do not fold at 80
 err = Console(stderr=True, soft_wrap=True)

@@ -14,6 +14,7 @@ from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.wire.messages import Side
 
 REPORT_DIR_HELP = "Write report.json, junit.xml, report.html here."
+PEER, JUDGING = "The peer under test", "Judging"  # replay -h's sections
 Pace = Annotated[str, typer.Option(
     help="'original' recorded timing, 'fast' as fast as accepted, or a speed-up factor like 2.")]
 
@@ -57,29 +58,32 @@ def replay(
     against: Annotated[Side, typer.Option(
         help="The side under test: 'engine' (the proxy plays the recorded frontend) or 'frontend' (it plays "
              "the recorded engines).")],
-    listen: Annotated[str | None, typer.Option(callback=check_address,
+    listen: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_address,
         help="--against engine: the handshake address the engine dials.")] = None,
-    upstream: Annotated[str | None, typer.Option(callback=check_address,
+    upstream: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_address,
         help="--against frontend: the frontend's handshake address.")] = None,
-    http: Annotated[str | None, typer.Option(help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")]
-        = None,
-    engine_cmd: Annotated[str | None, typer.Option(
+    http: Annotated[str | None, typer.Option(
+        rich_help_panel=PEER, help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")] = None,
+    engine_cmd: Annotated[str | None, typer.Option(rich_help_panel=PEER,
         help="Start the engine under test with this command (own process group, stopped at the end, log kept).")]
         = None,
-    frontend_cmd: Annotated[str | None, typer.Option(help="Start the frontend under test with this command.")]
-        = None,
+    frontend_cmd: Annotated[str | None, typer.Option(
+        rich_help_panel=PEER, help="Start the frontend under test with this command.")] = None,
     pace: Pace = "original",
-    ready_timeout: Annotated[float, typer.Option(help="Seconds to wait for the target to be ready.")] = 300.0,
-    finish_timeout: Annotated[float, typer.Option(help="Seconds to wait for outstanding requests.")] = 120.0,
-    rules: Annotated[Path | None, typer.Option(help="JSON noise rules over the defaults.")] = None,
-    noise_runs: Annotated[int, typer.Option(min=0, help=(
+    ready_timeout: Annotated[float, typer.Option(
+        rich_help_panel=PEER, help="Seconds to wait for the target to be ready.")] = 300.0,
+    finish_timeout: Annotated[float, typer.Option(
+        rich_help_panel=PEER, help="Seconds to wait for outstanding requests.")] = 120.0,
+    rules: Annotated[Path | None, typer.Option(
+        rich_help_panel=JUDGING, help="JSON noise rules over the defaults.")] = None,
+    noise_runs: Annotated[int, typer.Option(rich_help_panel=JUDGING, min=0, help=(
         "Replay the session this many times against --baseline-cmd and as many against the build under "
         "test, interleaved: what varies between the baseline's runs is the noise floor, not regression. "
         "Scoring needs 1, a timing verdict 2 or more."))] = 0,
-    baseline_cmd: Annotated[str | None, typer.Option(
+    baseline_cmd: Annotated[str | None, typer.Option(rich_help_panel=JUDGING,
         help="--noise-runs: start the baseline build (the one the recording was made with) with this command.")]
         = None,
-    hold_lengths: Annotated[bool, typer.Option(help=(
+    hold_lengths: Annotated[bool, typer.Option(rich_help_panel=JUDGING, help=(
         "--against engine: each request asks for exactly its recorded number of output tokens, so the "
         "replay's load has the recorded shape even when its tokens differ (a redacted recording)."))] = False,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,

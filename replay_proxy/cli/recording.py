@@ -19,11 +19,16 @@ from replay_proxy.record.status import LogFormat
 from replay_proxy.store.recorder import OnFull
 
 
+# record -h's sections (the options not in one are the recording's own)
+LINK, REDACTION = "The link", "Redaction (docs/redaction.md)"
+SAMPLING_AND_FILES, MONITORING = "Sampling, rotation and retention", "Monitoring"
+
+
 @app.command()
 def record(
-    listen: Annotated[str, typer.Option(callback=check_address,
+    listen: Annotated[str, typer.Option(rich_help_panel=LINK, callback=check_address,
         help="Handshake address the engines dial (their --data-parallel-address/--data-parallel-rpc-port).")],
-    upstream: Annotated[str, typer.Option(callback=check_address,
+    upstream: Annotated[str, typer.Option(rich_help_panel=LINK, callback=check_address,
         help="The frontend's real handshake address.")],
     db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing); it may hold strftime "
                                           "fields (staging-%Y%m%d-%H%M%S.db), filled in as each file is begun.")],
@@ -31,50 +36,51 @@ def record(
     on_full: Annotated[OnFull, typer.Option(
         help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
              "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = OnFull.DROP,
-    record_coordinator: Annotated[bool, typer.Option(
+    record_coordinator: Annotated[bool, typer.Option(rich_help_panel=LINK,
         help="Also relay and record the engines' DP-coordinator channels (subscription, READY, waves, stats); "
              "by default engines talk to the coordinator directly.")] = False,
     max_db_mb: Annotated[float | None, typer.Option(min=1,
         help="Stop recording (never forwarding) once the database file reaches this size; what does not "
              "fit is counted as dropped, as on a full disk.")] = None,
-    frontend_release: Annotated[str | None, typer.Option(
+    frontend_release: Annotated[str | None, typer.Option(rich_help_panel=LINK,
         metavar="RELEASE",
         help="The vLLM release of the frontend (Python or vllm-rs), which no handshake names: its frames are "
              "decoded with it. By default it is found from its first request.")] = None,
-    fail_on_drift: Annotated[bool, typer.Option(
+    fail_on_drift: Annotated[bool, typer.Option(rich_help_panel=LINK,
         help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
              "(the drift alarms, in the drift_alarms table).")] = False,
-    redact_key: Annotated[Path | None, typer.Option(
+    redact_key: Annotated[Path | None, typer.Option(rich_help_panel=REDACTION,
         help="Redact every frame with the key in this file before anything is written (forwarding is untouched); "
              "see README: Redaction.")] = None,
-    redact_policy: Annotated[Path | None, typer.Option(
+    redact_policy: Annotated[Path | None, typer.Option(rich_help_panel=REDACTION,
         help="--redact-key: a JSON redaction policy laid over the shipped one.")] = None,
-    vocab_size: Annotated[int | None, typer.Option(
+    vocab_size: Annotated[int | None, typer.Option(rich_help_panel=REDACTION,
         min=2, help="--redact-key: the model's vocabulary size (vocab_size in its config.json).")] = None,
-    sample_requests: Annotated[float | None, typer.Option(
+    sample_requests: Annotated[float | None, typer.Option(rich_help_panel=SAMPLING_AND_FILES,
         metavar="F",
         help="Record only a keyed sample of the requests (0 < F <= 1): a request's ADD, outputs and ABORT, or none "
              "of them, decided by a hash of its id, alike on every engine, API server and proxy given the same "
              "--sample-seed. Handshakes, utility calls and stats are always recorded.")] = None,
-    sample_seed: Annotated[str, typer.Option(help="--sample-requests: the key of its hash.")] = "0",
-    rotate_mb: Annotated[float | None, typer.Option(
+    sample_seed: Annotated[str, typer.Option(
+        rich_help_panel=SAMPLING_AND_FILES, help="--sample-requests: the key of its hash.")] = "0",
+    rotate_mb: Annotated[float | None, typer.Option(rich_help_panel=SAMPLING_AND_FILES,
         min=1, help="Begin the next file once this one reaches this size (each file stands alone; see "
                     "docs/operations.md). SIGHUP begins it at once.")] = None,
-    rotate_every: Annotated[str | None, typer.Option(
+    rotate_every: Annotated[str | None, typer.Option(rich_help_panel=SAMPLING_AND_FILES,
         metavar="DURATION", help="Begin the next file on every multiple of this since the epoch (UTC): 30m, 1h "
                                  "(on the hour), 1d.")] = None,
-    keep: Annotated[int | None, typer.Option(
+    keep: Annotated[int | None, typer.Option(rich_help_panel=SAMPLING_AND_FILES,
         min=1, help="Delete this run's oldest closed files beyond this many (the one being written counts).")] = None,
-    max_total_gb: Annotated[float | None, typer.Option(
+    max_total_gb: Annotated[float | None, typer.Option(rich_help_panel=SAMPLING_AND_FILES,
         min=0.001, help="Delete this run's oldest closed files while they and the current one exceed this.")] = None,
-    metrics: Annotated[str | None, typer.Option(
+    metrics: Annotated[str | None, typer.Option(rich_help_panel=MONITORING,
         callback=check_host_port, metavar="HOST:PORT",
         help="Serve /metrics (Prometheus) and /healthz (200, or 503 with the reason once an engine is lost or "
              "the writer is dead) here; port 0 takes a free one. See docs/operations.md.")] = None,
-    log_format: Annotated[LogFormat, typer.Option(
+    log_format: Annotated[LogFormat, typer.Option(rich_help_panel=MONITORING,
         help="How stderr is written when it is not a terminal: text lines, or JSON lines for a log collector "
              "(one every --status-every seconds and one per event).")] = LogFormat.TEXT,
-    status_every: Annotated[float, typer.Option(
+    status_every: Annotated[float, typer.Option(rich_help_panel=MONITORING,
         min=0.5, help="When stderr is not a terminal: seconds between status lines.")] = 10.0,
 ) -> None:
     """Relay a vLLM frontend and its engines, recording every frame.

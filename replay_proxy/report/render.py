@@ -8,10 +8,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from replay_proxy.compare.findings import Finding, Report, Severity, exit_code, report_json, worst_first
+from replay_proxy.report.tables import fits
 
 SEVERITY_STYLE = {Severity.BREAKING: "bold red", Severity.REGRESSION: "red", Severity.WARNING: "yellow",
                   Severity.INFO: "dim"}
@@ -77,36 +79,53 @@ def verdict_counts(report: Report) -> str:
 def print_summary(report: Report, console: Console, show_info: bool = False) -> None:
     findings = [f for f in worst_first(report.findings) if show_info or f.severity > Severity.INFO]
     noise = f" (noise floor: {len(report.noise)} baseline runs)" if report.noise else ""
-    table = Table(title=f"{report.title}: {report.baseline} -> {report.candidate}{noise}", title_justify="left")
+    title = f"{report.title}: {report.baseline} -> {report.candidate}{noise}"
+    table = Table(title=title, title_justify="left")
     for column in ("severity", "category", "code", "where", "finding"):
         table.add_column(column, overflow="fold")
+    rows = []
     for f, requests in grouped(findings):
         place = f"{f.tier}: {len(requests)} requests" if requests else where(f)
-        table.add_row(Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity]), f.category, f.code,
-                      Text(place), Text("\n".join(filter(None, (group_line(f, requests), caused(f))))))
-    if findings:
+        rows.append((Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity]), f.category, f.code, place,
+                     "\n".join(filter(None, (group_line(f, requests), caused(f))))))
+        table.add_row(*rows[-1][:3], Text(place), Text(rows[-1][4]))
+    if findings and fits(table, console):
         console.print(table)
+    elif findings:  # narrower: each finding a line, what it says indented under it
+        console.print(title, highlight=False, markup=False)
+        for severity, category, code, place, said in rows:
+            console.print(Text.assemble(severity, f" {category} {code} {place}"))
+            console.print(Padding(Text(said), (0, 0, 0, 2)))
     if report.verdicts:
         console.print(f"requests judged by tier: {verdict_counts(report)}")
     estimates = [f for f in report.findings if f.change is not None]
     if estimates:
-        console.print(_estimates_table(estimates))
+        _print_estimates(estimates, console)
     counts = {s.name.lower(): sum(f.severity == s for f in report.findings) for s in reversed(Severity)}
     console.print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" -> exit {int(exit_code(report.findings))}")
 
 
-def _estimates_table(findings: list[Finding]) -> Table:
+def _print_estimates(findings: list[Finding], console: Console) -> None:
     """Every performance estimate, whatever its verdict: "no change" comes with what it could have seen."""
-    table = Table(title="performance: change with 95% interval", title_justify="left")
+    title = "performance: change with 95% interval"
+    table = Table(title=title, title_justify="left")
     for column in ("metric", "baseline", "candidate", "change", "95% interval", "verdict", "detectable"):
         table.add_column(column, justify="left" if column in ("metric", "verdict") else "right")
+    lines = []
     for f in sorted(findings, key=lambda f: f.field or ""):
         c = f.change
+        verdict = Text(_verdict(f).replace("_", " "), style=SEVERITY_STYLE[f.severity])
         table.add_row(f.field, f"{f.baseline:g}", f"{f.candidate:g}", f"{c.relative:+.1%}",
-                      f"{c.low:+.1%} .. {c.high:+.1%}",
-                      Text(_verdict(f).replace("_", " "), style=SEVERITY_STYLE[f.severity]),
-                      f"{c.minimum_detectable:.1%}")
-    return table
+                      f"{c.low:+.1%} .. {c.high:+.1%}", verdict, f"{c.minimum_detectable:.1%}")
+        lines.append(Text.assemble(f"{f.field}: {f.baseline:g} -> {f.candidate:g}, {c.relative:+.1%} "
+                                   f"({c.low:+.1%} .. {c.high:+.1%}), ", verdict,
+                                   f"; detectable {c.minimum_detectable:.1%}"))
+    if fits(table, console):
+        console.print(table)
+    else:  # narrower: a line a metric
+        console.print(title)
+        for line in lines:
+            console.print(line)
 
 
 def write_reports(report: Report, directory: Path) -> list[Path]:

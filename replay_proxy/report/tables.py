@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -28,14 +29,37 @@ def print_rows(rows: list[dict[str, Any]], form: Form, console: Console, title: 
             writer.writerows({k: _bytes_hex(v) if isinstance(v, bytes) else v for k, v in r.items()}
                              for r in rows)
     else:
+        cells = [{k: _cell(v) for k, v in row.items()} for row in rows]
         table = Table(title=title)
         for column in (rows[0] if rows else {}):
             table.add_column(column, overflow="fold")
-        for row in rows:  # Text, not str: a cell like [null] is data, not rich markup
-            table.add_row(*(Text("" if v is None else _bytes_hex(v) if isinstance(v, bytes) else str(v))
-                            for v in row.values()))
-        console.print(table)
+        for row in cells:
+            table.add_row(*row.values())
+        if fits(table, console):
+            console.print(table)
+        else:  # too wide to read as columns: a row at a time, a line per column (as psql's \x)
+            if title:
+                console.print(title, style="italic")
+            for number, row in enumerate(cells, 1):
+                record = Table.grid(padding=(0, 2))
+                record.add_column(style="bold", no_wrap=True)
+                record.add_column(overflow="fold")
+                for column, value in row.items():
+                    record.add_row(column, value)
+                console.rule(f"row {number}", align="left", style="dim")
+                console.print(record)
         console.print(f"{len(rows)} row{'s' if len(rows) != 1 else ''}", style="dim")
+
+
+def fits(table: Table, console: Console) -> bool:
+    """Whether ``table`` shows every cell whole on one line at the console's width (a narrower one folds
+    each name and value into slivers: the caller shows it another way)."""
+    return Measurement.get(console, console.options.update(max_width=10**6), table).maximum <= console.width
+
+
+def _cell(value: Any) -> Text:
+    """Text, not str: a cell like [null] is data, not rich markup."""
+    return Text("" if value is None else _bytes_hex(value) if isinstance(value, bytes) else str(value))
 
 
 def _bytes_hex(value: Any) -> str:
