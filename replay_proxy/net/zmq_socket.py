@@ -82,6 +82,13 @@ class ZmqSocket:
     def connect(self, address: str) -> None:
         connect(self._socket, address)
 
+    def watch(self) -> ZmqSocket:
+        """What happens to this socket's connections, as monitor events (``monitor``): every kind."""
+        return monitor(self._socket, zmq.EVENT_ALL)
+
+    def unwatch(self) -> None:
+        self._socket.disable_monitor()
+
     def receive_nowait(self) -> list[bytes]:
         """Receive one multipart message or raise ``trio.WouldBlock``."""
         try:

@@ -53,6 +53,7 @@ from collections import defaultdict
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
@@ -72,6 +73,19 @@ RESET = "reset_prefix_cache"  # the kept engine's state a replay could see: Engi
 
 class EngineNotReset(ReplayError):
     """A kept engine did not empty its prefix cache: the next replay needs an engine of its own."""
+
+
+def connection_events(watch: ZmqSocket) -> list[str]:
+    """The monitor events ``watch`` holds, by name, in order (ACCEPTED, HANDSHAKE_SUCCEEDED, ...), but for the
+    socket's own LISTENING."""
+    events = []
+    while True:
+        try:
+            event = zmq.Event(parse_monitor_message(watch.receive_nowait())["event"])
+        except trio.WouldBlock:
+            return events
+        if event is not zmq.Event.LISTENING:
+            events.append(event.name)
 
 
 class EngineLink:
@@ -195,6 +209,7 @@ class FrontendPlayer(Player):
 
     async def _handshake(self) -> None:
         link, handshake = self.link, self.link.handshake
+        watches = [sock.watch() for sock in link.inputs]  # what reached them, said if the engines' did not
         addresses = {
             "inputs": [s.bind(local_address_like(self.listen)) for s in link.inputs],
             "outputs": [s.bind(local_address_like(self.listen)) for s in link.outputs],
@@ -224,12 +239,18 @@ class FrontendPlayer(Player):
                         states[index] = "READY"
         self._handshaking = False
         link.engines = expected
+        seen = [connection_events(watch) for watch in watches]
+        for sock, watch in zip(link.inputs, watches):
+            sock.unwatch()
+            watch.close()
         if waiting.cancelled_caught:
             raise ReplayError(
                 f"the engine side was not ready after {self.ready_timeout:g} s: recorded engines "
                 f"{sorted(expected)} x {self.session.api_servers} API server(s); handshake states "
                 f"{ {e: states.get(e, 'none') for e in sorted(expected)} }, registrations "
-                f"{ {e: len(registered[e]) for e in sorted(expected)} }")
+                f"{ {e: len(registered[e]) for e in sorted(expected)} }; connections to the input socket"
+                + "".join(f"\n  {address}: {', '.join(events) or 'none'}"
+                          for address, events in zip(addresses["inputs"], seen)))
 
     async def _refuse_extra_engines(self) -> None:
         identity, *frames = await self.link.handshake.receive()

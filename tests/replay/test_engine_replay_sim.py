@@ -1,6 +1,7 @@
 """Replay against an engine, with sim peers: a faithful engine gives nothing, each drift its finding."""
 
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -290,3 +291,36 @@ def test_a_replay_whose_recording_cannot_be_closed_leaves_no_engine_running(tmp_
     assert started and not any(child.running() for child in started)
     for recorder in unclosed:  # (its writer process, which the broken close left waiting)
         close(recorder, "failed", "closed by the test")
+
+
+SILENT_ENGINE = """
+import sys, time, zmq
+from replay_proxy.wire.encode import encode
+from replay_proxy.wire.handshake import parse_init
+context = zmq.Context()
+handshake = context.socket(zmq.DEALER)
+handshake.setsockopt(zmq.IDENTITY, b"\\x00\\x00")
+handshake.connect(sys.argv[1])
+handshake.send(encode({"status": "HELLO", "local": False, "headless": True}))
+_, addresses = parse_init(handshake.recv())
+if sys.argv[2] == "connects":  # to its input socket, and says nothing there
+    silent = context.socket(zmq.DEALER)
+    silent.setsockopt(zmq.IDENTITY, b"\\x00\\x00")
+    silent.connect(addresses.inputs[0])
+handshake.send(encode({"status": "READY", "local": False, "headless": True}))
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("connects, events", [("connects", "ACCEPTED, HANDSHAKE_SUCCEEDED"), ("never", "none")])
+def test_an_engine_ready_without_its_registration_is_named_with_what_reached_its_input_socket(
+        tmp_path, recorded, connects, events):
+    script = tmp_path / "silent_engine.py"
+    script.write_text(SILENT_ENGINE)
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=shlex.join([sys.executable, str(script), listen,
+                                                                              connects]))
+    report, _ = replay_session(recorded, "baseline", peer, ReplayOptions(ready_timeout_s=3, report_dir=tmp_path))
+    [failure] = report.findings
+    assert "handshake states {0: 'READY'}, registrations {0: 0}" in failure.message, failure.message
+    assert re.search(rf"connections to the input socket\n  tcp://127\.0\.0\.1:\d+: {events}\n", failure.message)
