@@ -2,9 +2,9 @@
 
 Two sim engines and a sim frontend with two API servers talk through the
 recording proxy, each in its own process; the recording lands in
-demo/demo.db (ignored by git: the committed recordings/demo.db is the tests'
-fixture, which the demo leaves alone), and a few example queries show what
-it holds.
+demo/demo.db of the folder it runs in (the project's, from demo.sh; ignored
+by git: the committed recordings/demo.db is the tests' fixture, which the demo
+leaves alone), and a few example queries show what it holds.
 """
 
 import shutil
@@ -15,8 +15,7 @@ from pathlib import Path
 
 from replay_proxy.processes import Child, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-DB = ROOT / "demo" / "demo.db"
+DB = Path("demo") / "demo.db"
 CLI = [sys.executable, "-m", "replay_proxy"]
 QUERIES = [
     ["--preset", "frames-by-kind"],

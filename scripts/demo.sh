@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on embedded defaults, from nothing: a venv with the project,
-# then sim peers through `replay-proxy record` into recordings/demo.db, and
+# then sim peers through `replay-proxy record` into demo/demo.db, and
 # example queries over it. No vLLM needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -81,7 +81,7 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
                                                 release) if r in rejecting((r,), "missing_required_key"))
             findings.append(Finding(
                 "schema", Severity.BREAKING if breaks else Severity.WARNING, "registration_key_missing",
-                f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} requires "
+                f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} require{'s' if len(breaks) == 1 else ''} "
                                                      f"(\"missing required field `{key}`\")" if breaks else ""),
                 message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key, breaks=breaks))
         for key in sorted(keys_b - keys_a):

@@ -95,7 +95,7 @@ def print_summary(report: Report, console: Console, show_info: bool = False) -> 
         console.print(title, highlight=False, markup=False)
         for severity, category, code, place, said in rows:
             console.print(Text.assemble(severity, f" {category} {code} {place}"))
-            console.print(Padding(Text(said), (0, 0, 0, 2)))
+            console.print(Padding(Text(said), (0, 0, 0, 2), expand=False))
     if report.verdicts:
         console.print(f"requests judged by tier: {verdict_counts(report)}")
     estimates = [f for f in report.findings if f.change is not None]

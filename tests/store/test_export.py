@@ -16,7 +16,7 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     for db in RECORDINGS:  # as two proxies' files would be
         result = cli("export", "--db", str(db), "--parquet", str(lake))
         assert result.returncode == 0 and "wrote 10 Parquet files" in result.stderr, result.stderr
-    # The README's query: outputs and tokens per session, with each session's release.
+    # docs/database.md's query: outputs and tokens per session, with each session's release.
     rows = duckdb.sql(f"""
         SELECT s.session, s.vllm_version, COUNT(*) AS outputs, SUM(o.num_new_tokens) AS tokens
         FROM read_parquet('{lake}/outputs/*/*.parquet', hive_partitioning = true) o
