@@ -40,6 +40,7 @@ WALKS = {
     "the README's tour": Walk("README.md", "## A five-minute tour", "## Recording in staging",
                               first=f"{sys.executable} scripts/demo.py"),
     "docs/database.md: Parquet to DuckDB": Walk("docs/database.md", "<!-- walk: parquet -->", "<!-- /walk -->"),
+    "docs/comparing.md: schema diff": Walk("docs/comparing.md", "<!-- walk: schema diff -->", "<!-- /walk -->"),
 }
 
 
@@ -111,6 +112,27 @@ def test_each_walk_runs_as_the_page_says_and_prints_what_it_shows(name, tmp_path
         else:
             lacks = holds([line.replace(TOUR_PORT, port) for line in block.splitlines()], printed)
             assert lacks is None, f"{walk.page}: the page shows {lacks}; what ran printed:\n{printed}"
+
+
+def test_every_link_between_the_pages_leads_somewhere():
+    """Each relative link of the README and docs/ names a file that exists, and a heading of it where it
+    names one (as GitHub makes a heading's anchor)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            linked = (page.parent / target) if target else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert broken == []
+
+
+def anchors(page: Path) -> set[str]:
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 @pytest.mark.parametrize("shown, printed, ok", [

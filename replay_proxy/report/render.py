@@ -8,7 +8,6 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from rich.console import Console
-from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -95,7 +94,9 @@ def print_summary(report: Report, console: Console, show_info: bool = False) -> 
         console.print(title, highlight=False, markup=False)
         for severity, category, code, place, said in rows:
             console.print(Text.assemble(severity, f" {category} {code} {place}"))
-            console.print(Padding(Text(said), (0, 0, 0, 2), expand=False))
+            for line in Text(said).wrap(console, max(console.width - 2, 20)):
+                line.rstrip()
+                console.print(Text("  ") + line, soft_wrap=True)
     if report.verdicts:
         console.print(f"requests judged by tier: {verdict_counts(report)}")
     estimates = [f for f in report.findings if f.change is not None]
