@@ -52,7 +52,8 @@ PYTHON_ONLY = ["--max-num-seqs", "4", "--enforce-eager"]
 # with V1 multiprocessing off, which a headless engine reads nowhere else (the in-process LLMEngine does).
 ONE_PROCESS_ENGINE = ("VLLM_ENABLE_V1_MULTIPROCESSING=0", ["--distributed-executor-backend", "uni"])
 ENV_KEYS = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-            "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TORCHDYNAMO_DISABLE", "TMPDIR", "VLLM_RPC_BASE_PATH")
+            "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_HOST_IP", "TORCHDYNAMO_DISABLE", "TMPDIR",
+            "VLLM_RPC_BASE_PATH")
 
 
 class Serving(msgspec.Struct, frozen=True):

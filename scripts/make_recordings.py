@@ -14,7 +14,8 @@ engine, the session the real shrink test cuts down. `--bench-serve` records
 vllm-0.32.0-bench-serve.db: a real client's traffic (`vllm bench serve`, 4 users
 at a time, sampled, greedy, and seeded with stop tokens: tests/real/workload.py
 bench_serve) between the Python frontend and a 0.32.0 engine serving the peaked
-tiny model, the session whose verdicts scripts/bench/verdicts.py measures. The second form records a release's own Python frontend and engine
+tiny model, the session whose verdicts scripts/bench/verdicts.py measures. The second form records a
+release's own Python frontend and engine
 (vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
 third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
 the same release, or of the nearest installed one where that cannot run here

@@ -103,8 +103,8 @@ async def test_a_drifted_engine_raises_a_drift_alarm_while_recording_and_fail_on
      "port 99999 is not 0-65535"),  # (libzmq would listen on 99999 - 65536)
     (["record", "--listen", "tcp://no-such-host.invalid:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db"],
      "neither a host this machine resolves nor one of its network interfaces"),
-    (["record", "--listen", "tcp://127.0.0.1:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db", "--metrics", "9464"],
-     "is not HOST:PORT"),
+    (["record", "--listen", "tcp://127.0.0.1:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db",
+      "--metrics", "9464"], "is not HOST:PORT"),
     (["record", "--listen", "tcp://127.0.0.1:1", "--upstream", "tcp://127.0.0.1:2", "--db", "x.db",
       "--sample-requests", "0"], "0 < F <= 1"),
     (["query", "--db", "x.db"], "give either SQL or --preset"),

@@ -1,6 +1,7 @@
 """The layout's rules (pyproject.toml, [tool.importlinter]) hold, and would catch an import that breaks them."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def test_every_import_contract_is_kept():
 
 
 def test_an_import_against_the_layers_or_into_a_protected_module_breaks_a_contract(tmp_path):
-    shutil.copytree(ROOT / "replay_proxy", tmp_path / "replay_proxy", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(ROOT / "replay_proxy", tmp_path / "replay_proxy",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     wire = tmp_path / "replay_proxy" / "wire" / "encode.py"
     wire.write_text(wire.read_text() + "\nfrom replay_proxy.store import tables  # noqa: E402\n")  # the wire, up
@@ -33,3 +35,29 @@ def test_an_import_against_the_layers_or_into_a_protected_module_breaks_a_contra
     assert "Data flows one way, from the wire up BROKEN" in result.stdout
     assert "replay_proxy.wire.encode -> replay_proxy.store.tables" in result.stdout
     assert "The recorder's processes, protocol and rows are its own BROKEN" in result.stdout
+
+
+def ruff(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "ruff"), "check", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_code_keeps_the_lint_rules_and_they_would_catch_a_break():
+    """[tool.ruff]'s rules hold over the product, its tests and scripts; a `# noqa` that silences nothing
+    would be reported, and so would an unused import (the rules are live, not just configured)."""
+    result = ruff("replay_proxy", "tests", "scripts")
+    assert result.returncode == 0, result.stdout[-3000:]
+    broken = ruff("--stdin-filename", "replay_proxy/example.py", "-", stdin="import os\nx = 1  # noqa: E731\n")
+    assert broken.returncode == 1 and "F401" in broken.stdout and "RUF100" in broken.stdout
+
+
+def test_docs_architecture_names_every_module_in_its_package_row():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = dict(re.findall(r"^\| `replay_proxy/(\w*)/?` \| (.*) \|$", text, re.M))
+    packages = {p.parent.name for p in (ROOT / "replay_proxy").glob("*/__init__.py")}
+    assert packages | {""} == set(rows)
+    unnamed = [f"{package or 'replay_proxy'}/{module.name}" for package, row in rows.items()
+               for module in (ROOT / "replay_proxy" / package).glob("*.py")
+               if module.stem not in ("__init__", "__main__") and f"`{module.stem}`" not in row
+               and f"`{module.name}`" not in row]
+    assert unnamed == []

@@ -58,7 +58,8 @@ async def test_every_frame_is_forwarded_routed_and_recorded(session_factory, db_
         assert (row["engine_index"], row["client_index"]) == (k % engines, (k // engines) % api_servers)
         assert row["tokens"] == 3 + k % 4 and row["finish_reason"] == "length"
     session_row = db["sessions"].get(session.recorder.session_id)
-    assert (session_row["status"], session_row["vllm_version"], session_row["schema_exact"]) == ("complete", "0.32.0", 1)
+    assert (session_row["status"], session_row["vllm_version"], session_row["schema_exact"]) == \
+        ("complete", "0.32.0", 1)
 
 
 @pytest.mark.parametrize("record_coordinator", [False, True])
@@ -108,7 +109,8 @@ async def test_with_a_tiny_queue_block_records_every_forwarded_frame_and_drop_co
                 await run_workload(session, requests=40)
         stats = session.recorder.close()
         db = sqlite_utils.Database(db_path)
-        seqs = [r["seq"] for r in db.query("SELECT seq FROM frames WHERE session_id = ?", [session.recorder.session_id])]
+        seqs = [r["seq"] for r in db.query("SELECT seq FROM frames WHERE session_id = ?",
+                                           [session.recorder.session_id])]
         assert stats.frames_recorded == len(seqs) and stats.frames_recorded + stats.frames_dropped == stats.frames_seen
         if on_full == "block":
             assert stats.frames_dropped == 0

@@ -15,7 +15,7 @@ import zmq
 
 from replay_proxy import __version__
 # Importing them registers their commands, in the order `-h` lists them.
-from replay_proxy.cli import recording, comparing, matrix, peers  # noqa: F401,I001
+from replay_proxy.cli import recording, comparing, matrix, peers  # noqa: F401
 from replay_proxy.cli.common import app, err, out
 from replay_proxy.errors import ExitCode, ReplayProxyError, leaf
 

@@ -39,7 +39,8 @@ def diff(
     Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
     performance regressions (docs/comparing.md).
 
-    Example: replay-proxy diff --db recordings/vllm-0.32.0-vllm-rs.db --baseline-db recordings/vllm-0.32.0-python.db --baseline python-frontend --candidate vllm-rs-frontend
+    Example: replay-proxy diff --db recordings/vllm-0.32.0-vllm-rs.db --baseline-db
+    recordings/vllm-0.32.0-python.db --baseline python-frontend --candidate vllm-rs-frontend
     """
     from replay_proxy.compare.report import diff_sessions
 
@@ -100,7 +101,8 @@ def replay(
     Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
     performance regressions; 6 when the replay could not run (docs/replay.md).
 
-    Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine --listen tcp://127.0.0.1:29560
+    Example: replay-proxy replay --db recordings/vllm-0.32.0-python.db --session python-frontend --against engine
+    --listen tcp://127.0.0.1:29560
     """
     from replay_proxy.replay.player import PeerUnderTest, ReplayError, ReplayOptions
     from replay_proxy.replay.run import replay_session
@@ -164,7 +166,8 @@ def shrink(
     The whole session is replayed first: if the finding is not there, exit 2. Then each candidate, a
     cut of some requests, is replayed in its own process against a fresh peer.
 
-    Example: replay-proxy shrink --db staging.db --session staging --out shrunk --against engine --engine-cmd "vllm serve ... --data-parallel-rpc-port {port}"
+    Example: replay-proxy shrink --db staging.db --session staging --out shrunk --against engine --engine-cmd
+    "vllm serve ... --data-parallel-rpc-port {port}"
     """
     from replay_proxy.replay.player import pace_factor
     from replay_proxy.replay.shrink import Peer, shrink as shrink_session

@@ -174,7 +174,8 @@ def bisect(
     Each release it needs is installed on demand and replayed in bisection order.
     Exit code 0 when no release of the range regresses, else the deciding replay's (3, 4 or 6).
 
-    Example: replay-proxy bisect --db recordings/vllm-0.28.0-python.db --session python-frontend --against frontend --frontend-kind vllm --releases 0.28.0..0.32.0
+    Example: replay-proxy bisect --db recordings/vllm-0.28.0-python.db --session python-frontend --against frontend
+    --frontend-kind vllm --releases 0.28.0..0.32.0
     """
     from replay_proxy.matrix import MatrixError, releases_in
     from replay_proxy.matrix.deploy import bisect as search

@@ -7,7 +7,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import trio
 import typer
@@ -18,6 +18,8 @@ from replay_proxy.store import queries
 from replay_proxy.record.status import LogFormat
 from replay_proxy.store.recorder import OnFull
 
+if TYPE_CHECKING:  # (the commands import what they use when they run: -h stays quick)
+    from replay_proxy.redact.settings import RedactionSettings
 
 # record -h's sections (the options not in one are the recording's own)
 LINK, REDACTION = "The link", "Redaction (docs/redaction.md)"
@@ -87,7 +89,8 @@ def record(
 
     Stops on Ctrl-C or SIGTERM, flushes the recording and marks the session complete.
 
-    Example: replay-proxy record --listen tcp://127.0.0.1:29560 --upstream tcp://127.0.0.1:29550 --db recordings/staging.db
+    Example: replay-proxy record --listen tcp://127.0.0.1:29560 --upstream tcp://127.0.0.1:29550
+    --db recordings/staging.db
     """
     from replay_proxy.record import record as run_record
     from replay_proxy.record.status import StatusLog
@@ -334,6 +337,7 @@ def datasette_metadata(
 ) -> None:
     """Print Datasette metadata whose canned queries are the query presets.
 
-    Example: replay-proxy datasette-metadata recordings/*.db > metadata.json && datasette recordings/*.db -m metadata.json
+    Example: replay-proxy datasette-metadata recordings/*.db > metadata.json && datasette recordings/*.db
+    -m metadata.json
     """
     sys.stdout.write(json.dumps(queries.datasette_metadata(databases), indent=1) + "\n")

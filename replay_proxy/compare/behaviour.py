@@ -20,7 +20,7 @@ from replay_proxy.compare.findings import Finding, Severity, Verdict
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.tokens import (INVARIANTS, TIERS, UNJUDGED, deterministic, invariant_violations,
                                          token_verdict)
-from replay_proxy.store.session import Matching, Session, match_requests
+from replay_proxy.store.session import Matching, Request, Session, match_requests
 
 
 def batched(session: Session) -> set[str]:
@@ -62,7 +62,8 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
         if a.frontend_aborted or b.frontend_aborted:
             if a.frontend_aborted != b.frontend_aborted:
                 findings.append(Finding("behaviour", Severity.REGRESSION, "abort_mismatch",
-                                        f"aborted by the frontend in {'baseline' if a.frontend_aborted else 'candidate'}"
+                                        "aborted by the frontend in "
+                                        f"{'baseline' if a.frontend_aborted else 'candidate'}"
                                         " only", request_id=rid))
             else:
                 findings.append(_abort_landing(a, b, rules.abort_progress_tolerance_tokens))

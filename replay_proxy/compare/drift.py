@@ -188,7 +188,8 @@ def _one_sided(struct: str, field: str, position: int, only: str, file: str, mis
     said = lambda verdict: "rejects the message" if verdict == "rejects" else verdict  # noqa: E731
     message = (f"{struct}.{field} (position {position}) only in {only.capitalize()} ({file}): from a "
                f"{other.capitalize()} writer it is missing, and the {only.capitalize()} reader {said(missing)}; from a "
-               f"{only.capitalize()} writer the {other.capitalize()} reader {said(extra).replace('ignores', 'ignores it')}")
+               f"{only.capitalize()} writer the {other.capitalize()} reader "
+               f"{said(extra).replace('ignores', 'ignores it')}")
     return _finding(struct, field, position, f"only_in_{only}", message, rejects, writer)
 
 

@@ -203,7 +203,8 @@ def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[f
         closest_worse, closest_better = (-gap[1], -gap[0]) if higher_is_better else gap
         if worse_low > beyond and closest_worse <= beyond:
             worse_low = closest_worse
-            said += f"; within the runs' spread (baseline runs {_spread(per_run[0])}, candidate runs {_spread(per_run[1])})"
+            said += (f"; within the runs' spread (baseline runs {_spread(per_run[0])}, candidate runs "
+                     f"{_spread(per_run[1])})")
         if worse_high < -beyond and closest_better >= -beyond:
             worse_high = closest_better
     if worse_low > beyond and delta > floor:

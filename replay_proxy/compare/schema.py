@@ -71,7 +71,6 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
                     rules: Rules) -> list[Finding]:
     """The registration's keys and values, array shapes as seen on the wire, unknown finish reasons."""
     findings = []
-    spec = baseline.schema.structs["EngineCoreReadyResponse"]
     keys_a, keys_b = (set().union(*s.registrations) for s in (baseline, candidate))
     if keys_a:
         release = baseline.schema.release
@@ -81,7 +80,8 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
                                                 release) if r in rejecting((r,), "missing_required_key"))
             findings.append(Finding(
                 "schema", Severity.BREAKING if breaks else Severity.WARNING, "registration_key_missing",
-                f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} require{'s' if len(breaks) == 1 else ''} "
+                f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} "
+                                                     f"require{'s' if len(breaks) == 1 else ''} "
                                                      f"(\"missing required field `{key}`\")" if breaks else ""),
                 message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key, breaks=breaks))
         for key in sorted(keys_b - keys_a):

@@ -145,7 +145,8 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
             breaks = _union(requiring(who, name, field.name, new), rejecting(who, "extra_trailing_elements", name, old))
             severity = Severity.BREAKING if breaks else Severity.INFO
             why = ("required: older writers cannot send it" if field.required else
-                   f"{new} writers send it; of {old}'s readers, {how_they_read(who, 'extra_trailing_elements', name, old)}")
+                   f"{new} writers send it; of {old}'s readers, "
+                   f"{how_they_read(who, 'extra_trailing_elements', name, old)}")
             findings.append(Finding("schema", severity, "field_appended",
                                     f"{name}.{field.name} appended at position {field.position} ({why})",
                                     struct=name, field=field.name, position=field.position,

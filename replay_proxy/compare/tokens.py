@@ -161,8 +161,9 @@ def invariant_violations(session: Session, request: Request, eos: int | None) ->
                 - LOGPROB_SLACK:
             broken.append(("top_k", f"token {row.token} at position {i} is rank {row.rank}, top_k {top_k}"))
         if min_p > 0 and row.logprob - best < temperature * math.log(min_p) - LOGPROB_SLACK:
-            broken.append(("min_p", f"token {row.token} at position {i} has {math.exp((row.logprob - best) / temperature):.3g}"
-                                    f" of the most likely token's probability, min_p {min_p:g}"))
+            share = math.exp((row.logprob - best) / temperature)
+            broken.append(("min_p", f"token {row.token} at position {i} has {share:.3g} of the most likely token's "
+                                    f"probability, min_p {min_p:g}"))
         above = _mass_above(row, temperature, top_k)
         if top_p < 1 and above is not None and above > top_p + LOGPROB_SLACK:
             broken.append(("top_p", f"token {row.token} at position {i} lies outside the nucleus: tokens more likely "

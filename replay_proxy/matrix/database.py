@@ -34,7 +34,8 @@ def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
         if cell.observed is None and old is not None and old.observed is not None:
             cell.observed, cell.observed_at = old.observed, old.observed_at  # a prediction run keeps what was seen
         rows.append({"frontend": cell.frontend, "engine": cell.engine, "verdict": cell.verdict.value,
-                     "predicted": cell.predicted.verdict.value, "observed": cell.observed and cell.observed.verdict.value,
+                     "predicted": cell.predicted.verdict.value,
+                     "observed": cell.observed and cell.observed.verdict.value,
                      "agrees": cell.agrees, "observed_at": cell.observed_at,
                      "by_kind": {kind: cell.verdict_for([kind]).value for kind in cell.kinds},
                      "seconds": cell.observed and cell.observed.seconds,

@@ -222,8 +222,8 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
         http, rpc = free_port(), free_port()
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
                   "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch, serving)]
-    argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording[0]), "--session", recording[1], *target,
-            "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
+    argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording[0]), "--session", recording[1],
+            *target, "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
     leg_s = ready_s + FINISH_S + SLACK_S
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=leg_s)

@@ -211,5 +211,6 @@ def _visit(schema: Schema, struct: str, named: Any, seen: set[str]) -> None:
     for field in spec.fields:
         value = named.get(field.name)
         if field.struct and value:
-            for item in value if isinstance(value, list) else value.values() if field.type.startswith("dict") else [value]:
+            items = value if isinstance(value, list) else value.values() if field.type.startswith("dict") else [value]
+            for item in items:
                 _visit(schema, field.struct, item, seen)

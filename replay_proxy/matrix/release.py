@@ -196,7 +196,8 @@ def record_vllm_rs(release: str, engine: str | None, db: Path, workdir: Path, re
 def _ask(port: int, path: str, body: dict) -> str:
     """One request of the workload: "ok", or what the client got instead (an error, or no answer)."""
     model = str(peers.model())
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps({"model": model, **body}).encode(),
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     data=json.dumps({"model": model, **body}).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_S) as response:

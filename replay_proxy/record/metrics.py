@@ -104,7 +104,7 @@ class MetricsServer:
         registry.register(Collector(snapshot))
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+            def do_GET(self) -> None:  # (the http.server hook's name)
                 path = self.path.split("?")[0]
                 if path == "/metrics":
                     self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)

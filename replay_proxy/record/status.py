@@ -52,7 +52,8 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 def status_record(stats: RecorderStats, engines: int | None) -> dict[str, object]:
     """The counts of a JSON log line (``engines``: connected so far, where known)."""
-    return {**({} if engines is None else {"engines": engines}), "engines_dead": stats.engines_dead, "frames_seen": stats.frames_seen,
+    return {**({} if engines is None else {"engines": engines}), "engines_dead": stats.engines_dead,
+            "frames_seen": stats.frames_seen,
             "frames_recorded": stats.frames_recorded, "frames_sampled_out": stats.frames_sampled_out,
             "outputs_sampled_out": stats.outputs_sampled_out, "frames_dropped": stats.frames_dropped,
             "frames_dropped_by_reason": stats.frames_dropped_by_reason, "queue_frames": stats.queue_depth_frames,

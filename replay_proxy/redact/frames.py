@@ -45,7 +45,8 @@ _encode = msgspec.msgpack.Encoder().encode
 
 # Token fields whose context is a position of their request: the others are token lists of no position.
 _PROMPT, _OUTPUT = ("EngineCoreRequest", "prompt_token_ids"), ("EngineCoreOutput", "new_token_ids")
-_OUTPUT_CANDIDATES, _PROMPT_CANDIDATES = ("LogprobsLists", "logprob_token_ids"), ("LogprobsTensors", "logprob_token_ids")
+_OUTPUT_CANDIDATES = ("LogprobsLists", "logprob_token_ids")
+_PROMPT_CANDIDATES = ("LogprobsTensors", "logprob_token_ids")
 _STOP_TOKENS = ("_eos_token_id", "_all_stop_token_ids", "stop_token_ids")
 
 

@@ -186,8 +186,8 @@ class EnginePlayer(Player):
         if recorded is None:
             self.outcome.findings.append(Finding(
                 "behaviour", Severity.REGRESSION, "request_unexpected",
-                f"the frontend sent a request ({len(token_ids(fields.get('prompt_token_ids')) or [])} prompt tokens) that "
-                "matches no recorded one", message_kind="ADD", request_id=request_id))
+                f"the frontend sent a request ({len(token_ids(fields.get('prompt_token_ids')) or [])} prompt tokens) "
+                "that matches no recorded one", message_kind="ADD", request_id=request_id))
             return
         self._streams[request_id] = trio.Event()
         client = fields.get("client_index") or 0
@@ -284,7 +284,8 @@ class EnginePlayer(Player):
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         if recorded.get("pooling_params") is not None:  # a pooling request: the prompt's tokens embedded
             ask = functools.partial(embedding, f"{self.http}/v1/embeddings",
-                                    {"model": model, "input": token_ids(recorded["prompt_token_ids"])}, self.finish_timeout)
+                                    {"model": model, "input": token_ids(recorded["prompt_token_ids"])},
+                                    self.finish_timeout)
         else:
             params = recorded.get("sampling_params") or {}
             lora = recorded.get("lora_request")

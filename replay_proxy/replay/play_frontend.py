@@ -36,12 +36,12 @@ prompt logprobs (teacher-forced scoring), all at once, the second pass in
 reverse order so that its batches differ (the run-to-run noise of scoring).
 
 An engine can be kept for the next replay (``keep``; ``replay.run.KeptEngine``):
-the player leaves its ``EngineLink`` open, and the next player, given that
+the player leaves its ``FrontendSockets`` open, and the next player, given that
 link, skips the handshake. The engine would be sent the same INIT again (the
 player makes it from the recording's parallel config and its own sockets, not
 from the recorded bytes), so the handshake that crossed at the engine's start
 is reported again as the replay's own, with the times it crossed. Between
-the replays, the engine's prefix cache is emptied (``EngineLink.reset``: the
+the replays, the engine's prefix cache is emptied (``FrontendSockets.reset``: the
 utility call ``reset_prefix_cache``, part of neither replay), so each finds
 it as a freshly started engine has it.
 """
@@ -88,8 +88,9 @@ def connection_events(watch: ZmqSocket) -> list[str]:
             events.append(event.name)
 
 
-class EngineLink:
-    """The proxy's end of an engine's link: the sockets it bound, and what crossed in the handshake."""
+class FrontendSockets:
+    """The sockets the player binds where the frontend would (handshake, and an input and an output per API
+    server), and what crossed them in the handshake: the player's end of the engines' link."""
 
     def __init__(self, context: zmq.Context, api_servers: int, parallel_config: dict):
         socket = lambda kind: ZmqSocket(context, kind, linger_ms=1000)  # noqa: E731
@@ -137,8 +138,8 @@ class FrontendPlayer(Player):
     """Plays the frontend of ``session`` to the engine(s) that dial ``listen``."""
 
     def __init__(self, session: Session, listen: str, observer: Observer, options: ReplayOptions,
-                 context: zmq.Context | None = None, *, link: EngineLink | None = None, keep: bool = False,
-                 scoring_passes: int = 0):
+                 context: zmq.Context | None = None, *, link: FrontendSockets | None = None,
+                 keep: bool = False, scoring_passes: int = 0):
         """``link``: a kept engine's (``link.serves(session)``), whose handshake is not made again; ``keep``:
         leave the link open at the end (``self.link``) for the next replay; ``scoring_passes``: teacher-forced
         scoring passes after the session."""
@@ -168,7 +169,7 @@ class FrontendPlayer(Player):
         try:
             async with trio.open_nursery() as nursery:
                 if self.link is None:
-                    self.link = EngineLink(self.context, self.session.api_servers, self.session.parallel_config)
+                    self.link = FrontendSockets(self.context, self.session.api_servers, self.session.parallel_config)
                     self.listen = self.link.handshake.bind(self.listen)
                     self._start_reading(nursery)
                     await self._handshake()

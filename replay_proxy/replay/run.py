@@ -35,7 +35,7 @@ from replay_proxy.compare.report import build_report
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.play_engine import EnginePlayer
-from replay_proxy.replay.play_frontend import EngineLink, EngineNotReset, FrontendPlayer
+from replay_proxy.replay.play_frontend import EngineNotReset, FrontendPlayer, FrontendSockets
 from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
 from replay_proxy.store.recorder import Recorder, SessionInfo
 from replay_proxy.store.session import Session, SessionError, decode_and_load
@@ -52,11 +52,12 @@ class KeptEngine:
 
     def __init__(self) -> None:
         self.child: Child | None = None  # None with a link: an engine the user started
-        self.link: EngineLink | None = None
+        self.link: FrontendSockets | None = None
 
     def ready_for(self, session: Session, timeout_s: float) -> bool:
-        """Whether it can serve ``session``'s replay: running, the same handshake (``EngineLink.serves``),
-        its prefix cache emptied. If not, it is stopped, and the replay starts an engine of its own."""
+        """Whether it can serve ``session``'s replay: running, the same handshake
+        (``FrontendSockets.serves``), its prefix cache emptied. If not, it is stopped, and the replay starts an
+        engine of its own."""
         if self.link is None:
             return False
         if (self.child is None or self.child.running()) and self.link.serves(session):
@@ -84,15 +85,15 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
                    kept: KeptEngine | None = None) -> tuple[Report, ReplayOutcome | None]:
     """Play the other side of ``session`` against ``peer``, the new build; return the report.
 
-    With ``options.noise_runs`` N, the session is replayed N times against the baseline build and N times
-    against the candidate, interleaved and counterbalanced (baseline, candidate, candidate, baseline, ...), so
-    that load which comes and goes on the machine falls on both: what varies between the baseline's runs is
-    the noise floor, not regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
+    With ``options.noise_runs`` N, the session is replayed N times against the baseline build and N times against
+    the candidate, interleaved and counterbalanced (baseline, candidate, candidate, baseline, ...), so that load
+    which comes and goes on the machine falls on both: what varies between the baseline's runs is the noise floor,
+    not regression. Against an engine, the first run of each build is scored (teacher-forced; the baseline's
     twice), and every request asks for the judging's logprobs. A ``console`` is told each run as it starts and
-    ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it
-    holds is used if it can be for the candidate's first run, and that engine is kept there if the run ended
-    clean (every other run starts an engine of its own). The peers' logs go to ``options.report_dir``; without
-    one, to a folder removed at the end (what a finding needs of them, it quotes)."""
+    ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds
+    is used if it can be for the candidate's first run, and that engine is kept there if the run ended clean (every
+    other run starts an engine of its own). The peers' logs go to ``options.report_dir``; without one, to a folder
+    removed at the end (what a finding needs of them, it quotes)."""
     if kept is not None and peer.side is not Side.ENGINE:
         raise ReplayError("only an engine under test can be kept for the next replay")
     if options.report_dir is not None or kept is not None:  # (a kept engine's log outlives this replay)
@@ -154,9 +155,10 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
             if failed is not None:
                 return failed, None
     session_id, outcome, rejections = first
-    report = build_report(title, recording, runs[0], options.rules, noise, frontend_under_test=peer.side is Side.FRONTEND,
-                          replayed_noise=True, held_lengths=options.hold_lengths, asked_logprobs=judging,
-                          candidate_runs=runs[1:], other_cpu=other_cpu)
+    report = build_report(title, recording, runs[0], options.rules, noise,
+                          frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
+                          held_lengths=options.hold_lengths, asked_logprobs=judging, candidate_runs=runs[1:],
+                          other_cpu=other_cpu)
     if judging:
         report.findings.append(Finding("behaviour", Severity.INFO, "judging_cost", (
             f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
@@ -218,7 +220,7 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
                            + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))
         if console is not None:
             console.print(f"  {outcome.summary}", highlight=False)
-    except BaseException as exc:  # noqa: BLE001 - ReplayError arrives wrapped by the nurseries
+    except BaseException as exc:  # (a ReplayError arrives wrapped by the nurseries)
         if not isinstance(leaf(exc), ReplayError):
             raise
         why = f"{leaf(exc)}\n{observer.describe(peer.side)}"

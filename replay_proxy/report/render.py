@@ -291,8 +291,9 @@ def _divergence_svg(request_id: str, divergence: dict, width: int = 460, height:
 def html_page(report: Report) -> str:
     rows = "".join(
         f'<tr class="s{int(f.severity)}"><td>{f.severity.name.lower()}</td><td>{f.category}</td>'
-        f"<td>{html.escape(f.code)}</td><td>{html.escape(f'{f.tier}: {len(requests)} requests' if requests else where(f))}"
-        f"</td><td>{html.escape(f.message)}{_consequences(f)}{_requests(requests)}</td></tr>"
+        f"<td>{html.escape(f.code)}</td>"
+        f"<td>{html.escape(f'{f.tier}: {len(requests)} requests' if requests else where(f))}</td>"
+        f"<td>{html.escape(f.message)}{_consequences(f)}{_requests(requests)}</td></tr>"
         for f, requests in grouped(worst_first(report.findings)))
     verdicts = "".join(
         f'<tr class="{"" if v.passed else "s2"}"><td>{"passed" if v.passed else "failed"}</td><td>{html.escape(v.tier)}'
@@ -310,17 +311,22 @@ def html_page(report: Report) -> str:
                   for a, b in _zip_longest(sides["baseline"], sides["candidate"]))
         + "</table>"
         for struct, sides in report.schemas.items())
+    judged_section = (f'<h2>Requests judged</h2><p>{html.escape(verdict_counts(report))}</p>'
+                      f'<div class="plots">{judged}</div><details><summary>each request</summary><table><tr>'
+                      f'<th>verdict</th><th>tier</th><th>request</th><th>why</th></tr>{verdicts}</table></details>'
+                      if report.verdicts else "")
     code = int(exit_code(report.findings))
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(report.title)}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;font-size:13px}}
-tr.s3 td:first-child{{background:#f4b6b6}}tr.s2 td:first-child{{background:#f8d0c0}}tr.s1 td:first-child{{background:#fbeeb8}}
+tr.s3 td:first-child{{background:#f4b6b6}}tr.s2 td:first-child{{background:#f8d0c0}}
+tr.s1 td:first-child{{background:#fbeeb8}}
 td.diff{{background:#fde2c8}}.plots svg{{margin-right:1em;border:1px solid #eee}}</style></head><body>
 <h1>{html.escape(report.title)}</h1><p>baseline <b>{html.escape(report.baseline)}</b>, candidate
 <b>{html.escape(report.candidate)}</b>: {len(report.findings)} findings, exit code {code}</p>
 {"<p>noise floor from " + html.escape(", ".join(report.noise)) + "</p>" if report.noise else ""}
 <h2>Findings</h2><table><tr><th>severity</th><th>category</th><th>code</th><th>where</th><th>finding</th></tr>{rows}</table>
-{f'<h2>Requests judged</h2><p>{html.escape(verdict_counts(report))}</p><div class="plots">{judged}</div><details><summary>each request</summary><table><tr><th>verdict</th><th>tier</th><th>request</th><th>why</th></tr>{verdicts}</table></details>' if report.verdicts else ''}
+{judged_section}
 {'<h2>Latency</h2><div class="plots">' + forest + plots + '</div>' if plots or forest else ''}
 {'<h2>Schemas side by side</h2>' + schemas if schemas else ''}
 </body></html>"""

@@ -68,8 +68,9 @@ async def _read_request(stream: trio.SocketStream) -> tuple[str, str, bytes]:
 
 async def _respond(stream: trio.SocketStream, status: int, body: dict) -> None:
     payload = json.dumps(body).encode()
-    await stream.send_all(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+    await stream.send_all(f"HTTP/1.1 {status} {'OK' if status == 200 else 'Error'}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+                          "Connection: close\r\n\r\n".encode() + payload)
 
 
 async def _complete(frontend: SimFrontend, stream: trio.SocketStream, body: dict) -> None:

@@ -9,7 +9,8 @@ into one EngineCoreOutputs per API server per step, as the real scheduler
 does. A request that asks for logprobs (or prompt logprobs) gets them as
 vLLM sends them (numpy arrays in each output, torch tensors for the prompt,
 large ones in aux frames), from a fixed peaked distribution: the token it
-generates first, with half the mass, then tokens of a quarter, an eighth, ... ``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
+generates first, with half the mass, then tokens of a quarter, an eighth, ...
+``EngineDrift`` knobs reproduce the breaks seen in vLLM's history.
 When INIT names a DP coordinator, the engine subscribes to it and waits for
 its READY before registering, then reports its request counts there after
 every step, as vLLM's engines do.

@@ -39,7 +39,8 @@ PRESETS: dict[str, str] = {
     "drift": """
         SELECT d.session_id, s.name AS session, d.seq, d.kind, d.struct, d.issue, d.field, d.position,
                d.expected, d.got, d.schema_release, d.announced,
-               (SELECT COUNT(*) FROM frames f WHERE f.session_id = d.session_id AND f.flags IS NOT NULL) AS frames_flagged
+               (SELECT COUNT(*) FROM frames f WHERE f.session_id = d.session_id AND f.flags IS NOT NULL)
+                   AS frames_flagged
         FROM drift_alarms d JOIN sessions s ON s.id = d.session_id ORDER BY d.session_id, d.rowid""",
     "findings": """
         SELECT f.session_id, s.name AS replay, f.severity, f.category, f.code, f.struct, f.field, f.position,

@@ -492,7 +492,8 @@ class Recorder:
                              requests=requests, engines_dead=row["engines_dead"] or 0,
                              frames_undecoded=row["frames_undecoded"] or 0, error=row["error"],
                              drift_alarms=len(alarms), drift=alarms[-1] if alarms else None,
-                             **{**self._detail(dropped, failed(dropped)), "frames_sampled_out": row["frames_sampled_out"] or 0,
+                             **{**self._detail(dropped, failed(dropped)),
+                                "frames_sampled_out": row["frames_sampled_out"] or 0,
                                 "outputs_sampled_out": row["outputs_sampled_out"] or 0})
 
     def _wait_for_tap(self) -> None:

@@ -231,7 +231,8 @@ def _move_wide_outputs(db: sqlite_utils.Database) -> None:
                       ORDER BY MIN(seq * 65536 + position)), request_id FROM outputs GROUP BY session_id, request_id""")
         db.execute(f"""INSERT INTO output_rows SELECT o.session_id, r.number, o.seq, o.position, o.new_token_ids,
                       o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits, {_OTHER_WITH_COLUMNS}
-                      FROM outputs o JOIN request_ids r ON r.session_id = o.session_id AND r.request_id = o.request_id""")
+                      FROM outputs o JOIN request_ids r
+                      ON r.session_id = o.session_id AND r.request_id = o.request_id""")
         db.execute("""UPDATE frames SET engine_time_s = json_extract(decoded, '$.timestamp')
                       WHERE kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0""")
         db.execute("DROP TABLE outputs")

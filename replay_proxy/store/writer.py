@@ -133,7 +133,8 @@ class Writer:
         self.dead: set[int | None] = {e for (e,) in self.connection.execute(  # sent ENGINE_CORE_DEAD or vanished
             "SELECT DISTINCT engine_index FROM engine_events WHERE session_id = ?", (session_id,))}
         self.write_error: str | None = None
-        self.alarmed = {tuple(r) for r in self.connection.execute(  # drift alarms raised: (struct, issue, field, position)
+        # Drift alarms raised: (struct, issue, field, position)
+        self.alarmed = {tuple(r) for r in self.connection.execute(
             "SELECT struct, issue, field, position FROM drift_alarms WHERE session_id = ?", (session_id,))}
         self.last_alarm: str | None = None
 

@@ -88,7 +88,8 @@ def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_V
     elif isinstance(data, int) and not isinstance(data, bool):
         aux = data
         if not 0 < data < len(frames):
-            return Tensor(dtype, shape, 0, aux_frame=aux, error=f"aux frame {data} not in message of {len(frames)} frames")
+            return Tensor(dtype, shape, 0, aux_frame=aux,
+                          error=f"aux frame {data} not in message of {len(frames)} frames")
         raw = frames[data]
     else:
         return None

@@ -2,7 +2,8 @@
 
 One recording of a paced sim workload (sim engine steps of 20 ms with a
 seeded spread, as in tests/replay/test_performance_replay_sim.py), then
-``--repeats`` replays (each ``replay-proxy replay`` in a process of its own), each against a sim engine with the recorded step time,
+``--repeats`` replays (each ``replay-proxy replay`` in a process of its own), each against a sim engine
+with the recorded step time,
 with ``--noise-runs`` runs of the same interleaved (``replay --noise-runs``:
 baseline, candidate, candidate, baseline). Each repeat counts as a false
 alarm if its exit code is not 0. ``--beside`` runs two replays at a time on

@@ -23,7 +23,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from replay_proxy.store.tables import INDEXES, PAGE_BYTES, TABLES, sampling_columns  # noqa: E402
+from replay_proxy.store.tables import INDEXES, PAGE_BYTES, TABLES, sampling_columns
 
 
 class Output(msgspec.Struct, array_like=True):

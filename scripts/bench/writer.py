@@ -42,7 +42,6 @@ from replay_proxy.store.writer import Writer  # noqa: E402
 from replay_proxy.wire.capture import capture_tag, encode_entries  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value, token_ids  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
-from scripts.bench.busy import SCHEMA  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
 from replay_proxy.wire.schema import load_schema  # noqa: E402
 from scripts.bench.floor import MinimalPipeline, MinimalRequests  # noqa: E402
@@ -100,7 +99,8 @@ def run_writer(frames: list[list[bytes]], channel: Channel, folder: Path, releas
     db.close()
     writer = Writer(str(db_path), session)
     input_tag = capture_tag(Channel.INPUT, 0, 0)
-    writer.write([(1, encode_entries([[input_tag, c_batch([(1, 1_700_000_000_000_000_000, [registration(release)])])]]))])
+    registering = c_batch([(1, 1_700_000_000_000_000_000, [registration(release)])])
+    writer.write([(1, encode_entries([[input_tag, registering]]))])
     messages = tap_messages(frames, channel)
     start = time.process_time()
     for message in messages:  # as the writer's loop takes them when it keeps up: about DECODE_FRAMES at once
@@ -175,7 +175,8 @@ def main() -> None:
           f"{add_us / floor_add_us:.2f}x the floor's; {add_us / row_us:.2f}x the writer's output row "
           f"({row_us:.1f} us; target <= 1.5x), {add_us / (row_us * ARGS.outputs):.2f}x its engine step")
     for tokens in (16, 100):
-        old, new = (statistics.median(prompts_s[release, tokens]) / ARGS.frames * 1e6 for release in ("0.32.0", "0.34.0"))
+        old, new = (statistics.median(prompts_s[release, tokens]) / ARGS.frames * 1e6
+                    for release in ("0.32.0", "0.34.0"))
         where = "inline" if 4 * tokens < 256 else "in an aux frame"
         print(f"a 0.34.0 ADD of {tokens} tokens (an int32 array {where}): {new:>5.1f} us = {new / old:.2f}x "
               f"a 0.32.0 ADD of {tokens} ({old:.1f} us; target <= 1.1x)")

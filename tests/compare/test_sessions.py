@@ -90,7 +90,8 @@ async def test_changed_tokens_of_requests_the_candidate_ran_batched_are_only_war
 
 async def test_a_renamed_sampling_key_shows_both_sides(db_path):
     with trio.fail_after(30):
-        _, findings = await diff(db_path, frontend_drift=FrontendDrift(rename_sampling_key=("max_tokens", "max_tokenz")))
+        renamed = FrontendDrift(rename_sampling_key=("max_tokens", "max_tokenz"))
+        _, findings = await diff(db_path, frontend_drift=renamed)
     codes = {(f.code, f.field) for f in findings}
     assert ("sampling_key_unknown", "max_tokenz") in codes
     # the engine no longer sees max_tokens: every request runs to its default length instead,

@@ -32,7 +32,8 @@ def test_ranges_cover_the_shipped_releases_between_their_ends():
     assert releases_in("0.30.0,0.32.0") == ["0.30.0", "0.32.0"]
     frontends = frontends_in(ALL_FRONTENDS)
     assert len(frontends) == 15 + 7 and frontends[0] == Frontend("vllm-rs", "0.22.0")
-    assert parse_build("vllm-rs==0.31.0") == Frontend("vllm-rs", "0.31.0") and engine_release("vllm==0.30.0") == "0.30.0"
+    assert parse_build("vllm-rs==0.31.0") == Frontend("vllm-rs", "0.31.0")
+    assert engine_release("vllm==0.30.0") == "0.30.0"
     for bad in ("0.99.0", "0.27.0..0.99.0"):
         with pytest.raises(MatrixError, match="no shipped schema"):
             releases_in(bad)
@@ -163,7 +164,8 @@ def test_vllm_rs_reads_with_its_own_struct_where_it_has_a_field_python_does_not(
     rust = load_rust_schema("0.30.0")
     output = rust.structs["EngineCoreOutput"]
     longer = msgspec.structs.replace(output, fields=[*output.fields, RustField(
-        "prompt_token_id_logprobs", "prompt_token_id_logprobs", "Option<WireLogprobs>", len(output.fields), default=True)])
+        "prompt_token_id_logprobs", "prompt_token_id_logprobs", "Option<WireLogprobs>", len(output.fields),
+        default=True)])
     ahead = msgspec.structs.replace(rust, structs={**rust.structs, "EngineCoreOutput": longer})
     sent = frames(*engine_recording("0.31.0"), Direction.TO_FRONTEND)
     shipped, own = (read_direction(Direction.TO_FRONTEND, sent, load_schema("0.31.0"),

@@ -120,7 +120,8 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
            before_close=lambda: None) -> list[dict]:
     """POST with stream=true; return the SSE events, closing early after ``stop_after`` of them (having
     called ``before_close`` first)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, "stream": True}).encode(),
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
     events = []
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -137,7 +138,8 @@ def stream(port: int, path: str, body: dict, stop_after: int | None = None, time
 
 def sim_engine(logs: Path, rpc_port: int, release: str) -> Child:
     """The project's sim engine speaking ``release``: for a release whose engine cannot run here."""
-    return Child(real.sim_engine_argv(rpc_port, release), logs / f"sim-engine-{release}.log", name=f"sim engine {release}")
+    return Child(real.sim_engine_argv(rpc_port, release), logs / f"sim-engine-{release}.log",
+                 name=f"sim engine {release}")
 
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,

@@ -140,8 +140,8 @@ def cache_whose_model(tmp_path, spoil) -> dict:
 
 def verify(env, report_dir) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.31.0", "--engine", "vllm==0.32.0", "--verify",
-                           "--uses", "completion", "--report-dir", str(report_dir), *READY], capture_output=True, text=True,
-                          timeout=2 * peers.REPLAY_S, env=env)
+                           "--uses", "completion", "--report-dir", str(report_dir), *READY], capture_output=True,
+                          text=True, timeout=2 * peers.REPLAY_S, env=env)
 
 
 def test_verify_with_a_file_missing_is_unknown_before_any_replay(tmp_path):

@@ -134,7 +134,8 @@ def one_beyond(release, struct):
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path, release):
     assert verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutputs", release) == "rejects"
-    result, codes, report = replay_vllm_rs(tmp_path, release, edit_frames("OUTPUTS", one_beyond(release, "EngineCoreOutputs")))
+    longer = edit_frames("OUTPUTS", one_beyond(release, "EngineCoreOutputs"))
+    result, codes, report = replay_vllm_rs(tmp_path, release, longer)
     # Named as the schema break it is: the element past the reader's last field (exit 3); the HTTP failures
     # it caused are listed under it, not as findings of their own.
     assert result.returncode == 3 and "http_failed" not in codes, result.stdout + result.stderr
@@ -149,8 +150,8 @@ def test_vllm_rs_rejects_extra_trailing_elements_of_engine_core_outputs(tmp_path
 
 @pytest.mark.parametrize("release", sorted(peers.VLLM_RS))
 def test_vllm_rs_extra_trailing_elements_of_an_engine_core_output(tmp_path, release):
-    # Rejected up to 0.30.0, served from 0.31.0 on: observed here (the protocol notes we started from said rejected), and
-    # the rule follows the real reader.
+    # Rejected up to 0.30.0, served from 0.31.0 on: observed here (the protocol notes we started from said
+    # rejected), and the rule follows the real reader.
     rejects = verdict(RUST_FRONTEND, "extra_trailing_elements", "EngineCoreOutput", release) == "rejects"
     extra = edit_frames("OUTPUTS", each_output(one_beyond(release, "EngineCoreOutput")))
     result, codes, report = replay_vllm_rs(tmp_path, release, extra)

@@ -138,7 +138,8 @@ def replay_against_engine(db, tmp_path):
     listen = peers.free_port()
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", "chat", "--against", "engine",
-         "--listen", f"tcp://127.0.0.1:{listen}", "--engine-cmd", peers.engine_command(listen, flags=EMBEDS), "--hold-lengths",
+         "--listen", f"tcp://127.0.0.1:{listen}", "--engine-cmd", peers.engine_command(listen, flags=EMBEDS),
+         "--hold-lengths",
          "--ready-timeout", str(peers.READY_TIMEOUT_S), "--finish-timeout", "60", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=peers.REPLAY_S)
     replayed = tmp_path / "replay.db"  # (the default --out, in --report-dir)

@@ -73,7 +73,8 @@ def test_vllm_rs_0_34_against_a_0_32_engine_is_recorded_as_written_and_the_break
     session = next(db.query("SELECT * FROM sessions"))
     assert (session["vllm_version"], session["frontend_release"], session["frontend_source"], session["status"]) \
         == ("0.32.0", "0.34.0", "newest", "complete")
-    alarms = {(r["field"], r["position"], r["issue"], r["schema_release"]) for r in db.query("SELECT * FROM drift_alarms")}
+    alarms = {(r["field"], r["position"], r["issue"], r["schema_release"])
+              for r in db.query("SELECT * FROM drift_alarms")}
     assert alarms == {("prompt_token_ids", 1, "type_mismatch", "0.32.0"), (None, 22, "extra_position", "0.32.0")}
     # The engine's input thread died on the first ADD's typed decode (where our flag points: $[1]).
     deadline = time.monotonic() + 30

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.real_vllm
 
 
 def significant(report, *categories):
-    return [f for f in report["findings"] if f["category"] in categories and f["severity"] in ("breaking", "regression")]
+    return [f for f in report["findings"]
+            if f["category"] in categories and f["severity"] in ("breaking", "regression")]
 
 
 @pytest.fixture(scope="module")

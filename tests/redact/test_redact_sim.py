@@ -130,7 +130,8 @@ def test_redacting_after_the_fact_keeps_the_shape_and_nothing_else(tmp_path, key
     assert (name, frames) == ("test", sqlite_utils.Database(source)["sessions"].get(1)["frames_recorded"])
     assert_nothing_leaks(out, prompts, outputs)
     assert_redacted_like(out, session_id, source, session.recorder.session_id, outputs)
-    [call] = sqlite_utils.Database(out).query("SELECT method, args FROM utility_requests WHERE method = 'collective_rpc'")
+    [call] = sqlite_utils.Database(out).query(
+        "SELECT method, args FROM utility_requests WHERE method = 'collective_rpc'")
     assert json.loads(call["args"])[0].startswith("h-")
 
 

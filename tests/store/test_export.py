@@ -26,7 +26,8 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     for db in RECORDINGS:
         connection = sqlite3.connect(db)
         expected += connection.execute("""SELECT s.name, s.vllm_version, COUNT(*), SUM(o.num_new_tokens)
-                                          FROM outputs o JOIN sessions s ON s.id = o.session_id GROUP BY s.id""").fetchall()
+                                          FROM outputs o JOIN sessions s ON s.id = o.session_id
+                                          GROUP BY s.id""").fetchall()
     assert rows == sorted(expected) and len(rows) == 2
     # Every column keeps its type, bytes included: the raw frames are the recorded bytes.
     [(raw,)] = duckdb.sql(f"SELECT raw FROM read_parquet('{lake}/frames/session=demo/*.parquet') ORDER BY seq "

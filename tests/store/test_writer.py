@@ -257,7 +257,8 @@ def test_when_space_comes_back_recording_resumes_and_the_gap_is_counted(small_fi
     assert wait_for(lambda: recorder.statistics().error is not None)
     assert "full" in recorder.statistics().error
     failed_at = seq
-    assert wait_for(lambda: recorder.statistics().frames_recorded < seq and recorder.statistics().queue_depth_frames == 0)
+    assert wait_for(lambda: recorder.statistics().frames_recorded < seq
+                    and recorder.statistics().queue_depth_frames == 0)
     recorded_while_full = recorder.statistics().frames_recorded
     filler.unlink()  # space comes back
     burst(1000)

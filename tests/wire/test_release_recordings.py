@@ -77,7 +77,8 @@ def test_a_release_recording_decodes_under_its_own_schema_without_flags(recordin
         assert (message.flags, message.error) == ((), None), (release, message.kind, message.flags, message.error)
         kinds.add(message.kind.name)
     assert {"REGISTRATION", "ADD", "OUTPUTS", "UTILITY", "UTILITY_OUTPUT"} <= kinds
-    assert (decoder.vllm_version.split("+")[0], decoder.schema.release, decoder.schema_exact) == (release, release, True)
+    assert (decoder.vllm_version.split("+")[0], decoder.schema.release, decoder.schema_exact) == \
+        (release, release, True)
     # And so did the recorder, live: no flag on any frame, no drift alarm (its registration, too, is named
     # with the release it announces, not with the newest schema).
     assert db.execute("SELECT COUNT(*) FROM frames WHERE flags IS NOT NULL OR decode_error IS NOT NULL").fetchone() \

@@ -30,7 +30,8 @@ def test_schemas_carry_the_release_drift_extracted_from_vllm():
     assert outputs.encoding == "array" and outputs.fields[8].name == "weight_version"
     sampling = load_schema("0.32.0").structs["SamplingParams"]
     assert sampling.encoding == "map" and sampling.omit_defaults
-    assert load_schema("0.32.0").enums["FinishReason"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3, "REPETITION": 4}
+    assert load_schema("0.32.0").enums["FinishReason"] == {"STOP": 0, "LENGTH": 1, "ABORT": 2, "ERROR": 3,
+                                                          "REPETITION": 4}
 
 
 def test_a_release_added_by_the_user_is_known_and_read_before_the_package(tmp_path, monkeypatch):
