@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 import zmq
+from rich.markup import escape
 
 from replay_proxy import __version__
 # Importing them registers their commands, in the order `-h` lists them.
@@ -51,6 +52,9 @@ def run() -> None:
         if not isinstance(error, (ReplayProxyError, OSError, zmq.ZMQError)):
             raise
         err.print(f"[bold red]error:[/] {error}", highlight=False)
+        code = ExitCode.ERROR
+    except ReplayProxyError as error:  # what the arguments name cannot be used: the input's class, exit 1
+        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         code = ExitCode.ERROR
     except typer.TyperException as exc:  # click's usage errors, as vendored by typer
         ctx = getattr(exc, "ctx", None)

@@ -9,10 +9,11 @@ from typing import NoReturn
 import click
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperCommand
 
 from replay_proxy.compare.findings import Report, exit_code
-from replay_proxy.compare.rules import Rules, RulesError, load_rules
+from replay_proxy.compare.rules import Rules, load_rules
 from replay_proxy.errors import ExitCode
 
 class PanelledCommand(TyperCommand):
@@ -59,7 +60,7 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: ExitCode = ExitCode.ERROR) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(int(code))
 
 
@@ -124,8 +125,6 @@ def check_host_port(value: str | None) -> str | None:
 
 
 def rules_option(path: Path | None) -> Rules:
-    """``--rules FILE`` over the defaults; a file that cannot be used is an input error (exit 1), as a --db is."""
-    try:
-        return load_rules(path)
-    except RulesError as exc:
-        raise fail(str(exc)) from None
+    """``--rules FILE`` over the defaults; a file that cannot be used is an input error (exit 1, ``cli.run``), as
+    a --db is."""
+    return load_rules(path)

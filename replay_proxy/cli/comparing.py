@@ -45,10 +45,7 @@ def diff(
     from replay_proxy.compare.report import diff_sessions
 
     noise_rules = rules_option(rules)
-    try:
-        report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
     finish_report(report, report_dir, show_info, as_json)
 
 
@@ -127,15 +124,12 @@ def replay(
         raise fail(str(exc), ExitCode.USAGE) from None
     if out_db is None:
         out_db = report_dir / "replay.db" if report_dir else Path(f"replay-{session.replace('/', '_')}.db")
-    try:
-        if out_db.resolve() != db.resolve():
-            session = copy_session(db, session, out_db)
-        if not quiet:
-            err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
-                      highlight=False)
-        report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    if out_db.resolve() != db.resolve():
+        session = copy_session(db, session, out_db)
+    if not quiet:
+        err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
+                  highlight=False)
+    report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
     report.recorded_in = str(out_db)
     finish_report(report, report_dir, as_json=as_json)
 
@@ -182,17 +176,11 @@ def shrink(
         pace_factor(pace)
     except ReplayProxyError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    try:
-        require_recording(db)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    require_recording(db)
     peer = Peer(against=against, command=command, pace=pace, ready_timeout_s=ready_timeout,
                 finish_timeout_s=finish_timeout)
-    try:
-        summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,
-                                 progress=lambda line: err.print(f"shrink: {line}", highlight=False))
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,
+                             progress=lambda line: err.print(f"shrink: {line}", highlight=False))
     before, after = summary["requests"]["before"], summary["requests"]["after"]
     err.print(f"{summary['finding']['code']}: {before:,} -> {after:,} requests in {summary['replays']} replays"
               f"{'' if summary['minimal'] else ' (--max-replays ran out: not minimal)'}: {out / 'shrunk.db'}")
@@ -231,15 +219,12 @@ def schema_extract(
         raise fail("--vllm-src goes with --python", ExitCode.USAGE)
     if rust and release is None:
         raise fail("--rust goes with --release (a source tree: --rust-src)", ExitCode.USAGE)
-    try:
-        if rust_src is not None:
-            schema = encode_rust_schema(read_protocol(rust_src, "source"))
-        elif rust:
-            schema = encode_rust_schema(read_protocol(releases.rust_protocol(release), release))
-        else:
-            schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
-    except releases.ReleaseError as exc:
-        raise fail(str(exc)) from None
+    if rust_src is not None:
+        schema = encode_rust_schema(read_protocol(rust_src, "source"))
+    elif rust:
+        schema = encode_rust_schema(read_protocol(releases.rust_protocol(release), release))
+    else:
+        schema = releases.extract_release(release) if release else releases.extract_schema(python, vllm_src)
     output = output or (None if release is None else rust_schema_path(release) if rust else shipped_path(release))
     if output is None or str(output) == "-":
         sys.stdout.write(schema.decode())
@@ -294,8 +279,6 @@ def schema_drift(
                 else load_rust_schema(release) or read_protocol(releases.rust_protocol(release), release))
     except (OSError, msgspec.DecodeError) as exc:
         raise fail(f"--schema {schema}: {exc}") from None
-    except releases.ReleaseError as exc:
-        raise fail(str(exc)) from None
     finish_report(drift_report(python, rust, rules_option(None)), report_dir, show_info, as_json)
 
 

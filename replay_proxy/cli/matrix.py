@@ -90,8 +90,6 @@ def add_release(
     """
     from replay_proxy.matrix import MatrixError, releases_in
     from replay_proxy.matrix.release import add_release as add
-    from replay_proxy.processes import ChildError
-    from replay_proxy.releases import ReleaseError
 
     try:
         chosen = None if engines is None else releases_in(engines)
@@ -99,8 +97,6 @@ def add_release(
                     say=lambda line: err.print(line, markup=False, highlight=False))
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    except (ReleaseError, ChildError) as exc:
-        raise fail(str(exc)) from None
     if as_json:
         out.print_json(msgspec.json.encode(added).decode())
     else:
@@ -188,11 +184,8 @@ def bisect(
         raise fail(str(exc), ExitCode.USAGE) from None
     if not db.is_file():
         raise fail(f"no recording database at {db}")
-    try:
-        first, tried = search(db, session, against, releases, frontend_kind=frontend_kind, ready_s=ready_timeout,
-                              progress=lambda line: err.print(line, highlight=False))
-    except MatrixError as exc:
-        raise fail(str(exc)) from None
+    first, tried = search(db, session, against, releases, frontend_kind=frontend_kind, ready_s=ready_timeout,
+                          progress=lambda line: err.print(line, highlight=False))
     tried_text = ", ".join(t.release for t in tried)
     if first is None:
         out.print(f"no release of {releases} regresses (tried {tried_text})")

@@ -8,7 +8,7 @@ import msgspec
 import typer
 
 from replay_proxy.cli.common import check_address, err, fail, out, peers_app, sim_app
-from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.errors import ExitCode
 
 
 def parse_drift(text: str | None, knobs: type):
@@ -84,7 +84,4 @@ def peers_fetch(
     from replay_proxy import releases
 
     for release in vllm_rs:
-        try:
-            out.print(releases.vllm_rs(release))
-        except ReplayProxyError as exc:
-            raise fail(str(exc)) from None
+        out.print(releases.vllm_rs(release))

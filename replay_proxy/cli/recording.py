@@ -13,7 +13,7 @@ import trio
 import typer
 
 from replay_proxy.cli.common import app, check_address, check_host_port, err, fail, out
-from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.errors import ExitCode
 from replay_proxy.store import queries
 from replay_proxy.record.status import LogFormat
 from replay_proxy.store.recorder import OnFull
@@ -119,7 +119,7 @@ def record(
                                                       redaction=redaction, sample=sample, rotation=rotation,
                                                       metrics=metrics, frontend_release=frontend_release,
                                                       log=log))
-    except (ReplayProxyError, OSError) as exc:
+    except OSError as exc:  # (a ReplayProxyError is cli.run's to say)
         raise fail(str(exc)) from None
     so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"
     sampled = f"{stats.frames_sampled_out:,} sampled out, " if sample else ""
@@ -160,10 +160,7 @@ def redaction_settings(key: Path, policy: Path | None, vocab_size: int | None, o
         raise fail(f"{option} needs --vocab-size: no release's handshake carries the vocabulary size "
                    f"(it is vocab_size in the model's config.json)", ExitCode.USAGE)
     settings = RedactionSettings(str(key), vocab_size, str(policy) if policy else None)
-    try:
-        Redaction(settings)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    Redaction(settings)
     return settings
 
 
@@ -192,10 +189,7 @@ def redact(
     if out.resolve() == db.resolve():
         raise fail("--out is --db: redact writes a new file, never in place", ExitCode.USAGE)
     redaction = Redaction(redaction_settings(key_file, policy, vocab_size, "redact"))
-    try:
-        copied = redact_database(db, out, redaction, session)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    copied = redact_database(db, out, redaction, session)
     for name, session_id, frames in copied:
         err.print(f"session {name!r}: {frames:,} frames redacted -> {out} (id {session_id})")
     err.print(f"key {redaction.key.fingerprint}, policy {redaction.policy.digest}")
@@ -237,8 +231,6 @@ def cut(
         session_id, kept, frames = cut_database(db, out, session, selection, name)
     except CutError as exc:  # the selection options themselves
         raise fail(str(exc), ExitCode.USAGE) from None
-    except ReplayProxyError as exc:  # what they name: the file, the session
-        raise fail(str(exc)) from None
     err.print(f"session {session!r}: {kept:,} requests, {frames:,} frames -> {out} (id {session_id})")
 
 
@@ -253,10 +245,7 @@ def sessions(
     """
     from replay_proxy.report.tables import print_rows
 
-    try:
-        rows = queries.list_sessions(db)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    rows = queries.list_sessions(db)
     print_rows(rows, "json" if as_json else "table", out, title=f"sessions in {db}")
 
 
@@ -271,12 +260,9 @@ def decode(
     """
     from replay_proxy.store.session import decode_kept
 
-    try:
-        for name, decoded in decode_kept(db, session):
-            err.print(f"session {name!r} is still recording: its writer decodes it" if decoded is None
-                      else f"session {name!r}: decoded {decoded:,} frames")
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    for name, decoded in decode_kept(db, session):
+        err.print(f"session {name!r} is still recording: its writer decodes it" if decoded is None
+                  else f"session {name!r}: decoded {decoded:,} frames")
 
 
 @app.command()
@@ -291,10 +277,7 @@ def export(
     """
     from replay_proxy.store.export import export_parquet
 
-    try:
-        files = export_parquet(db, parquet, session)
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    files = export_parquet(db, parquet, session)
     err.print(f"wrote {len(files)} Parquet files under {parquet}")
 
 
@@ -320,11 +303,8 @@ def query(
         raise fail("give either SQL or --preset NAME", ExitCode.USAGE)
     if preset is not None and preset not in queries.PRESETS:
         raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
-    try:
-        rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql, write=write)
-        partly = [s for s in queries.list_sessions(db) if s["frames_undecoded"]]
-    except ReplayProxyError as exc:
-        raise fail(str(exc)) from None
+    rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql, write=write)
+    partly = [s for s in queries.list_sessions(db) if s["frames_undecoded"]]
     print_rows(rows, "json" if as_json else "csv" if as_csv else "table", out)
     for s in partly:
         err.print(f"note: {s['frames_undecoded']:,} frames of session {s['name']!r} are not decoded yet, so not "
