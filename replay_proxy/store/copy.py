@@ -28,9 +28,10 @@ from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Channel, Direction
 
 _parts = msgspec.msgpack.Decoder(list[bytes]).decode
-# What the writer recomputes from the redacted frames, or what says how the source was redacted.
+# What the writer recomputes from the frames it is given. How the source was redacted is carried: a cut or a
+# copy of a redacted session is redacted (a replay judges it so); ``redact`` sets it anew.
 _RECOMPUTED = {"id", "vllm_version", "schema_release", "schema_exact", "frames_recorded", "frames_undecoded",
-               "engines_dead", "baseline_session_id", "redaction_policy", "redaction_key", "redaction_counts"}
+               "engines_dead", "baseline_session_id"}
 
 
 class CopyError(ReplayProxyError):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from replay_proxy.store.copy import CopyError, copy_session
+from replay_proxy.store.copy import CopyError, copy_session, redact_database
 
 RECORDINGS = Path(__file__).parents[2] / "recordings"
 
@@ -43,3 +43,23 @@ def test_a_file_holding_another_session_of_that_name_is_refused(tmp_path):
     with pytest.raises(CopyError, match="no session 'nope'"):
         copy_session(other, "nope", tmp_path / "new.db")
     assert not (tmp_path / "new.db").exists()
+
+
+def test_a_copy_or_a_cut_of_a_redacted_session_says_it_is_redacted(tmp_path):
+    """A replay judges a redacted session by scoring, not by its pseudonymous tokens: a copy (replay --out)
+    or a cut that lost the redaction's marks would be judged token by token, and fail."""
+    from replay_proxy.redact.settings import Redaction, RedactionSettings
+    from replay_proxy.store.cut import Selection, cut_database
+
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    redacted = tmp_path / "redacted.db"
+    redact_database(RECORDINGS / "vllm-0.32.0-python.db", redacted, Redaction(RedactionSettings(str(key), 407)))
+    marks = "SELECT redaction_policy, redaction_key, redaction_counts FROM sessions"
+    [(policy, fingerprint, counts)] = rows(redacted, marks)
+    assert policy and fingerprint and counts
+    copy_session(redacted, "python-frontend", tmp_path / "replay.db")
+    assert rows(tmp_path / "replay.db", marks) == [(policy, fingerprint, counts)]
+    first = rows(redacted, "SELECT request_id FROM requests ORDER BY seq LIMIT 1")[0][0]
+    cut_database(redacted, tmp_path / "cut.db", "python-frontend", Selection(requests=[first]))
+    assert rows(tmp_path / "cut.db", "SELECT redaction_policy, redaction_key FROM sessions") == [(policy, fingerprint)]
