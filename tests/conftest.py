@@ -1,40 +1,10 @@
 import pytest
 
-from replay_proxy.net.relay import Relay
-from replay_proxy.sim.engine import SimEngine
-from replay_proxy.sim.frontend import SimFrontend
-from replay_proxy.store.recorder import Recorder, SessionInfo
+# The helper modules' asserts say what they compared, as a test module's do (named before they are imported).
+pytest.register_assert_rewrite("tests.helpers", "tests.real.vllm_reads", "tests.replay.sim_sessions",
+                               "tests.replay.paced")
 
-
-class RecordedSession:
-    """Sim frontend <-> relay (recording) <-> sim engines, in one nursery."""
-
-    def __init__(self, nursery, db, engines=1, api_servers=1, engine_drift=None, frontend_drift=None,
-                 name="test", coordinator=False, record_coordinator=False, frontend_release="0.32.0",
-                 engine_release="0.32.0", **recorder_options):
-        self.nursery, self.db, self.name = nursery, db, name
-        self.frontend_release, self.engine_release = frontend_release, engine_release
-        self.n_engines, self.api_servers = engines, api_servers
-        self.engine_drift, self.frontend_drift = engine_drift, frontend_drift
-        self.coordinator, self.record_coordinator = coordinator, record_coordinator
-        self.recorder_options = recorder_options  # on_full, queue_size
-
-    async def start(self):
-        kwargs = {"drift": self.frontend_drift} if self.frontend_drift else {}
-        self.frontend = SimFrontend(engines=self.n_engines, api_servers=self.api_servers,
-                                    coordinator=self.coordinator, release=self.frontend_release, **kwargs)
-        upstream = await self.nursery.start(self.frontend.run)
-        self.recorder = Recorder(self.db, SessionInfo(name=self.name, upstream=upstream), **self.recorder_options)
-        self.relay = Relay("tcp://127.0.0.1:0", upstream, self.recorder, record_coordinator=self.record_coordinator)
-        self.nursery.start_soon(self.relay.run)
-        await self.relay.listening.wait()
-        kwargs = {"drift": self.engine_drift} if self.engine_drift else {}
-        self.engines = [SimEngine(self.relay.listen, i, release=self.engine_release, **kwargs)
-                        for i in range(self.n_engines)]
-        for engine in self.engines:
-            self.nursery.start_soon(engine.run)
-        await self.frontend.ready.wait()
-        return self
+from tests.helpers import RecordedSession  # noqa: E402
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import click
 import pytest
@@ -24,13 +22,7 @@ from replay_proxy.sim.drift import EngineDrift
 from replay_proxy.sim.engine import SimEngine
 from replay_proxy.sim.frontend import SimFrontend
 from replay_proxy.sim.workload import run_workload
-
-ROOT = Path(__file__).resolve().parent.parent
-CLI = [sys.executable, "-m", "replay_proxy"]
-
-
-def cli(*args, timeout=60):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+from tests.helpers import CLI, ROOT, cli
 
 
 async def test_sigterm_flushes_the_recording_and_exits_0(tmp_path):

@@ -10,7 +10,7 @@ import trio
 
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.messages import RequestType
-from tests.store.test_writer import writer_paused
+from tests.helpers import writer_paused
 
 
 async def run_workload(session, requests=12):

@@ -3,31 +3,9 @@
 import json
 import xml.etree.ElementTree as ET
 
-from replay_proxy.compare.findings import Change, Finding, Report, Severity
+from replay_proxy.compare.findings import Finding, Report, Severity
 from replay_proxy.report.render import print_summary, write_reports
-
-REPORT = Report(
-    title="diff", baseline="a", candidate="b",
-    findings=[
-        Finding("schema", Severity.BREAKING, "field_inserted", "EngineCoreOutput: inserted at 5",
-                struct="EngineCoreOutput", field="finish_reason", position=5, breaks=("python-frontend",)),
-        Finding("behaviour", Severity.REGRESSION, "token_mismatch", "tokens diverge at 2", request_id="r1"),
-        Finding("behaviour", Severity.WARNING, "abort_progress", "aborted later", request_id="r2"),
-        Finding("performance", Severity.REGRESSION, "itl_regression", "itl_ms.p50 10 -> 12 ms: +20.0%",
-                field="itl_ms.p50", baseline=10.0, candidate=12.0,
-                change=Change(relative=0.2, low=0.12, high=0.29, minimum_detectable=0.08, paired=True,
-                              samples=(40, 40))),
-        Finding("performance", Severity.INFO, "ttft_no_change", "ttft_ms.p50 5 -> 5.1 ms: +2.0%",
-                field="ttft_ms.p50", baseline=5.0, candidate=5.1,
-                change=Change(relative=0.02, low=-0.04, high=0.08, minimum_detectable=0.11, paired=True,
-                              samples=(8, 8))),
-    ],
-    samples={"ttft_ms": {"baseline": [1.0, 2.0, 3.0], "candidate": [2.0, 4.0]}},
-    schemas={"EngineCoreOutput": {"baseline": ["0 request_id: str"], "candidate": ["0 request_id: str", "1 x: int"]}},
-    checks=["schema:EngineCoreOutput", "behaviour:r1", "behaviour:r2", "behaviour:r3", "performance:itl_ms.p50",
-            "performance:ttft_ms.p50", "performance:e2e_ms.p50"],
-    performance_threshold=0.05,
-)
+from tests.helpers import REPORT
 
 
 def test_json_report_lists_findings_worst_first_with_the_exit_code(tmp_path):

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.test_report import REPORT
+from tests.helpers import REPORT
 from replay_proxy.report.render import write_reports
 
 CHROMIUM = shutil.which("chromium")

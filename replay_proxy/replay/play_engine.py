@@ -40,7 +40,7 @@ from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.processes import OtherLoad
-from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally
+from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally, UserSaw
 from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
@@ -79,7 +79,7 @@ class EnginePlayer(Player):
 
     def tally(self) -> Tally:
         """Requests sent (HTTP), requests answered, requests recorded, tokens users got."""
-        tokens = sum(len(seen.get("token_ids") or []) for seen in self.outcome.http.values())
+        tokens = sum(len(seen.token_ids) for seen in self.outcome.http.values())
         return Tally(len(self._adds) - len(self._unmatched), len(self.outcome.http), len(self._adds), tokens)
 
     async def run(self) -> ReplayOutcome:
@@ -303,10 +303,10 @@ class EnginePlayer(Player):
             try:
                 seen = await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
             except (OSError, ValueError) as exc:
-                seen = {"error": f"{type(exc).__name__}: {exc}"}
+                seen = UserSaw(error=f"{type(exc).__name__}: {exc}")
         if waiting.cancelled_caught:
-            seen = {"error": f"no complete response within {self.finish_timeout:g} s"}
-        seen["aborted_after"] = aborted_after
+            seen = UserSaw(error=f"no complete response within {self.finish_timeout:g} s")
+        seen.aborted_after = aborted_after
         self.outcome.http[recorded["request_id"]] = seen
 
     async def _load_adapter(self, lora: dict) -> None:
@@ -329,27 +329,27 @@ class EnginePlayer(Player):
         findings = []
         for frame in self._adds:
             rid = frame.decoded["request_id"]
-            seen = self.outcome.http.get(rid, {"error": "never sent"})
+            seen = self.outcome.http.get(rid, UserSaw(error="never sent"))
             tokens = [t for o in self._recorded_outputs.get(rid, []) for t in _output_tokens(o)]
             finish = next((_finish(o, self.decoder.schema) for o in self._recorded_outputs.get(rid, [])
                            if _finish(o, self.decoder.schema)), None)
-            if "error" in seen:
+            if seen.error is not None:
                 findings.append(Finding("behaviour", Severity.REGRESSION, "http_failed",
-                                        f"the HTTP request failed: {seen['error']}", request_id=rid))
-            elif "embedding" in seen:
+                                        f"the HTTP request failed: {seen.error}", request_id=rid))
+            elif seen.embedding is not None:
                 recorded = next(filter(None, map(_pooled_values, self._recorded_outputs.get(rid, []))), [])
-                if seen["embedding"] != recorded:  # float32 on the wire: the same floats in the JSON
+                if seen.embedding != recorded:  # float32 on the wire: the same floats in the JSON
                     findings.append(Finding(
                         "behaviour", Severity.REGRESSION, "http_response_differs",
-                        f"the user got an embedding of {len(seen['embedding'])} values, the recorded engine "
+                        f"the user got an embedding of {len(seen.embedding)} values, the recorded engine "
                         f"pooled {len(recorded)}, and they differ", request_id=rid,
-                        baseline=recorded[:4], candidate=seen["embedding"][:4]))
-            elif seen["aborted_after"] is None and (seen["token_ids"], seen["finish_reason"]) != (tokens, finish):
+                        baseline=recorded[:4], candidate=seen.embedding[:4]))
+            elif seen.aborted_after is None and (seen.token_ids, seen.finish_reason) != (tokens, finish):
                 findings.append(Finding(
                     "behaviour", Severity.REGRESSION, "http_response_differs",
-                    f"the user got {len(seen['token_ids'])} tokens ({seen['finish_reason']}), the recorded engine "
+                    f"the user got {len(seen.token_ids)} tokens ({seen.finish_reason}), the recorded engine "
                     f"produced {len(tokens)} ({finish})", request_id=rid,
-                    baseline=tokens[:8], candidate=seen["token_ids"][:8]))
+                    baseline=tokens[:8], candidate=seen.token_ids[:8]))
         return findings
 
 
@@ -420,22 +420,22 @@ def load_adapter(url: str, body: dict, timeout: float) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def embedding(url: str, body: dict, timeout: float) -> dict:
+def embedding(url: str, body: dict, timeout: float) -> UserSaw:
     """One embedding as an HTTP client sees it."""
     try:
         with urllib.request.urlopen(_post(url, body), timeout=timeout) as response:
-            return {"embedding": json.load(response)["data"][0]["embedding"]}
+            return UserSaw(embedding=json.load(response)["data"][0]["embedding"])
     except urllib.error.HTTPError as exc:
-        return {"error": _failure(exc)}
+        return UserSaw(error=_failure(exc))
 
 
-def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> dict:
+def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> UserSaw:
     """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort)."""
     try:
         with urllib.request.urlopen(_post(url, {**body, "stream": stream}), timeout=timeout) as response:
             if not stream:
                 choice = json.load(response)["choices"][0]
-                return {"token_ids": choice.get("token_ids") or [], "finish_reason": choice.get("finish_reason")}
+                return UserSaw(token_ids=choice.get("token_ids") or [], finish_reason=choice.get("finish_reason"))
             tokens, finish = [], None
             for line in response:
                 line = line.strip()
@@ -446,6 +446,6 @@ def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None
                     finish = choice.get("finish_reason") or finish
                 if stop_after_tokens is not None and len(tokens) >= stop_after_tokens:
                     break  # closing the connection makes the frontend abort the request
-            return {"token_ids": tokens, "finish_reason": finish}
+            return UserSaw(token_ids=tokens, finish_reason=finish)
     except urllib.error.HTTPError as exc:
-        return {"error": _failure(exc)}
+        return UserSaw(error=_failure(exc))

@@ -14,7 +14,7 @@ import abc
 import itertools
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 import zmq
@@ -40,6 +40,17 @@ class Tally(NamedTuple):
     tokens: int  # that the peer's users got (against a frontend), or that it produced (against an engine)
 
 
+class UserSaw(msgspec.Struct, kw_only=True):
+    """What a recorded request's HTTP client got from the frontend under test: its tokens and finish reason
+    (a completion), its vector (an embedding), or why it got neither."""
+
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    embedding: list[float] | None = None
+    error: str | None = None
+    aborted_after: int | None = None  # the client disconnected after this many tokens, as the recorded one did
+
+
 class ReplayOutcome(msgspec.Struct):
     """What a player did; its findings join the comparison's in the report."""
 
@@ -53,7 +64,7 @@ class ReplayOutcome(msgspec.Struct):
     send_seconds: float = 0.0  # from the first send to the last
     scoring_seconds: float = 0.0  # the teacher-forced scoring passes after the session (against an engine)
     other_cpu: float = 0.0  # the machine's CPU share other processes took while the session ran (processes.OtherLoad)
-    http: dict[str, dict[str, Any]] = {}  # against a frontend: recorded request id -> what its HTTP client saw
+    http: dict[str, UserSaw] = {}  # against a frontend: recorded request id -> what its HTTP client saw
 
 
 class PeerUnderTest(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -112,33 +113,34 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
     baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
-    noise, runs, first = [], [], None
+    noise, runs, first = [], [], None  # first: the candidate's first run (OneRun), the one the report is of
 
     other_cpu: dict[str, float] = {}  # each run's session: the machine's CPU share other processes took
 
     def candidate_run(i: int) -> Report | None:
         nonlocal first
         name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
-        session_id, outcome, failure, rejections = _replay_once(
-            recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log", console,
-            kept if i == 1 else None, scoring_passes=judging and i == 1 and options.noise_runs > 0)
-        if failure:
-            return _failed(title, recording.name, name, fold_consequences([*rejections, failure], options.rules))
-        runs.append(decode_and_load(db, str(session_id)))
-        other_cpu[runs[-1].label] = outcome.other_cpu
-        first = first or (session_id, outcome, rejections)
+        run = _replay_once(recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log",
+                           console, kept if i == 1 else None,
+                           scoring_passes=judging and i == 1 and options.noise_runs > 0)
+        if run.failure:
+            return _failed(title, recording.name, name, fold_consequences([*run.rejections, run.failure],
+                                                                          options.rules))
+        runs.append(decode_and_load(db, str(run.session_id)))
+        other_cpu[runs[-1].label] = run.outcome.other_cpu
+        first = first or run
         return None
 
     def baseline_run(i: int) -> Report | None:
         name = f"{recording.name}-noise-{stamp}-{i}"
-        session_id, outcome, failure, _ = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log",
-                                                       console, scoring_passes=(2 if i == 1 else 1) * judging)
-        if failure:
-            failure = msgspec.structs.replace(failure, message=f"noise run {i} against the baseline build: "
-                                                               f"{failure.message}")
+        run = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console,
+                           scoring_passes=(2 if i == 1 else 1) * judging)
+        if run.failure:
+            failure = msgspec.structs.replace(run.failure, message=f"noise run {i} against the baseline build: "
+                                                                   f"{run.failure.message}")
             return _failed(title, recording.name, name, [failure])
-        noise.append(decode_and_load(db, str(session_id)))
-        other_cpu[noise[-1].label] = outcome.other_cpu
+        noise.append(decode_and_load(db, str(run.session_id)))
+        other_cpu[noise[-1].label] = run.outcome.other_cpu
         return None
 
     # Counterbalanced (baseline, candidate, candidate, baseline, ...): load that comes and goes with the period
@@ -154,7 +156,7 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
             failed = play(i)
             if failed is not None:
                 return failed, None
-    session_id, outcome, rejections = first
+    session_id, outcome, rejections = first.session_id, first.outcome, first.rejections
     report = build_report(title, recording, runs[0], options.rules, noise,
                           frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
                           held_lengths=options.hold_lengths, asked_logprobs=judging, candidate_runs=runs[1:],
@@ -170,11 +172,20 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
     return report, outcome
 
 
+class OneRun(NamedTuple):
+    """One replay of a session: the session it was recorded as, what the player did, why it failed (None: it
+    ran), and the peer's reader's rejections of what it was sent."""
+
+    session_id: int
+    outcome: ReplayOutcome | None
+    failure: Finding | None
+    rejections: list[Finding]
+
+
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
                  console: Console | None, kept: KeptEngine | None = None, scoring_passes: int = 0,
-                 ) -> tuple[int, ReplayOutcome | None, Finding | None, list[Finding]]:
-    """One replay, recorded as session ``name``: (its id, the outcome, why it failed or None, the peer's
-    reader's rejections of what it was sent). ``scoring_passes``: teacher-forced scoring passes after it
+                 ) -> OneRun:
+    """One replay, recorded as session ``name``. ``scoring_passes``: teacher-forced scoring passes after it
     (against an engine).
 
     A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
@@ -254,7 +265,7 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
         rejections = reader_rejections(said, recording.schema, peer.side, options.rules,
                                        [read_as(observer.message(f)) for f in reversed(observer.events)],
                                        sent_lengths(recording))
-    return recorder.session_id, outcome, failure, rejections
+    return OneRun(recorder.session_id, outcome, failure, rejections)
 
 
 class LastSent:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from replay_proxy.processes import free_port  # noqa: E402
-from tests.replay import test_performance_replay_sim as paced  # noqa: E402
+from tests.replay import paced  # noqa: E402
 
 
 def replay(recorded: Path, folder: Path, fraction: float, noise_runs: int) -> tuple[dict, int, bool]:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from replay_proxy.compare.rules import RulesError, load_rules
-from tests.test_cli import ROOT, cli
+from tests.helpers import ROOT, cli
 
 
 def test_a_rules_file_replaces_the_keys_it_gives(tmp_path):

@@ -9,7 +9,7 @@ from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
 from replay_proxy.sim.drift import EngineDrift, FrontendDrift
 from replay_proxy.store.session import load_session
-from tests.conftest import RecordedSession
+from tests.helpers import RecordedSession
 
 RULES = load_rules()
 

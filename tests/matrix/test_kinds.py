@@ -15,7 +15,7 @@ from replay_proxy.matrix.deploy import can_i_deploy
 from replay_proxy.matrix.predict import predict
 from replay_proxy.report.matrix import label, main_reason, markdown
 from replay_proxy.wire.messages import Direction
-from tests.matrix.test_deploy import CLI
+from tests.helpers import CLI
 
 NEW_FRONTEND, OLD_ENGINE = Frontend("vllm", "0.32.0"), "0.31.0"
 

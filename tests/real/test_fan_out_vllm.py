@@ -14,7 +14,7 @@ import pytest
 
 from replay_proxy.store.session import load_session
 from tests.real import peers, workload
-from tests.real.test_oracle_vllm import read_as_vllm_does
+from tests.real.vllm_reads import read_as_vllm_does
 
 pytestmark = pytest.mark.real_vllm
 

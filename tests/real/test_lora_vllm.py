@@ -23,7 +23,7 @@ from replay_proxy.matrix import RECORDINGS, Frontend, Verdict
 from replay_proxy.matrix.predict import predict
 from replay_proxy.processes import free_port
 from tests.real import peers, workload
-from tests.real.test_oracle_vllm import read_as_vllm_does
+from tests.real.vllm_reads import read_as_vllm_does
 
 pytestmark = pytest.mark.real_vllm
 

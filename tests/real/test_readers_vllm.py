@@ -20,7 +20,7 @@ from replay_proxy.compare.readers import reader_schema, verdict
 from replay_proxy.wire.schema import load_schema
 from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
-from tests.real.test_oracle_vllm import oracle
+from tests.real.vllm_reads import oracle
 
 pytestmark = pytest.mark.real_vllm
 UNSET = object()

@@ -18,7 +18,7 @@ import sqlite_utils
 from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.copy import redact_database
 from tests.real import peers, workload
-from tests.real.test_oracle_vllm import read_as_vllm_does
+from tests.real.vllm_reads import read_as_vllm_does
 from tests.redact.leaks import file_bytes, leaks, shape, tokens_of
 
 pytestmark = pytest.mark.real_vllm

@@ -11,7 +11,7 @@ import pytest
 
 from replay_proxy.releases import extract_release
 from replay_proxy.wire.schema import shipped_releases
-from tests.test_cli import ROOT, cli
+from tests.helpers import ROOT, cli
 
 pytestmark = pytest.mark.real_vllm
 

@@ -17,7 +17,7 @@ import sqlite3
 import pytest
 
 from tests.real import peers, workload
-from tests.real.test_oracle_vllm import read_as_vllm_does
+from tests.real.vllm_reads import read_as_vllm_does
 
 pytestmark = pytest.mark.real_vllm
 

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from replay_proxy.processes import Child, free_port
-from tests.test_cli import CLI
+from tests.helpers import CLI
 
 WAIT_S = 60  # every wait here is bounded by this
 

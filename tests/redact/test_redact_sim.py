@@ -21,9 +21,9 @@ from replay_proxy.sim.engine import VOCAB, token_at
 from replay_proxy.store.copy import redact_database
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
+from tests.helpers import RecordedSession
 from tests.redact.leaks import common_prefix, leaks, shape, tokens_of
-from tests.replay.test_engine_replay_sim import engines_command
+from tests.helpers import engines_command
 
 STOP = "a secret stop string"
 SCHEMA = '{"type": "object", "properties": {"acme_secret_field": {"type": "string"}}}'

@@ -1,6 +1,5 @@
 """Replay against an engine, with sim peers: a faithful engine gives nothing, each drift its finding."""
 
-import json
 import re
 import shlex
 import shutil
@@ -19,57 +18,18 @@ from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import KeptEngine, replay_session
 from replay_proxy.store.session import load_session
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
+from tests.helpers import engines_command
+from tests.replay.sim_sessions import record_baseline, replay_baseline
 
-ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine"]
-
-
-async def _record(db, engines, api_servers, coordinator=False):
-    with trio.fail_after(60):  # the sim peers take a second or two: a hang fails here, not at CI's limit
-        async with trio.open_nursery() as nursery:
-            session = await RecordedSession(nursery, db, engines=engines, api_servers=api_servers, name="baseline",
-                                            coordinator=coordinator, record_coordinator=coordinator).start()
-            frontend = session.frontend
-            call = await frontend.utility("get_supported_tasks")
-            for k in range(8):  # three one at a time, then five batched together
-                await frontend.add(f"r{k}", [7, 8, k], engine=k % engines, client=k % api_servers,
-                                   max_tokens=3 + k, temperature=0.0)
-                if k < 3:  # with a pause, so that a replay at the recorded pace runs them alone too
-                    await frontend.wait_for(lambda k=k: f"r{k}" in frontend.finish_reasons)
-                    await trio.sleep(0.1)
-            await frontend.add("long", [9, 9], max_tokens=500, temperature=0.0)
-            await frontend.wait_for(lambda: len(frontend.tokens["long"]) >= 4)
-            await frontend.abort(["long"])
-            await frontend.wait_for(lambda: len(frontend.finish_reasons) == 8 and call in frontend.utility_results)
-            nursery.cancel_scope.cancel()
-        session.recorder.close()
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     db = tmp_path_factory.mktemp("recorded") / "baseline.db"
-    trio.run(_record, db, 1, 1)
+    trio.run(record_baseline, db, 1, 1)
     return db
 
 
-def engines_command(listen, drift=None, engines=1, release="0.32.0"):
-    drift_args = ["--drift", json.dumps(drift)] if drift else []
-    command = " & ".join(shlex.join([*ENGINE, "--handshake", listen, "--index", str(i), "--release", release,
-                                     *drift_args]) for i in range(engines))
-    return shlex.join(["bash", "-c", f"{command} & wait"])
-
-
-def replay(tmp_path, recorded, drift=None, engines=1, ready_timeout=20, noise_runs=0, pace="fast", edit=None):
-    db = tmp_path / "replay.db"
-    shutil.copy(recorded, db)
-    if edit is not None:
-        edit(sqlite_utils.Database(db))
-    listen = f"tcp://127.0.0.1:{free_port()}"
-    peer = PeerUnderTest(side=Side.ENGINE, address=listen, command=engines_command(listen, drift, engines))
-    options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=10, report_dir=tmp_path,
-                            noise_runs=noise_runs, baseline_command=engines_command(listen))
-    report, outcome = replay_session(db, "baseline", peer, options)
-    return report, outcome, db
 
 
 def landings(db):
@@ -80,7 +40,7 @@ def landings(db):
 
 
 def test_a_faithful_engine_gives_no_findings_and_the_replay_is_a_session(tmp_path, recorded):
-    report, outcome, db = replay(tmp_path, recorded)
+    report, outcome, db = replay_baseline(tmp_path, recorded)
     assert [f for f in report.findings if f.severity >= Severity.WARNING] == []
     assert exit_code(report.findings) is ExitCode.OK
     # With no run of the baseline build, timing is not compared with the recording as if it were one.
@@ -110,7 +70,7 @@ def test_an_abort_lands_at_its_recorded_progress_on_an_engine_faster_than_the_re
         db.execute("UPDATE frames SET ts_ns = ts_ns + 3000000000 WHERE kind = 'ABORT'")
         db.execute("UPDATE aborts SET ts_ns = ts_ns + 3000000000")
         db.conn.commit()
-    report, outcome, db = replay(tmp_path, recorded, pace="original", edit=later_abort)
+    report, outcome, db = replay_baseline(tmp_path, recorded, pace="original", edit=later_abort)
     recorded_at, replayed_at = landings(db)
     assert replayed_at == recorded_at >= 3
     assert "abort_progress" not in {f.code for f in report.findings}
@@ -125,7 +85,7 @@ def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_
         db.execute("UPDATE output_rows SET num_new_tokens = 150 * num_new_tokens WHERE request = "
                    "(SELECT number FROM request_ids WHERE request_id = 'long')")
         db.conn.commit()
-    report, _, db = replay(tmp_path, recorded, edit=abort_later)
+    report, _, db = replay_baseline(tmp_path, recorded, edit=abort_later)
     later = 150 * recorded_at  # at least 600
     [off] = [f for f in report.findings if f.code == "abort_progress"]
     assert off.severity == Severity.WARNING and (off.baseline, off.candidate) == (later, 500)
@@ -144,7 +104,7 @@ def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_
     ({"die_after_requests": 2}, ExitCode.BEHAVIOUR, "engine_dead"),
 ])
 def test_each_engine_drift_is_caught(tmp_path, recorded, drift, code, expected):
-    report, _, _ = replay(tmp_path, recorded, drift, pace="original")  # fast would batch every request
+    report, _, _ = replay_baseline(tmp_path, recorded, drift, pace="original")  # fast would batch every request
     assert expected in {f.code for f in report.findings if f.severity >= Severity.WARNING}
     assert exit_code(report.findings) is code
     if expected == "engine_dead":  # the replay ended when the engine died, not after --finish-timeout
@@ -154,7 +114,7 @@ def test_each_engine_drift_is_caught(tmp_path, recorded, drift, code, expected):
 def test_changed_tokens_of_batched_requests_are_judged_at_their_first_divergence(tmp_path, recorded):
     """Batched requests do not reproduce on vLLM's CPU build: they are not held to every token, but where their
     tokens first differ each side's token must be among the other's top logprobs, and a shifted token is not."""
-    report, _, _ = replay(tmp_path, recorded, {"token_offset": 3}, pace="original")
+    report, _, _ = replay_baseline(tmp_path, recorded, {"token_offset": 3}, pace="original")
     found = {f.request_id: (f.severity, f.code, f.tier) for f in report.findings
              if f.code in ("token_mismatch", "divergence_not_close")}
     assert {found[f"r{k}"] for k in range(3)} == {(Severity.REGRESSION, "token_mismatch", "exact")}  # ran alone
@@ -165,13 +125,13 @@ def test_changed_tokens_of_batched_requests_are_judged_at_their_first_divergence
 
 
 def test_requests_a_fast_replay_batched_are_judged_at_their_first_divergence(tmp_path, recorded):
-    report, _, _ = replay(tmp_path, recorded, {"token_offset": 3}, pace="fast")
+    report, _, _ = replay_baseline(tmp_path, recorded, {"token_offset": 3}, pace="fast")
     found = {f.request_id: f.tier for f in report.findings if f.code in ("token_mismatch", "divergence_not_close")}
     assert set(found) == {f"r{k}" for k in range(8)} and set(found.values()) == {"first_divergence"}
 
 
 def test_noise_runs_of_a_stable_baseline_make_batched_mismatches_regressions(tmp_path, recorded):
-    report, _, db = replay(tmp_path, recorded, {"token_offset": 3}, noise_runs=2)
+    report, _, db = replay_baseline(tmp_path, recorded, {"token_offset": 3}, noise_runs=2)
     severity = {f.request_id: f.severity for f in report.findings if f.code == "token_mismatch"}
     assert {severity[f"r{k}"] for k in range(8)} == {Severity.REGRESSION}  # the baseline runs agreed
     names = [r["name"] for r in sqlite_utils.Database(db).query(
@@ -182,17 +142,17 @@ def test_noise_runs_of_a_stable_baseline_make_batched_mismatches_regressions(tmp
 
 def test_a_session_recorded_with_its_coordinator_replays_without_it(tmp_path):
     recorded = tmp_path / "dp.db"
-    trio.run(_record, recorded, 2, 1, True)
+    trio.run(record_baseline, recorded, 2, 1, True)
     assert sqlite_utils.Database(recorded).execute(
         "SELECT COUNT(*) FROM frames WHERE channel = 'coordinator_output'").fetchone()[0] > 0
-    report, outcome, _ = replay(tmp_path, recorded, engines=2)
+    report, outcome, _ = replay_baseline(tmp_path, recorded, engines=2)
     timeless = [f for f in report.findings if f.category != "performance"]
     assert [f for f in timeless if f.severity >= Severity.WARNING] == []
     assert (outcome.requests, outcome.finished) == (9, 8)
 
 
 def test_a_different_number_of_engines_fails_before_anything_is_sent(tmp_path, recorded):
-    report, outcome, db = replay(tmp_path, recorded, engines=2, ready_timeout=10)
+    report, outcome, db = replay_baseline(tmp_path, recorded, engines=2, ready_timeout=10)
     [finding] = report.findings
     assert "engine 1 connected" in finding.message
     assert exit_code(report.findings) is ExitCode.REPLAY_FAILED
@@ -255,7 +215,7 @@ def test_teacher_forced_scoring_finds_distributions_that_moved_under_unchanged_t
     session's); an engine whose every logprob is 5% sharper generates every token as before, and is found."""
     (tmp_path / "same").mkdir()
     (tmp_path / "sharper").mkdir()
-    same, _, db = replay(tmp_path / "same", recorded, noise_runs=1)
+    same, _, db = replay_baseline(tmp_path / "same", recorded, noise_runs=1)
     codes = {f.code: f for f in same.findings}
     assert "scoring_same" in codes and exit_code(same.findings) is ExitCode.OK, codes["scoring_same"].message
     scoring = sqlite_utils.Database(db).execute(
@@ -263,7 +223,7 @@ def test_teacher_forced_scoring_finds_distributions_that_moved_under_unchanged_t
         "WHERE r.request_id LIKE 'replay-proxy-score-%' GROUP BY s.id ORDER BY s.id").fetchall()
     scored = sum(1 for r in load_session(recorded, "baseline").requests if r.tokens)
     assert [n for _, n in scoring] == [2 * scored, scored]  # the baseline's run twice, the candidate's once
-    sharper, _, _ = replay(tmp_path / "sharper", recorded, {"logprob_scale": 0.05}, noise_runs=1)
+    sharper, _, _ = replay_baseline(tmp_path / "sharper", recorded, {"logprob_scale": 0.05}, noise_runs=1)
     regressions = {f.code for f in sharper.findings if f.severity is Severity.REGRESSION}
     assert {"scoring_kl", "scores_diverge"} <= regressions and "token_mismatch" not in regressions, regressions
 
@@ -287,7 +247,7 @@ def test_a_replay_whose_recording_cannot_be_closed_leaves_no_engine_running(tmp_
     monkeypatch.setattr(run, "Child", Watched)
     monkeypatch.setattr(Recorder, "close", broken_close)
     with pytest.raises(RuntimeError, match="malformed"):
-        replay(tmp_path, recorded)
+        replay_baseline(tmp_path, recorded)
     assert started and not any(child.running() for child in started)
     for recorder in unclosed:  # (its writer process, which the broken close left waiting)
         close(recorder, "failed", "closed by the test")

@@ -22,7 +22,7 @@ from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.api import serve_api
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
+from tests.helpers import RecordedSession
 
 FRONTEND = [sys.executable, "-m", "replay_proxy", "sim", "frontend"]
 REQUESTS = [  # (sampling parameters, stream, disconnect after this many tokens)
@@ -47,7 +47,7 @@ async def _record_requests(db):
             body = {"model": "sim", "prompt": [5, 6, k], "return_token_ids": True, **params}
             seen = await trio.to_thread.run_sync(functools.partial(
                 completion, f"http://127.0.0.1:{port}/v1/completions", body, stream, disconnect_after, 10))
-            assert seen["token_ids"] and "error" not in seen
+            assert seen.token_ids and seen.error is None
         await session.frontend.wait_for(lambda: session.frontend.aborted)  # the disconnect seen, the ABORT sent
         while session.frontend.aborted & session.engines[0].running.keys():  # ... and through the relay
             await trio.sleep(0.01)
@@ -81,7 +81,7 @@ def test_the_recorded_frontend_itself_gives_no_findings_and_its_users_get_the_re
     assert [f for f in timeless if f.severity >= Severity.WARNING] == []
     recorded_tokens = {row["request_id"]: row["tokens"] for row in sqlite_utils.Database(recorded).query(
         "SELECT request_id, tokens FROM request_timeline WHERE NOT frontend_aborted")}
-    assert sorted(len(seen["token_ids"]) for rid, seen in outcome.http.items() if rid in recorded_tokens) == sorted(
+    assert sorted(len(seen.token_ids) for rid, seen in outcome.http.items() if rid in recorded_tokens) == sorted(
         recorded_tokens.values())
     # The replayed session has the same ADDs, the ABORT after the disconnect and the start-up utility call.
     kinds = {row["kind"]: row["n"] for row in sqlite_utils.Database(db).query(

@@ -8,65 +8,26 @@ so that a regression is called however loaded the machine is. The recording and 
 the proxy to a sim engine process and back.
 """
 
-import json
 import shlex
-import sys
 
 import msgspec
 import pytest
-import trio
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.processes import Child, free_port
+from replay_proxy.processes import free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
-from replay_proxy.sim.frontend import SimFrontend
 from replay_proxy.wire.messages import Side
-
-CLI = [sys.executable, "-m", "replay_proxy"]
-STEP_MS = 20
-REQUESTS = 300
+from tests.replay.paced import REQUESTS, engine_argv, record_paced
 
 
-def engine_argv(listen, fraction=0.0):
-    drift = ["--drift", json.dumps({"step_time_fraction": fraction})] if fraction else []
-    return [*CLI, "sim", "engine", "--handshake", listen, "--step-ms", str(STEP_MS), "--step-spread", "0.2", *drift]
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     return record_paced(tmp_path_factory.mktemp("recorded"))
 
-
-def record_paced(logs, requests=REQUESTS):
-    """Greedy requests, one every 30 ms, through `replay-proxy record` to a sim engine process."""
-    db = logs / "rec.db"
-    upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(db), "--session", "paced"],
-                  logs / "proxy.log")
-    engine = Child(engine_argv(listen), logs / "engine.log")
-    try:
-        proxy.wait_for_log("listening on", timeout=30)
-
-        async def workload():
-            frontend = SimFrontend(upstream)
-            with trio.fail_after(120):
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(frontend.run)
-                    await frontend.ready.wait()
-                    start = trio.current_time()
-                    for k in range(requests):
-                        await trio.sleep_until(start + k * 0.03)
-                        await frontend.add(f"r{k}", [3, k % 97, 5], max_tokens=5, temperature=0.0)
-                    await frontend.wait_for(lambda: len(frontend.finish_reasons) == requests)
-                    nursery.cancel_scope.cancel()
-
-        trio.run(workload)
-    finally:
-        engine.stop()
-        assert proxy.stop(timeout=30) == 0, proxy.log_tail()
-    return db
 
 
 # The suite shares the machine with its other worker: what is tested here is the timing arithmetic, so every run

@@ -4,7 +4,7 @@ made through the recorder between a real 0.32.0 pooling frontend and engine). No
 
 from replay_proxy.matrix import RECORDINGS
 from replay_proxy.replay.play_engine import EnginePlayer
-from replay_proxy.replay.player import ReplayOptions
+from replay_proxy.replay.player import ReplayOptions, UserSaw
 from replay_proxy.store.session import load_session
 
 
@@ -16,9 +16,9 @@ def test_an_embedding_that_is_not_what_the_engine_pooled_is_found():
     adds = [f.decoded["request_id"] for f in player._adds]
     assert len(adds) == 5 and set(adds) <= set(pooled) and all(len(pooled[r]) == 128 for r in adds)
     for rid in adds:  # every user got what was pooled
-        player.outcome.http[rid] = {"embedding": list(pooled[rid]), "aborted_after": None}
+        player.outcome.http[rid] = UserSaw(embedding=list(pooled[rid]))
     assert player._request_findings() == []
-    player.outcome.http[adds[2]]["embedding"][7] += 1e-3  # one value of one embedding
+    player.outcome.http[adds[2]].embedding[7] += 1e-3  # one value of one embedding
     [finding] = player._request_findings()
     assert (finding.code, finding.request_id) == ("http_response_differs", adds[2])
     assert "embedding of 128 values" in finding.message

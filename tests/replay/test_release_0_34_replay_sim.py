@@ -16,7 +16,7 @@ from replay_proxy.processes import free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
+from tests.helpers import RecordedSession
 
 PROMPTS = [[11, 12, 13, 14], [(3 * i) % 400 + 5 for i in range(200)], [20, 21, 22]]
 

@@ -10,7 +10,7 @@ import trio
 
 from replay_proxy.replay.shrink import Peer, Shrinker, ShrinkError, shrink
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
+from tests.helpers import RecordedSession
 
 SIM_ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", "tcp://127.0.0.1:{port}"]
 

@@ -13,7 +13,7 @@ import trio
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.store.cut import CutError, Selection, cut_database
-from tests.replay.test_engine_replay_sim import _record, replay
+from tests.replay.sim_sessions import record_baseline, replay_baseline
 
 REAL = Path(__file__).parents[2] / "recordings" / "vllm-0.32.0-python.db"
 
@@ -22,7 +22,7 @@ REAL = Path(__file__).parents[2] / "recordings" / "vllm-0.32.0-python.db"
 def recorded(tmp_path_factory):
     """The engine-replay session: r0..r7 (three alone, five batched), 'long' aborted, a utility call."""
     db = tmp_path_factory.mktemp("cut") / "baseline.db"
-    trio.run(_record, db, 1, 1)
+    trio.run(record_baseline, db, 1, 1)
     return db
 
 
@@ -74,7 +74,7 @@ def test_a_cut_of_a_cut_is_the_direct_cut(tmp_path, recorded):
 def test_a_cut_replays_against_a_faithful_engine_with_nothing_found(tmp_path, recorded):
     db = tmp_path / "cut.db"
     cut_database(recorded, db, "baseline", Selection(requests=["r0", "r3", "r7", "long"]), name="baseline")
-    report, outcome, _ = replay(tmp_path, db)
+    report, outcome, _ = replay_baseline(tmp_path, db)
     assert [f for f in report.findings if f.severity >= Severity.WARNING and f.category != "performance"] == []
     assert (outcome.sent, outcome.requests, outcome.finished) == (6, 4, 3)  # and its ABORT and utility call
 

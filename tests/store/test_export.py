@@ -5,7 +5,7 @@ from pathlib import Path
 
 import duckdb
 
-from tests.test_cli import cli
+from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDINGS = [ROOT / "recordings" / "demo.db", ROOT / "recordings" / "vllm-0.32.0-python.db"]

@@ -16,10 +16,10 @@ from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
 from replay_proxy.store.rotation import ABORT_GRACE_NS, Finishing, RotationSettings
 from replay_proxy.wire.messages import Side
-from tests.conftest import RecordedSession
-from tests.replay.test_engine_replay_sim import engines_command
-from tests.store.test_writer import wait_for
-from tests.test_cli import CLI, cli
+from tests.helpers import RecordedSession
+from tests.helpers import engines_command
+from tests.helpers import wait_for
+from tests.helpers import CLI, cli
 
 ROUNDS = 3
 

@@ -15,8 +15,8 @@ from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction
 from replay_proxy.wire.schema import load_schema
-from tests.test_cli import cli
-from tests.wire.test_fuzz import msgpack_values
+from tests.helpers import cli
+from tests.strategies import msgpack_values
 
 
 def test_a_stop_token_and_a_stop_string_keep_their_types(db_path, tmp_path):

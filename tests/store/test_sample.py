@@ -15,7 +15,7 @@ from replay_proxy.store.writer import Writer
 from replay_proxy.wire.capture import RELAY, encode_entries, relay_entry
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD
 from replay_proxy.wire.schema import load_schema
-from tests.store.test_writer import frame
+from tests.helpers import frame
 
 REQUESTS = 120
 

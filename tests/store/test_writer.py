@@ -2,9 +2,7 @@
 a dead proxy and a dead writer each end the session with exact counts; recording resumes when space
 comes back; kept frames are decoded later."""
 
-import contextlib
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -22,16 +20,12 @@ from replay_proxy.store.session import SessionError, decode_and_load, load_sessi
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.protocol import Stop
 from replay_proxy.store.writer import SQLITE_STEPS_PER_YIELD, Writer
-from replay_proxy.wire.capture import RELAY, CapturedFrame, capture_tag, EngineLoss, encode_entries, relay_entry
+from replay_proxy.wire.capture import RELAY, capture_tag, EngineLoss, encode_entries, relay_entry
 from replay_proxy.wire.encode import encode
-from replay_proxy.wire.messages import Channel, Direction
+from replay_proxy.wire.messages import Channel
+from tests.helpers import frame, wait_for, writer_paused
 
 
-
-def frame(seq, request_id="req-1"):
-    """An ABORT as the relay reports it, numbered ``seq`` (the relay numbers what it reports)."""
-    return CapturedFrame(seq, time.time_ns(), Channel.INPUT, Direction.TO_ENGINE, 0, 0,
-                         [b"\x01", encode([request_id])])
 
 
 def kept_in_the_database(db_path, session_id):
@@ -40,23 +34,6 @@ def kept_in_the_database(db_path, session_id):
         "SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) "
         "+ (SELECT COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s) AS n", {"s": session_id}))["n"]
 
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
-
-
-@contextlib.contextmanager
-def writer_paused(recorder):
-    """The recorder's writer process stopped (SIGSTOP, by its PID) inside the block, and continued after
-    it whatever happens there: it takes nothing meanwhile, so the queue surely fills."""
-    os.kill(recorder._process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(recorder._process.pid, signal.SIGCONT)
 
 
 def record_burst(db_path, on_full, frames=3000):

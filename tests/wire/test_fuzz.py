@@ -7,16 +7,11 @@ from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction, Kind, Message, WireDecoder
 from replay_proxy.wire.schema import load_schema
 
-from tests.wire.test_messages import CASES
+from tests.wire.cases import CASES
+from tests.strategies import msgpack_values
 
 channels = st.sampled_from(list(Channel))
 directions = st.sampled_from(list(Direction))
-msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=8),
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=6), children, max_size=4),
-    max_leaves=30,
-)
 
 
 def check(channel, direction, frames):
