@@ -82,12 +82,13 @@ def print_summary(report: Report, console: Console, show_info: bool = False) -> 
     table = Table(title=title, title_justify="left")
     for column in ("severity", "category", "code", "where", "finding"):
         table.add_column(column, overflow="fold")
-    rows = []
+    rows = []  # (severity, category, code, where, what it says)
     for f, requests in grouped(findings):
+        severity = Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity])
         place = f"{f.tier}: {len(requests)} requests" if requests else where(f)
-        rows.append((Text(f.severity.name.lower(), style=SEVERITY_STYLE[f.severity]), f.category, f.code, place,
-                     "\n".join(filter(None, (group_line(f, requests), caused(f))))))
-        table.add_row(*rows[-1][:3], Text(place), Text(rows[-1][4]))
+        said = "\n".join(filter(None, (group_line(f, requests), caused(f))))
+        rows.append((severity, f.category, f.code, place, said))
+        table.add_row(severity, f.category, f.code, Text(place), Text(said))
     if findings and fits(table, console):
         console.print(table)
     elif findings:  # narrower: each finding a line, what it says indented under it
