@@ -36,7 +36,7 @@ from replay_proxy.redact.policy import Action, Policy
 from replay_proxy.redact.tokens import Key, Prefix, RedactionError, TokenMap
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
-from replay_proxy.wire.schema import Field, schema_for
+from replay_proxy.wire.schema import Field, read, schema_for
 from replay_proxy.wire.values import RAW_VIEW, Ext, decode_msgpack, kind_of
 
 WAIT_FRAMES = 10_000  # outputs waiting for their request's ADD, at most
@@ -514,7 +514,7 @@ class Redactor:
     # --- the requests a walk is in ------------------------------------------------------------
 
     def _enter_request(self, spec: Any, value: list) -> None:
-        params = _at(value, spec.by_name.get("sampling_params"))
+        params = read(value, spec.by_name.get("sampling_params"))
         fixed: set[int] = set()
         if isinstance(params, dict):
             for key in _STOP_TOKENS:
@@ -525,22 +525,22 @@ class Redactor:
                     fixed.update(t for t in stops if type(t) is int)
         wants_prompt_logprobs = isinstance(params, dict) and params.get("prompt_logprobs") is not None
         self._current = Context(self.tokens.start(), frozenset(fixed), wants_prompt_logprobs)
-        rid = _at(value, spec.by_name.get("request_id"))
+        rid = read(value, spec.by_name.get("request_id"))
         if isinstance(rid, str):
             self.live[rid] = self._current
 
     def _enter_output(self, spec: Any, value: list) -> None:
-        rid = _at(value, spec.by_name.get("request_id"))
+        rid = read(value, spec.by_name.get("request_id"))
         self._current = self.live.get(rid) or self.ended.get(rid) if isinstance(rid, str) else None
 
     def _output_done(self, spec: Any, value: list) -> None:
-        rid = _at(value, spec.by_name.get("request_id"))
-        if _at(value, spec.by_name.get("finish_reason")) is not None and isinstance(rid, str):
+        rid = read(value, spec.by_name.get("request_id"))
+        if read(value, spec.by_name.get("finish_reason")) is not None and isinstance(rid, str):
             self._end(rid)
         self._current = None
 
     def _enter_outputs(self, spec: Any, value: list) -> None:
-        utility = _at(value, spec.by_name.get("utility_output"))
+        utility = read(value, spec.by_name.get("utility_output"))
         self._call_id = utility[0] if isinstance(utility, list) and utility else None
 
     def _end(self, rid: str) -> None:
@@ -673,10 +673,6 @@ _CONTAINERS = ("list", "set", "frozenset", "tuple", "dict")
 
 def _is_outputs(frame: CapturedFrame) -> bool:
     return frame.channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT) and frame.parts != [ENGINE_CORE_DEAD]
-
-
-def _at(value: list, field: Field | None) -> Any:
-    return value[field.position] if field is not None and field.position < len(value) else None
 
 
 def _raise(message: str) -> Any:

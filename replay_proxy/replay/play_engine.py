@@ -223,13 +223,13 @@ class EnginePlayer(Player):
             elif self.factor is not None:
                 await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
             body = decode_msgpack(frame.parts[0])
-            outputs = self._at("outputs")
+            outputs = self._position("outputs")
             output = list(body[outputs][position])
             output[self.session.schema.position("EngineCoreOutput", "request_id")] = request_id  # must change
             body[outputs] = [output]
-            body[self._at("scheduler_stats")] = None  # they went out once, with the batch they belonged to
-            body[self._at("timestamp")] = time.monotonic()  # an engine stamps its outputs as it makes them
-            finished = self._at("finished_requests")
+            body[self._position("scheduler_stats")] = None  # they went out once, with the batch they belonged to
+            body[self._position("timestamp")] = time.monotonic()  # an engine stamps its outputs as it makes them
+            finished = self._position("finished_requests")
             if len(body) > finished and body[finished]:
                 body[finished] = [request_id] if rid in body[finished] else None
             parts = [encode(body), *frame.parts[1:]]
@@ -252,18 +252,19 @@ class EnginePlayer(Player):
             utility = [None] * len(self.session.schema.structs["UtilityOutput"].fields)
             utility[self.session.schema.position("UtilityOutput", "failure_message")] = \
                 f"{method} is not in the recording"
-            body: list = [None] * (self._at("utility_output") + 1)
-            body[self._at("engine_index")], body[self._at("outputs")], body[self._at("timestamp")] = engine, [], 0.0
+            body: list = [None] * (self._position("utility_output") + 1)
+            for field, value in (("engine_index", engine), ("outputs", []), ("timestamp", 0.0)):
+                body[self._position(field)] = value
         else:
             body = decode_msgpack(recorded.parts[0])
-            utility = list(body[self._at("utility_output")])
+            utility = list(body[self._position("utility_output")])
         utility[self.session.schema.position("UtilityOutput", "call_id")] = call_id
-        body[self._at("utility_output")] = utility
+        body[self._position("utility_output")] = utility
         parts = [encode(body)]
         await self._outputs[(engine, client)].send(parts)
         self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
 
-    def _at(self, field: str) -> int:
+    def _position(self, field: str) -> int:
         """Where ``field`` stands in an EngineCoreOutputs of the recorded release."""
         return self.session.schema.position("EngineCoreOutputs", field)
 

@@ -49,7 +49,7 @@ import msgspec
 
 from replay_proxy.store.subset import Cutter, announced_release
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
-from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
+from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType, request_type
 from replay_proxy.wire.schema import Schema, schema_for
 from replay_proxy.wire.values import decode_msgpack
 
@@ -79,9 +79,8 @@ def database_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
 
 
-def _is_add(frame: CapturedFrame) -> bool:
-    return frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE \
-        and frame.parts[:1] == [RequestType.ADD.value]
+def _asks(frame: CapturedFrame) -> RequestType | None:
+    return request_type(frame.channel, frame.direction, frame.parts)
 
 
 class Rotator:
@@ -110,7 +109,7 @@ class Rotator:
             if registration and (version := announced_release(item)):
                 self._schema, _ = schema_for(version)
             if not self._started:
-                if _is_add(item):
+                if _asks(item) is RequestType.ADD:
                     self._started = True
                 else:
                     self.start.append(item)
@@ -121,7 +120,7 @@ class Rotator:
                 self.start.append(item)
 
     def _note_call(self, frame: CapturedFrame) -> None:
-        if frame.channel is Channel.INPUT and frame.parts[:1] == [RequestType.UTILITY.value] and len(frame.parts) > 1:
+        if _asks(frame) is RequestType.UTILITY and len(frame.parts) > 1:
             with contextlib.suppress(msgspec.DecodeError):
                 body = decode_msgpack(frame.parts[1])
                 if isinstance(body, list) and len(body) >= 2:
@@ -133,8 +132,7 @@ class Rotator:
             value = decode_msgpack(frame.parts[0])
         except msgspec.DecodeError:
             return False
-        at = self._schema.position("EngineCoreOutputs", "utility_output")
-        utility = value[at] if isinstance(value, list) and len(value) > at else None
+        utility = self._schema.read(value, "EngineCoreOutputs", "utility_output")
         call = (frame.engine_index, frame.client_index, utility[0]) if isinstance(utility, list) and utility else None
         if call not in self._calls:
             return False
@@ -243,7 +241,7 @@ def requests_of(frame: CapturedFrame, schema: Schema) -> tuple[list, list, list]
     """(the requests a frame carries outputs or an ABORT of, those of them it finishes, those it aborts)."""
     try:
         if frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE:
-            if frame.parts[:1] == [RequestType.ABORT.value] and len(frame.parts) > 1:
+            if _asks(frame) is RequestType.ABORT and len(frame.parts) > 1:
                 ids = decode_msgpack(frame.parts[1])
                 return (ids, [], ids) if isinstance(ids, list) else ([], [], [])
             return [], [], []
@@ -252,13 +250,12 @@ def requests_of(frame: CapturedFrame, schema: Schema) -> tuple[list, list, list]
         value = decode_msgpack(frame.parts[0])
     except msgspec.DecodeError:
         return [], [], []
-    outputs_at = schema.position("EngineCoreOutputs", "outputs")
-    outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
+    outputs = schema.read(value, "EngineCoreOutputs", "outputs")
     if not isinstance(outputs, list):
         return [], [], []
-    rid_at, finish_at = (schema.position("EngineCoreOutput", name) for name in ("request_id", "finish_reason"))
-    ids = [o[rid_at] for o in outputs if isinstance(o, list) and len(o) > rid_at]
-    ended = [o[rid_at] for o in outputs if isinstance(o, list) and len(o) > finish_at and o[finish_at] is not None]
+    ids = [rid for o in outputs if (rid := schema.read(o, "EngineCoreOutput", "request_id")) is not None]
+    ended = [schema.read(o, "EngineCoreOutput", "request_id") for o in outputs
+             if schema.read(o, "EngineCoreOutput", "finish_reason") is not None]
     return ids, ended, []
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
-from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
+from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType, request_type
 from replay_proxy.wire.schema import schema_for
 from replay_proxy.wire.values import decode_msgpack
 
@@ -71,22 +71,23 @@ class Cutter:
         return self._outputs(item)
 
     def _request(self, frame: CapturedFrame) -> CapturedFrame | None:
+        asks = request_type(frame.channel, frame.direction, frame.parts)
         try:
-            kind, body = frame.parts[0], decode_msgpack(frame.parts[1]) if len(frame.parts) > 1 else None
+            body = decode_msgpack(frame.parts[1]) if len(frame.parts) > 1 else None
         except msgspec.DecodeError:
             return frame  # a frame that does not decode is kept as it was
-        if kind == RequestType.ADD.value:
-            rid = _at(body, self.schema.position("EngineCoreRequest", "request_id"))
+        if asks is RequestType.ADD:
+            rid = self.schema.read(body, "EngineCoreRequest", "request_id")
             if rid not in self.chosen:
                 return None
             edit = self.edits.get(rid)
             return frame if edit is None else msgspec.structs.replace(
                 frame, parts=[frame.parts[0], _encode(self._edited(body, edit)), *frame.parts[2:]])
-        if kind == RequestType.ABORT.value and isinstance(body, list):
+        if asks is RequestType.ABORT and isinstance(body, list):
             kept = [rid for rid in body if rid in self.chosen]
             return None if not kept else frame if len(kept) == len(body) else \
                 msgspec.structs.replace(frame, parts=[frame.parts[0], _encode(kept), *frame.parts[2:]])
-        if kind == RequestType.UTILITY.value and isinstance(body, list) and len(body) >= 2:
+        if asks is RequestType.UTILITY and isinstance(body, list) and len(body) >= 2:
             start_up = self.first_add_ns is None or frame.ts_ns < self.first_add_ns
             if not (start_up or self.in_window(frame.ts_ns)):
                 return None
@@ -112,22 +113,24 @@ class Cutter:
             value = decode_msgpack(frame.parts[0])
         except msgspec.DecodeError:
             return frame
-        position = self.schema.position
-        outputs_at, rid_at = position("EngineCoreOutputs", "outputs"), position("EngineCoreOutput", "request_id")
-        utility_at = position("EngineCoreOutputs", "utility_output")
         if not isinstance(value, list):
             return frame  # not an EngineCoreOutputs this schema knows: kept as it is
-        outputs, utility = _at(value, outputs_at), _at(value, utility_at)
+        read = self.schema.read
+        outputs = read(value, "EngineCoreOutputs", "outputs")
+        utility = read(value, "EngineCoreOutputs", "utility_output")
         if isinstance(utility, list) and utility and not self.every_call \
                 and (frame.engine_index, frame.client_index, utility[0]) not in self.calls:
             utility = None
-        kept = [o for o in outputs if _at(o, rid_at) in self.chosen] if isinstance(outputs, list) else outputs
+        kept = [o for o in outputs if read(o, "EngineCoreOutput", "request_id") in self.chosen] \
+            if isinstance(outputs, list) else outputs
         if isinstance(outputs, list):
             self.outputs_left_out += len(outputs) - len(kept)
         if (isinstance(outputs, list) and outputs and not kept) and utility is None:
             return None
-        if kept == outputs and utility == _at(value, utility_at):
+        if kept == outputs and utility == read(value, "EngineCoreOutputs", "utility_output"):
             return frame
+        outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
+        utility_at = self.schema.position("EngineCoreOutputs", "utility_output")
         value = list(value)
         value[outputs_at] = kept
         if len(value) > utility_at:
@@ -136,10 +139,6 @@ class Cutter:
         parts = [_encode(value), *(part if index in referenced else b"" for index, part in
                                    enumerate(frame.parts[1:], start=1))]
         return msgspec.structs.replace(frame, parts=parts)
-
-
-def _at(value: Any, position: int) -> Any:
-    return value[position] if isinstance(value, list) and len(value) > position else None
 
 
 def _aux_frames(value: Any) -> set[int]:

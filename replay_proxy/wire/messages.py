@@ -102,6 +102,17 @@ class RequestType(bytes, enum.Enum):
     UTILITY = b"\x03"
 
 
+def request_type(channel: Channel, direction: Direction, parts: list) -> RequestType | None:
+    """What an input message to an engine asks (ADD, ABORT, UTILITY, START_DP_WAVE), from its first frame
+    alone; None for any other frame."""
+    if channel is not Channel.INPUT or direction is not Direction.TO_ENGINE or not parts:
+        return None
+    try:
+        return RequestType(bytes(parts[0]))
+    except ValueError:
+        return None
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One decoded multipart message."""
 

@@ -52,6 +52,17 @@ class Field(msgspec.Struct, frozen=True):
         return self.tensor or self.type.startswith("MultiModalKwargsItem")
 
 
+def read(value: Any, field: Field | None) -> Any:
+    """One field of a struct's value as it came off the wire, none of the rest decoded or named: the element
+    at its position of an array, its key of a map; None where the value has no such field (shorter, not a
+    struct, or a release without it: ``field`` None)."""
+    if field is None:
+        return None
+    if isinstance(value, list):
+        return value[field.position] if field.position < len(value) else None
+    return value.get(field.name) if isinstance(value, dict) else None
+
+
 class StructSchema(msgspec.Struct, frozen=True, dict=True):
     """One vLLM struct: how it is encoded and its fields in order."""
 
@@ -92,6 +103,11 @@ class Schema(msgspec.Struct, frozen=True, dict=True):
     def position(self, struct: str, field: str) -> int:
         """Where ``field`` stands in an array-encoded ``struct``."""
         return self.structs[struct].by_name[field].position
+
+    def read(self, value: Any, struct: str, field: str) -> Any:
+        """Field ``field`` of a ``struct`` value as it came off the wire (``read``): by this release's layout."""
+        spec = self.structs.get(struct)
+        return read(value, spec.by_name.get(field) if spec is not None else None)
 
     def enum_name(self, enum: str, value: Any) -> str | None:
         for name, v in self.enums.get(enum, {}).items():

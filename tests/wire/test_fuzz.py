@@ -4,11 +4,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay_proxy.wire.encode import encode
-from replay_proxy.wire.messages import Channel, Direction, Kind, Message, WireDecoder
+from replay_proxy.wire.messages import Channel, Direction, Kind, Message, RequestType, WireDecoder, request_type
 from replay_proxy.wire.schema import load_schema
-
-from tests.wire.cases import CASES
 from tests.strategies import msgpack_values
+from tests.wire.cases import CASES
 
 channels = st.sampled_from(list(Channel))
 directions = st.sampled_from(list(Direction))
@@ -64,3 +63,30 @@ def test_truncated_outputs_give_unknown_with_the_error():
     whole = WireDecoder().decode(Channel.OUTPUT, Direction.TO_FRONTEND, [body])
     assert whole.kind is Kind.OUTPUTS and whole.error is None
     assert (whole.fields["outputs"][0]["request_id"], whole.fields["outputs"][0]["new_token_ids"]) == ("r", [1, 2, 3])
+
+
+@given(value=msgpack_values | st.lists(msgpack_values, max_size=30), data=st.data())
+@settings(max_examples=300)
+def test_a_field_read_by_name_is_the_value_at_its_place_in_its_release_or_none(value, data):
+    """``Schema.read``, what rotation, cut, the redactor and the replays read a field with: on any value, the
+    element at the field's position of an array, its key of a map, else None; never an exception."""
+    schema = load_schema(data.draw(st.sampled_from(["0.27.0", "0.32.0", "0.34.0"])))
+    struct = data.draw(st.sampled_from(sorted(schema.structs)))
+    spec = schema.structs[struct]
+    name = data.draw(st.sampled_from([f.name for f in spec.fields] + ["not_a_field"]))
+    field, got = spec.by_name.get(name), schema.read(value, struct, name)
+    if field is not None and isinstance(value, list):
+        assert got is (value[field.position] if field.position < len(value) else None)
+    elif field is not None and isinstance(value, dict):
+        assert got is value.get(name)
+    else:
+        assert got is None
+    assert schema.read(value, "NotAStruct", name) is None
+
+
+@given(channels, directions, st.lists(st.binary(max_size=3), max_size=3))
+def test_an_input_says_what_it_asks_from_its_first_frame_alone(channel, direction, parts):
+    asks = request_type(channel, direction, parts)
+    to_engine = channel is Channel.INPUT and direction is Direction.TO_ENGINE
+    assert asks == (RequestType(parts[0]) if to_engine and parts and parts[0] in {t.value for t in RequestType}
+                    else None)
