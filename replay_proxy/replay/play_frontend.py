@@ -68,6 +68,9 @@ from replay_proxy.wire.messages import Channel, Direction, Kind, RequestType, Wi
 from replay_proxy.wire.values import decode_msgpack
 
 SETTLE_S = 1.0  # after the recorded engines are ready, listen this long for unrecorded ones
+# Once the engine has said it could not read something it was sent, what it still owes may never come: the wait
+# for outstanding requests ends when nothing has moved for this long (it would else run out --finish-timeout).
+REJECTED_QUIET_S = 5.0
 RESET = "reset_prefix_cache"  # the kept engine's state a replay could see: EngineCore.reset_prefix_cache()
 
 
@@ -153,6 +156,7 @@ class FrontendPlayer(Player):
         self._answered: set[int] = set()
         self._dead_on_api_servers: list[int] = []  # API servers whose output socket got ENGINE_CORE_DEAD
         self._moved = trio.Event()  # set (and renewed) on every output and every ADD sent
+        self._rejected: str | None = None  # what the engine's log said it could not read (``peer_rejected``)
         self._sent_requests: set[str] = set()
         self._recorded_requests = [f.decoded["request_id"] for f in session.inputs
                                    if f.kind is Kind.ADD and isinstance(f.decoded, dict)]
@@ -411,25 +415,38 @@ class FrontendPlayer(Player):
                 body[at[name]] = value
         return [frame.parts[0], encode(body), *aux]
 
+    def peer_rejected(self, said: str) -> None:
+        """The engine's log says it could not read something it was sent (``said``): from here on, the wait for
+        outstanding requests ends once nothing has moved for ``REJECTED_QUIET_S``."""
+        self._rejected = said
+        self._moved.set()
+        self._moved = trio.Event()
+
     async def _wait_finished(self) -> None:
-        """Wait (bounded) for every request to finish or be aborted and every call to be answered."""
+        """Wait (bounded) for every request to finish or be aborted and every call to be answered; after the
+        engine said it rejected something, only while what it owes still comes (``peer_rejected``)."""
         inputs = self.session.inputs
         aborted = {rid for f in inputs if f.kind is Kind.ABORT for rid in f.decoded["request_ids"]}
         calls = {f.decoded["call_id"] for f in inputs if f.kind is Kind.UTILITY and isinstance(f.decoded, dict)}
         done = lambda r: r in self._finished or r in aborted  # noqa: E731
         pending = lambda: ([r for r in self._recorded_requests if not done(r)], calls - self._answered)  # noqa: E731
+        quiet = False  # nothing moved for REJECTED_QUIET_S after a rejection
         with trio.move_on_after(self.finish_timeout) as waiting:
             # (a dead engine answers nothing more: vLLM's frontend fails every request then, and so does this)
-            while any(pending()) and not self._dead_on_api_servers:
-                await self._moved.wait()
+            while any(pending()) and not self._dead_on_api_servers and not quiet:
+                with trio.move_on_after(REJECTED_QUIET_S if self._rejected else float("inf")) as idle:
+                    await self._moved.wait()
+                quiet = idle.cancelled_caught
         unfinished, unanswered = pending()
         self.outcome.finished = sum(r in self._finished for r in self._recorded_requests)
         self.outcome.tokens = sum(self._tokens.values())
-        if waiting.cancelled_caught:
+        if waiting.cancelled_caught or quiet:
+            why = (f"stopped waiting {REJECTED_QUIET_S:g} s after the engine said it could not read what it was "
+                   f"sent and nothing moved" if quiet else f"stopped waiting after {self.finish_timeout:g} s")
             self.outcome.findings.append(Finding(
                 "replay", Severity.INFO, "finish_timeout",
-                f"stopped waiting after {self.finish_timeout:g} s: {len(unfinished)} request(s) unfinished, "
-                f"{len(unanswered)} utility call(s) unanswered", candidate=unfinished[:10]))
+                f"{why}: {len(unfinished)} request(s) unfinished, {len(unanswered)} utility call(s) unanswered",
+                candidate=unfinished[:10]))
         for client in self._dead_on_api_servers:
             self.outcome.findings.append(Finding("behaviour", Severity.REGRESSION, "engine_dead",
                                                  f"ENGINE_CORE_DEAD on the output socket of API server {client}"))

@@ -23,7 +23,7 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import msgspec
 import trio
@@ -217,7 +217,8 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
             if peer.command and child is None:  # ZMQ connects retry, so the peer may start before or after us
                 child = Child(shlex.split(peer.command), log, name=f"{peer.side} under test")
             if child is not None:
-                nursery.start_soon(_watch, child)
+                rejected = player.peer_rejected if isinstance(player, FrontendPlayer) else None
+                nursery.start_soon(_watch, child, log_from, options.rules.link_broke_patterns, rejected)
             nursery.start_soon(play)
             if console is not None and console.is_terminal:
                 nursery.start_soon(_show_progress, console, player)
@@ -339,9 +340,14 @@ async def _show_progress(console: Console, player: Player) -> None:
             await trio.sleep(0.25)
 
 
-async def _watch(child: Child) -> None:
-    """Fail the replay as soon as the peer under test exits, instead of waiting out the timeouts."""
+async def _watch(child: Child, log_from: int | None, patterns: list[str],
+                 rejected: Callable[[str], None] | None) -> None:
+    """Fail the replay as soon as the peer under test exits, instead of waiting out the timeouts; and tell
+    ``rejected`` once its log (from ``log_from``) says it could not read something of the link."""
     while child.running():
+        if rejected is not None and (said := peer_line(child.log_lines(log_from), patterns)):
+            rejected(said)
+            rejected = None
         await trio.sleep(0.5)
     raise ReplayError(f"{child.name} exited with code {child.process.returncode} during the replay:\n"
                       f"{child.log_tail(5)}")

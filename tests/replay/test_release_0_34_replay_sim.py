@@ -1,7 +1,7 @@
 """A 0.34.0 recording (prompts as int arrays, a long one in an aux frame) replayed against engines: one of
-0.34.0 runs it as recorded; one of 0.32.0 cannot read the prompt, and the replay ends, bounded by its finish
-timeout, in one breaking finding that names the prompt and quotes the engine's decoder, the requests' lost
-outputs folded under it."""
+0.34.0 runs it as recorded; one of 0.32.0 cannot read the prompt, and the replay ends, as soon as the engine
+has said so and nothing moves, in one breaking finding that names the prompt and quotes the engine's decoder,
+the requests' lost outputs folded under it."""
 
 import shlex
 import shutil
@@ -40,13 +40,13 @@ def recorded(tmp_path_factory):
     return db
 
 
-def replay_against(tmp_path, recorded, release):
+def replay_against(tmp_path, recorded, release, finish_timeout_s=5):
     db = tmp_path / "replay.db"
     shutil.copy(recorded, db)
     listen = f"tcp://127.0.0.1:{free_port()}"
     command = shlex.join([sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", listen,
                           "--release", release])
-    options = ReplayOptions(pace="fast", ready_timeout_s=20, finish_timeout_s=5, report_dir=tmp_path)
+    options = ReplayOptions(pace="fast", ready_timeout_s=20, finish_timeout_s=finish_timeout_s, report_dir=tmp_path)
     return replay_session(db, "baseline", PeerUnderTest(side=Side.ENGINE, address=listen, command=command), options)
 
 
@@ -58,7 +58,11 @@ def test_an_engine_of_its_release_runs_it_as_recorded(tmp_path, recorded):
 
 
 def test_an_older_engine_that_cannot_read_the_prompt_is_one_breaking_finding(tmp_path, recorded):
-    report, outcome = replay_against(tmp_path, recorded, "0.32.0")
+    # A finish timeout longer than the engine's silence after its rejection: the wait ends on the rejection.
+    report, outcome = replay_against(tmp_path, recorded, "0.32.0", finish_timeout_s=600)
+    [stopped] = [f for f in report.findings if f.code == "finish_timeout"]
+    assert stopped.message.startswith("stopped waiting 5 s after the engine said it could not read what it was "
+                                      "sent and nothing moved: 3 request(s) unfinished"), stopped.message
     serious = [f for f in report.findings if f.severity >= Severity.REGRESSION]
     [rejected] = serious
     assert (rejected.code, rejected.struct, rejected.position, rejected.field) == (
