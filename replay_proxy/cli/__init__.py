@@ -51,7 +51,7 @@ def run() -> None:
         error = leaf(group)
         if not isinstance(error, (ReplayProxyError, OSError, zmq.ZMQError)):
             raise
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         code = ExitCode.ERROR
     except ReplayProxyError as error:  # what the arguments name cannot be used: the input's class, exit 1
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)

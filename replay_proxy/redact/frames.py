@@ -225,10 +225,9 @@ class Redactor:
             return [step]
         # The walk, after waiting for any request not known.
         value = decode_msgpack(parts[0])
-        outputs = value[outputs_at] if isinstance(value, list) and len(value) > outputs_at else None
-        rid_at = self.schema.position("EngineCoreOutput", "request_id")
+        outputs = self.schema.read(value, "EngineCoreOutputs", "outputs")
         for output in outputs if isinstance(outputs, list) else ():
-            rid = output[rid_at] if isinstance(output, list) and len(output) > rid_at else None
+            rid = self.schema.read(output, "EngineCoreOutput", "request_id")
             if isinstance(rid, str) and rid not in self.live and rid not in self.ended:
                 if not force:
                     return None
