@@ -25,9 +25,10 @@ and ids are so is not walked (``_plain_request``).
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -71,6 +72,16 @@ class Hasher:
         return hashlib.blake2b(data, key=self._key, digest_size=len(data)).digest()
 
 
+class Pending(enum.Enum):
+    """What a frame's redaction gives instead of its copy when the copy cannot be made yet (h11's NEED_DATA)."""
+
+    WAIT_FOR_ADD = "outputs of a request whose ADD has not come"
+
+
+WAIT_FOR_ADD = Pending.WAIT_FOR_ADD
+Redacted = list[bytes] | Literal[Pending.WAIT_FOR_ADD]
+
+
 class Context:
     """One request's place in the token chain."""
 
@@ -83,8 +94,22 @@ class Context:
         self.output_states: list[bytes] = []  # the contexts of the last output's tokens
 
 
+class Walk:
+    """One frame's walk through its values: what it has redacted so far, and where in the frame it is."""
+
+    __slots__ = ("payload", "visited", "current", "engine", "client", "call_id")
+
+    def __init__(self, payload: list[bytes], engine: int | None = None, client: int | None = None):
+        self.payload = payload  # the frame's body and aux frames, as redacted so far
+        self.visited: set[int] = set()  # aux frames a walked field reached
+        self.current: Context | None = None  # the request whose fields are being walked
+        self.engine, self.client = engine, client  # of the EngineCoreOutputs being walked ...
+        self.call_id: Any = None  # ... and the utility call it answers
+
+
 class Redactor:
-    """Redacts one session's frames (see the module's docstring)."""
+    """Redacts one session's frames (see the module's docstring). It holds the session's state (the
+    requests' contexts, the calls, the outputs waiting); each frame's own is a ``Walk``."""
 
     def __init__(self, key: Key, policy: Policy, vocab_size: int, vllm_version: str | None = None):
         self.tokens = TokenMap(key, vocab_size)
@@ -98,10 +123,6 @@ class Redactor:
         self.blanked: collections.Counter[str] = collections.Counter()  # what default deny blanked, by where
         self.dropped: collections.Counter[str] = collections.Counter()  # what the policy dropped, by field
         self.outputs_without_prompt = 0
-        self._current: Context | None = None  # the request whose fields are being walked
-        self._payload: list[bytes] = []  # the frame's body and aux frames, as redacted so far
-        self._visited: set[int] = set()  # aux frames a walked field reached
-        self._engine = self._client = self._call_id = None  # of the EngineCoreOutputs being walked
         self._plain: dict[tuple[str, str], PlainOutput | PlainRequest | None] = {}  # by release and struct
         self._kept: dict[tuple[str, str], Kept | None] = {}  # by release and struct: see _unchanged
         self._shapes: dict[tuple, _chain.Shape] = {}  # by release, struct and fields not looked at: see _shape_of
@@ -135,7 +156,7 @@ class Redactor:
         while self.waiting:
             frame = self.waiting[0]
             redacted = self._redact(frame, force=force)
-            if redacted is None:
+            if redacted is WAIT_FOR_ADD:
                 return
             self.waiting.popleft()
             out.append(redacted)
@@ -143,12 +164,13 @@ class Redactor:
 
     # --- one frame ----------------------------------------------------------------------------
 
-    def _redact(self, frame: CapturedFrame, force: bool = False) -> CapturedFrame | None:
-        """The frame's redacted copy; None for outputs of a request whose ADD has not come (unless ``force``)."""
+    def _redact(self, frame: CapturedFrame, force: bool = False) -> CapturedFrame | Literal[Pending.WAIT_FOR_ADD]:
+        """The frame's redacted copy; WAIT_FOR_ADD for outputs of a request whose ADD has not come (unless
+        ``force``)."""
         try:
             parts = self._parts(frame, frame.parts, force)
-            if parts is None:
-                return None
+            if parts is WAIT_FOR_ADD:
+                return WAIT_FOR_ADD
             forwarded = self._parts(frame, frame.forwarded, force) if frame.forwarded else None
         except (RedactionError, msgspec.DecodeError, ValueError, TypeError, KeyError, IndexError) as exc:
             self.blanked[f"frame ({type(exc).__name__})"] += 1
@@ -156,16 +178,18 @@ class Redactor:
                                            forwarded=[b""] * len(frame.forwarded) if frame.forwarded else None)
         return msgspec.structs.replace(frame, parts=parts, forwarded=forwarded)
 
-    def _parts(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
+    def _parts(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> Redacted:
         channel, first = frame.channel, parts[0] if parts else b""
         if channel is Channel.HANDSHAKE:
             value = decode_msgpack(first)
             if frame.direction is Direction.TO_ENGINE:
-                return self._message("EngineHandshakeMetadata", value, parts, 0)
+                return self._message(Walk(list(parts)), "EngineHandshakeMetadata", value)
             rules = self.policy.handshake.get(value.get("status")) if isinstance(value, dict) else None
             if rules is None:
                 raise ValueError("not a HELLO or READY")
-            return [_encode({key: self._value("handshake", key, rules.get(key), item) for key, item in value.items()})]
+            walk = Walk(list(parts))
+            return [_encode({key: self._value(walk, "handshake", key, rules.get(key), item)
+                             for key, item in value.items()})]
         if channel is Channel.INPUT and frame.direction is Direction.TO_FRONTEND:  # an engine's registration
             value = decode_msgpack(first) if first else None
             if not isinstance(value, dict):
@@ -173,7 +197,7 @@ class Redactor:
             version = value.get("vllm_version")
             if isinstance(version, str):
                 self.schema, _ = schema_for(version)
-            return self._message("EngineCoreReadyResponse", value, parts, 0)
+            return self._message(Walk(list(parts)), "EngineCoreReadyResponse", value)
         if channel in (Channel.OUTPUT, Channel.COORDINATOR_OUTPUT):
             if parts == [ENGINE_CORE_DEAD]:
                 return parts
@@ -182,26 +206,25 @@ class Redactor:
             return parts  # subscriptions, and the coordinator's READY: no payload
         return self._request(frame, parts)
 
-    def _message(self, struct: str, value: Any, parts: list[bytes], body: int) -> list[bytes]:
-        """A frame whose part ``body`` holds ``struct``, the parts after it its aux frames."""
-        self._payload, self._visited = list(parts[body:]), set()
-        redacted = self._struct(struct, value)
-        payload = self._payload
+    def _message(self, walk: Walk, struct: str, value: Any) -> list[bytes]:
+        """A message whose first part (``walk.payload[0]``) holds ``struct``, the parts after it its aux frames."""
+        redacted = self._struct(walk, struct, value)
+        payload = walk.payload
         for index in range(1, len(payload)):
-            if index not in self._visited:  # an aux frame no kept field refers to
+            if index not in walk.visited:  # an aux frame no kept field refers to
                 payload[index] = b""
                 self.blanked[f"{struct} aux frame"] += 1
         payload[0] = _encode(redacted)
-        return [*parts[:body], *payload]
+        return payload
 
     def _request(self, frame: CapturedFrame, parts: list[bytes]) -> list[bytes]:
         kind = RequestType(parts[0])
         if kind is RequestType.ADD:
             value = decode_msgpack(parts[1])
-            self._payload = list(parts[1:])  # (a prompt tensor's bytes are read from it)
-            if len(parts) == 2 and self._plain_request(parts[1], value):
+            walk = Walk(list(parts[1:]))  # (a prompt tensor's bytes are read from it)
+            if len(parts) == 2 and self._plain_request(walk, parts[1], value):
                 return [parts[0], _encode(value)]
-            return self._message("EngineCoreRequest", value, parts, 1)
+            return [parts[0], *self._message(walk, "EngineCoreRequest", value)]
         body = decode_msgpack(parts[1])
         if kind is RequestType.ABORT:
             if not (isinstance(body, list) and all(isinstance(rid, str) for rid in body)):
@@ -212,13 +235,14 @@ class Redactor:
         if kind is RequestType.UTILITY:
             client, call_id, method, args = body
             self.calls[(frame.engine_index, client, call_id)] = method
-            args = self._apply(self.policy.utility_action(method, "args"), args, "utility args")
+            args = self._apply(Walk(list(parts[1:])), self.policy.utility_action(method, "args"), args,
+                               "utility args")
             return [parts[0], _encode([client, call_id, method, args]), *([b""] * len(parts[2:]))]
         if not (isinstance(body, list) and all(type(v) is int or v is None for v in body)):  # START_DP_WAVE
             raise ValueError("a START_DP_WAVE is numbers")
         return parts
 
-    def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> list[bytes] | None:
+    def _outputs(self, frame: CapturedFrame, parts: list[bytes], force: bool) -> Redacted:
         outputs_at = self.schema.position("EngineCoreOutputs", "outputs")
         step = self._plain_step(parts[0], outputs_at) if len(parts) == 1 else None
         if step is not None:
@@ -230,16 +254,14 @@ class Redactor:
             rid = self.schema.read(output, "EngineCoreOutput", "request_id")
             if isinstance(rid, str) and rid not in self.live and rid not in self.ended:
                 if not force:
-                    return None
+                    return WAIT_FOR_ADD
                 self.live[rid] = Context(self.tokens.start(salt=rid.encode()), frozenset())
                 self.outputs_without_prompt += 1
-        self._client = frame.client_index
-        self._engine = frame.engine_index
-        return self._message("EngineCoreOutputs", value, parts, 0)
+        return self._message(Walk(list(parts), frame.engine_index, frame.client_index), "EngineCoreOutputs", value)
 
     # --- walking values -----------------------------------------------------------------------
 
-    def _struct(self, name: str, value: Any) -> Any:
+    def _struct(self, walk: Walk, name: str, value: Any) -> Any:
         if name not in _ENTER and self._unchanged(name, value):
             return value
         kept = self._kept_of(name)
@@ -251,20 +273,20 @@ class Redactor:
             return None
         enter = _ENTER.get(name)
         if enter is not None:
-            enter(self, spec, value)
+            enter(self, walk, spec, value)
         if spec.encoding == "array":
             fields = spec.fields
             # (nil fields, most of an output's, are nil whatever the policy: not walked)
             out = [None if item is None else item if type(item) in as_is.get(i, ())
-                   else self._field(name, fields[i], rules.get(fields[i].name), item)
+                   else self._field(walk, name, fields[i], rules.get(fields[i].name), item)
                    if i < len(fields) else self._blank(f"{name}[{i}]") for i, item in enumerate(value)]
         else:
             fields = spec.by_name
             out = {key: item if type(item) in as_is.get(key, ())
-                   else self._field(name, fields[key], rules.get(key), item)
+                   else self._field(walk, name, fields[key], rules.get(key), item)
                    if key in fields else self._blank(f"{name}.{key}") for key, item in value.items()}
         if name == "EngineCoreOutput":
-            self._output_done(spec, value)
+            self._output_done(walk, spec, value)
         return out
 
     def _unchanged(self, name: str, value: Any, but: tuple = ()) -> bool:
@@ -338,7 +360,7 @@ class Redactor:
             self._end(rid)
         return outputs
 
-    def _plain_request(self, data: bytes, value: Any) -> bool:
+    def _plain_request(self, walk: Walk, data: bytes, value: Any) -> bool:
         """Whether ``value`` (decoded from ``data``) was an ADD whose fields but its prompt and texts hashed
         the walk gives back unchanged, now redacted as the walk would (``tests/redact``: the two agree) but
         without one: its context entered, its texts hashed, its prompt chained."""
@@ -349,14 +371,14 @@ class Redactor:
         texts = [i for i in at.texts if i < len(value) and value[i] is not None]
         if not (prompt is None or type(prompt) is list) or any(type(value[i]) is not str for i in texts):
             return False
-        self._enter_request(self.schema.structs["EngineCoreRequest"], value)
+        self._enter_request(walk, self.schema.structs["EngineCoreRequest"], value)
         for i in texts:
             value[i] = self.hasher.text(value[i])
         if prompt is not None:
-            value[at.prompt] = self._tokens(_PROMPT, prompt)
+            value[at.prompt] = self._tokens(walk, _PROMPT, prompt)
         return True
 
-    def _field(self, owner: str, field: Field, action: Action | None, value: Any) -> Any:
+    def _field(self, walk: Walk, owner: str, field: Field, action: Action | None, value: Any) -> Any:
         if value is None:
             return None
         if action is None or ("any" not in field.kinds and kind_of(value) not in field.kinds):
@@ -368,10 +390,10 @@ class Redactor:
                     return decode_msgpack(outputs)
             container = field.type.split("[", 1)[0]
             if container in ("list", "set", "frozenset", "tuple") and isinstance(value, list):
-                return [self._struct(field.struct, item) for item in value]
+                return [self._struct(walk, field.struct, item) for item in value]
             if container == "dict" and isinstance(value, dict):
-                return {key: self._struct(field.struct, item) for key, item in value.items()}
-            return self._struct(field.struct, value)
+                return {key: self._struct(walk, field.struct, item) for key, item in value.items()}
+            return self._struct(walk, field.struct, value)
         if action == "drop":  # an empty value of its kind where the field takes one, else its default
             empty = _empty(value)
             dropped = empty if field.struct is None and kind_of(empty) in field.kinds else field.default
@@ -379,27 +401,27 @@ class Redactor:
                 self.dropped[f"{owner}.{field.name}"] += 1
             return dropped
         if action == "tokens":
-            return self._tokens((owner, field.name), value)
+            return self._tokens(walk, (owner, field.name), value)
         if action == "utility":
-            method = self.calls.pop((self._engine, self._client, self._call_id), None)
-            return self._apply(self.policy.utility_action(method, "result"), value, "utility result")
-        if field.tensor and action == "keep":
-            self._visit(value)
-        return self._apply(action, value, f"{owner}.{field.name}")
+            method = self.calls.pop((walk.engine, walk.client, walk.call_id), None)
+            return self._apply(walk, self.policy.utility_action(method, "result"), value, "utility result")
+        if field.tensor and action == "keep" and isinstance(value, list) and len(value) == 3 and type(value[2]) is int:
+            walk.visited.add(value[2])  # its aux frame goes on as it is
+        return self._apply(walk, action, value, f"{owner}.{field.name}")
 
-    def _value(self, owner: str, key: Any, action: Action | None, value: Any) -> Any:
+    def _value(self, walk: Walk, owner: str, key: Any, action: Action | None, value: Any) -> Any:
         """A value with no schema (the handshake's HELLO and READY): by the policy alone."""
         if action is None:
             return None if value is None else self._blank(f"{owner}.{key}")
-        return self._apply(action, value, f"{owner}.{key}")
+        return self._apply(walk, action, value, f"{owner}.{key}")
 
-    def _apply(self, action: Action, value: Any, where: str) -> Any:
+    def _apply(self, walk: Walk, action: Action, value: Any, where: str) -> Any:
         if action == "keep":
             return value
         if action == "hash":
             return self._hashed(value, where)
         if action == "noise":
-            return self._noised(value, where)
+            return self._noised(walk, value, where)
         if action == "drop":
             self.dropped[where] += 1
             return _empty(value)
@@ -425,17 +447,17 @@ class Redactor:
             return self._blank(f"{where} (bytes)")
         return value
 
-    def _noised(self, value: Any, where: str) -> Any:
+    def _noised(self, walk: Walk, value: Any, where: str) -> Any:
         """Tensors replaced by keyed noise of their shape and dtype; strings hashed, numbers kept."""
-        tensor = _tensor_bytes(value, self._payload)
+        tensor = _tensor_bytes(value, walk.payload)
         if tensor is not None:
             dtype, data = value[0], tensor
             noise = _noise(dtype, data, hashlib.blake2b(data, key=self._noise_key, digest_size=16).digest())
-            return self._put(value, noise)
+            return _put(walk, value, noise)
         if isinstance(value, list):
-            return [self._noised(item, where) for item in value]
+            return [self._noised(walk, item, where) for item in value]
         if isinstance(value, dict):
-            return {k if isinstance(k, str) else self._hashed(k, where): self._noised(v, where)
+            return {k if isinstance(k, str) else self._hashed(k, where): self._noised(walk, v, where)
                     for k, v in value.items()}
         if isinstance(value, str):
             return self.hasher.text(value)
@@ -443,29 +465,17 @@ class Redactor:
             return self._blank(f"{where} (bytes)")
         return value
 
-    def _put(self, tensor: list, data: bytes) -> list:
-        """``tensor`` holding ``data`` instead, where it held its bytes (inline, or its aux frame)."""
-        if isinstance(tensor[2], Ext):
-            return [tensor[0], tensor[1], Ext(RAW_VIEW, data)]
-        self._payload[tensor[2]] = data
-        self._visited.add(tensor[2])
-        return tensor
-
-    def _visit(self, value: Any) -> None:
-        if isinstance(value, list) and len(value) == 3 and type(value[2]) is int:
-            self._visited.add(value[2])
-
     # --- tokens -------------------------------------------------------------------------------
 
-    def _tokens(self, where: tuple[str, str], value: Any) -> Any:
-        context = self._current
+    def _tokens(self, walk: Walk, where: tuple[str, str], value: Any) -> Any:
+        context = walk.current
         # Stop tokens stay themselves where the engine generates (outputs, their candidates, the stop lists),
         # so that a request stops where it did. A prompt is never generated: every token of it is hidden, and
         # equal prompts stay equal whatever their requests' stop lists.
         fixed = context.fixed if context is not None and where not in (_PROMPT, _PROMPT_CANDIDATES) else frozenset()
         tokens = self.tokens
         if where == _PROMPT and context is not None:
-            tensor = _tensor_bytes(value, self._payload)
+            tensor = _tensor_bytes(value, walk.payload)
             if tensor is None and isinstance(value, list):
                 return tokens.chain(context.prefix, value, fixed, context.prompt_states)
             if tensor is not None and len(value[1]) == 1:  # 0.34.0 on: an int ndarray, inline or in an aux frame
@@ -473,31 +483,31 @@ class Redactor:
 
                 array = np.frombuffer(tensor, dtype=_dtype(value[0]))
                 chained = tokens.chain(context.prefix, array.tolist(), fixed, context.prompt_states)
-                return self._put(value, np.array(chained, dtype=array.dtype).tobytes())
+                return _put(walk, value, np.array(chained, dtype=array.dtype).tobytes())
         if where == _OUTPUT and context is not None and isinstance(value, list):
             context.output_states = []
             return tokens.chain(context.prefix, value, fixed, context.output_states)
-        tensor = _tensor_bytes(value, self._payload)
+        tensor = _tensor_bytes(value, walk.payload)
         if tensor is not None:  # candidates (logprobs), a row per position, or a token tensor of no position
             import numpy as np  # here: most frames have no tensor, and a command's start should not wait for it
 
             array = np.frombuffer(tensor, dtype=_dtype(value[0])).reshape(value[1] if value[1] else -1)
             rows = array.reshape(len(array), -1) if array.ndim else array.reshape(1, 1)
-            states = self._candidate_states(where, len(rows))
+            states = self._candidate_states(walk.current, where, len(rows))
             mapped = np.array([tokens.at(state, row.tolist(), fixed) for state, row in zip(states, rows)],
                               dtype=array.dtype)
-            return self._put(value, mapped.tobytes())
+            return _put(walk, value, mapped.tobytes())
         if isinstance(value, dict):  # logit_bias
-            return dict(zip(self._tokens(where, list(value)), value.values()))
+            return dict(zip(self._tokens(walk, where, list(value)), value.values()))
         if isinstance(value, list) and value and isinstance(value[0], list):  # bad words' token ids
-            return [self._tokens(where, item) for item in value]
+            return [self._tokens(walk, where, item) for item in value]
         if isinstance(value, list):
             return tokens.at(tokens.empty, value, fixed)
         return tokens.at(tokens.empty, [value], fixed)[0]
 
-    def _candidate_states(self, where: tuple[str, str], rows: int) -> list[bytes]:
+    def _candidate_states(self, context: Context | None, where: tuple[str, str], rows: int) -> list[bytes]:
         """The context of each row of a logprobs tensor (the tokens that one row's candidates follow)."""
-        context, empty = self._current, self.tokens.empty
+        empty = self.tokens.empty
         if context is None:
             return [empty] * rows
         now = self.tokens.state(context.prefix)
@@ -512,7 +522,7 @@ class Redactor:
 
     # --- the requests a walk is in ------------------------------------------------------------
 
-    def _enter_request(self, spec: Any, value: list) -> None:
+    def _enter_request(self, walk: Walk, spec: Any, value: list) -> None:
         params = read(value, spec.by_name.get("sampling_params"))
         fixed: set[int] = set()
         if isinstance(params, dict):
@@ -523,24 +533,24 @@ class Redactor:
                 elif type(stops) is list:
                     fixed.update(t for t in stops if type(t) is int)
         wants_prompt_logprobs = isinstance(params, dict) and params.get("prompt_logprobs") is not None
-        self._current = Context(self.tokens.start(), frozenset(fixed), wants_prompt_logprobs)
+        walk.current = Context(self.tokens.start(), frozenset(fixed), wants_prompt_logprobs)
         rid = read(value, spec.by_name.get("request_id"))
         if isinstance(rid, str):
-            self.live[rid] = self._current
+            self.live[rid] = walk.current
 
-    def _enter_output(self, spec: Any, value: list) -> None:
+    def _enter_output(self, walk: Walk, spec: Any, value: list) -> None:
         rid = read(value, spec.by_name.get("request_id"))
-        self._current = self.live.get(rid) or self.ended.get(rid) if isinstance(rid, str) else None
+        walk.current = self.live.get(rid) or self.ended.get(rid) if isinstance(rid, str) else None
 
-    def _output_done(self, spec: Any, value: list) -> None:
+    def _output_done(self, walk: Walk, spec: Any, value: list) -> None:
         rid = read(value, spec.by_name.get("request_id"))
         if read(value, spec.by_name.get("finish_reason")) is not None and isinstance(rid, str):
             self._end(rid)
-        self._current = None
+        walk.current = None
 
-    def _enter_outputs(self, spec: Any, value: list) -> None:
+    def _enter_outputs(self, walk: Walk, spec: Any, value: list) -> None:
         utility = read(value, spec.by_name.get("utility_output"))
-        self._call_id = utility[0] if isinstance(utility, list) and utility else None
+        walk.call_id = utility[0] if isinstance(utility, list) and utility else None
 
     def _end(self, rid: str) -> None:
         context = self.live.pop(rid, None)
@@ -692,6 +702,15 @@ def _dtype(name: str) -> Any:
     import numpy as np
 
     return np.dtype(_TORCH.get(name, name))
+
+
+def _put(walk: Walk, tensor: list, data: bytes) -> list:
+    """``tensor`` holding ``data`` instead, where it held its bytes (inline, or its aux frame)."""
+    if isinstance(tensor[2], Ext):
+        return [tensor[0], tensor[1], Ext(RAW_VIEW, data)]
+    walk.payload[tensor[2]] = data
+    walk.visited.add(tensor[2])
+    return tensor
 
 
 def _tensor_bytes(value: Any, payload: list[bytes]) -> bytes | None:

@@ -163,7 +163,7 @@ def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
     fast = redactor()
     value = request("req-0", prompt_token_ids=[9, 10], external_req_id="ext-0")
     taken = list(value)
-    assert fast._plain_request(encode(taken), taken)  # ids hashed, the prompt chained, in place
+    assert fast._plain_request(frames.Walk([]), encode(taken), taken)  # ids hashed, the prompt chained, in place
     assert taken[0] == fast.hasher.text("req-0") and taken[1] != [9, 10] and "req-0" in fast.live
     at = SCHEMA.structs["EngineCoreRequest"].by_name
     for name, other in (("request_id", 7), ("external_req_id", 7),  # no kind the field takes: blanked by the walk
@@ -173,7 +173,7 @@ def test_the_fast_path_is_taken_for_plain_adds_and_not_for_others():
         refused = list(value)
         refused[at[name].position] = other
         untouched = repr(refused)
-        assert not fast._plain_request(encode(refused), refused) and repr(refused) == untouched, name
+        assert not fast._plain_request(frames.Walk([]), encode(refused), refused) and repr(refused) == untouched, name
     assert list(fast.live) == ["req-0"]  # and no context was entered on the way
 
 
@@ -204,5 +204,5 @@ def test_what_the_check_gives_back_unchanged_the_walk_gives_back_too(name, data)
     checked = redactor()
     assert (_chain.unchanged(encode(value), checked._shape_of(name)) is not False) == checked._unchanged(name, value)
     if checked._unchanged(name, value):
-        assert walked._struct(name, copy.deepcopy(value)) == value
+        assert walked._struct(frames.Walk([b""]), name, copy.deepcopy(value)) == value
         assert not walked.blanked and not walked.dropped
