@@ -46,11 +46,11 @@ def wait_for(condition, timeout=20.0):
 def writer_paused(recorder):
     """The recorder's writer process stopped (SIGSTOP, by its PID) inside the block, and continued after
     it whatever happens there: it takes nothing meanwhile, so the queue surely fills."""
-    os.kill(recorder._process.pid, signal.SIGSTOP)
+    os.kill(recorder.writer.process.pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(recorder._process.pid, signal.SIGCONT)
+        os.kill(recorder.writer.process.pid, signal.SIGCONT)
 
 
 def engines_command(listen, drift=None, engines=1, release="0.32.0"):

@@ -57,7 +57,7 @@ def test_docs_architecture_names_every_module_in_its_package_row():
     packages = {p.parent.name for p in (ROOT / "replay_proxy").glob("*/__init__.py")}
     assert packages | {""} == set(rows)
     unnamed = [f"{package or 'replay_proxy'}/{module.name}" for package, row in rows.items()
-               for module in (ROOT / "replay_proxy" / package).glob("*.py")
+               for module in (ROOT / "replay_proxy" / package).glob("**/*.py" if package else "*.py")
                if module.stem not in ("__init__", "__main__") and f"`{module.stem}`" not in row
                and f"`{module.name}`" not in row]
     assert unnamed == []

@@ -17,7 +17,7 @@ from replay_proxy.compare.drift import drift_findings, pair_structs
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
-from replay_proxy.store.session import Request, Session, decode_and_load, match_requests
+from replay_proxy.store.session import Matching, Request, Session, decode_and_load, match_requests
 from replay_proxy.wire.rust import RustSchema
 from replay_proxy.wire.schema import Schema, schema_lines
 
@@ -82,7 +82,8 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
             + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
             "measured; replay on a quieter machine"), field="timing", candidate=busy))
     else:
-        findings += _timing_findings(baseline, candidate, noise, candidate_runs, replayed_noise, keys, rules)
+        findings += _timing_findings(baseline, candidate, matching, noise, candidate_runs, replayed_noise, keys,
+                                     rules)
     if pseudonyms:
         findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
             f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
@@ -111,12 +112,13 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
                 + ["performance:throughput_tokens_s"]))
 
 
-def _timing_findings(baseline: Session, candidate: Session, noise: list[Session], candidate_runs: list[Session],
-                     replayed_noise: bool, keys: list[str], rules: Rules) -> list[Finding]:
+def _timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: list[Session],
+                     candidate_runs: list[Session], replayed_noise: bool, keys: list[str], rules: Rules
+                     ) -> list[Finding]:
     """Latency and throughput: a replay's against the baseline build's runs, pooled, each side's runs
-    interleaved with the other's (A B A B); a diff's against the recording."""
+    interleaved with the other's (A B A B); a diff's against the recording (``matching``: their requests)."""
     if not replayed_noise:
-        return performance_findings(baseline, candidate, match_requests(baseline, candidate, keys), rules, noise)
+        return performance_findings(baseline, candidate, matching, rules, noise)
     before, after = _pooled(noise), _pooled([candidate, *candidate_runs])
     findings = performance_findings(before, after, match_requests(before, after, keys), rules, noise[1:],
                                     runs=(list(noise), [candidate, *candidate_runs]))

@@ -191,7 +191,7 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
     A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
     rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
     reuse = kept is not None and kept.ready_for(recording, options.ready_timeout_s)
-    # Its writer yields the CPU to the peer under test and the player (store/recorder.py: SCHED_IDLE).
+    # Its writer yields the CPU to the peer under test and the player (store/writer_process.py: SCHED_IDLE).
     # As in a recording: listen, where the engines dial the proxy (playing the frontend); upstream, where the
     # proxy dials the frontend's handshake (playing the engines)
     address = {"listen": peer.address} if peer.side is Side.ENGINE else {"upstream": peer.address}

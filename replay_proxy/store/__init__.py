@@ -6,7 +6,9 @@ For others: ``recorder`` (``Recorder``, the relay's observer, with ``SessionInfo
 ``request_key``; ``decode_kept``), ``queries`` (presets, ``run_query``,
 ``list_sessions``), ``tables`` (``open_database``, the layout), ``export``
 (``export_parquet``), ``copy`` (``redact_database``), ``cut`` (``cut_database``
-with a ``Selection``). ``writer`` and ``redactor`` are the recorder's
-processes, ``protocol`` what they say to each other and ``rows`` the
-writer's helper: store's own (pyproject.toml: [tool.importlinter]).
+with a ``Selection``), ``rotation`` (``RotationSettings``, ``first_file``,
+``database_bytes``). The recorder's parts are store's own (pyproject.toml:
+[tool.importlinter]): its ``tap``, its processes (``writer_process``,
+``writer_loop``, ``writer``, ``redactor``, ``rotation.series``), what they
+say to each other (``protocol``) and the writer's ``rows``.
 """

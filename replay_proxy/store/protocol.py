@@ -17,9 +17,18 @@ from __future__ import annotations
 import msgspec
 
 from replay_proxy.redact.settings import RedactionSettings
-from replay_proxy.store.rotation import RotationSettings
 from replay_proxy.store.sample import RequestSample
 from replay_proxy.wire.capture import encode_entries
+
+
+class RotationSettings(msgspec.Struct, frozen=True):
+    """record's rotation options, for the writer, which rotates (``store/rotation/``)."""
+
+    pattern: str  # --db, with strftime fields
+    rotate_bytes: int | None = None  # --rotate-mb
+    every_s: float | None = None  # --rotate-every, aligned to the clock
+    keep: int | None = None  # --keep: this run's files, the one being written included
+    max_total_bytes: int | None = None  # --max-total-gb
 
 
 class WriterStart(msgspec.Struct, frozen=True):
@@ -33,7 +42,7 @@ class WriterStart(msgspec.Struct, frozen=True):
     max_bytes: int | None = None  # a cap on the database file
     upstream_pid: int | None = None  # the redactor process, if any: the proxy gone, its Stop may still come
     sample: RequestSample | None = None  # record --sample-requests (store/sample.py)
-    rotation: RotationSettings | None = None  # record --rotate-mb and the rest (store/rotation.py)
+    rotation: RotationSettings | None = None  # record --rotate-mb and the rest
 
 
 class RedactorStart(msgspec.Struct, frozen=True):

@@ -3,9 +3,8 @@
 A WAL-mode commit needs free space on the filesystem itself, which SQLite's own page cap
 (``--max-db-mb``) does not keep: on a really full disk the last transaction, the one that says how the
 session ended and what it counted, failed too, and the session stayed ``recording`` with no counts.
-So the recorder preallocates ``RESERVE_BYTES`` beside the database when the session starts, and
-whoever writes the session's end (the writer, or the recorder when the writer is gone) gives that room
-back just before.
+So ``RESERVE_BYTES`` are preallocated beside the database when a session begins, and given back just
+before its end is written (``tables.begin_session`` and ``tables.end_session``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ def reserve_path(db_path: str | Path) -> Path:
 def hold(db_path: str | Path) -> bool:
     """Preallocate the room (real blocks, not a sparse file); whether there was any. A filesystem that has
     none left already gets none: the session's end is then written if and when there is room (a rotation
-    begins no file then, store/rotation.py)."""
+    begins no file then, store/rotation/)."""
     path = reserve_path(db_path)
     try:
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, list_sessions, open_existing
@@ -143,13 +144,15 @@ def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, in
 def decode_and_load(db_path: Path, session: str) -> Session:
     """Decode what ``session`` kept undecoded (a writer that had to stop keeps frames as they came), once,
     into its database, then load it: what replay and diff read."""
-    row = find_session(open_existing(db_path), session)
+    db = open_existing(db_path)
+    row = find_session(db, session)
     if row["frames_undecoded"]:
         if row["status"] == "recording":
             raise SessionError(f"session {row['name']!r} is still recording and {row['frames_undecoded']:,} of "
                                "its frames are not decoded yet: wait for it to end")
         finish_decoding(str(db_path), row["id"])
-    return load_session(db_path, str(row["id"]))
+        row = db["sessions"].get(row["id"])  # (decoding may have found the release it was recorded with)
+    return _load(Path(db_path), db, row)
 
 
 def load_session(db_path: Path, session: str) -> Session:
@@ -157,17 +160,22 @@ def load_session(db_path: Path, session: str) -> Session:
     not all decoded yet is refused (``decode_and_load`` decodes them first)."""
     db = open_existing(db_path)
     row = find_session(db, session)
-    sid = row["id"]
     if row["frames_undecoded"]:
         raise SessionError(f"{row['frames_undecoded']:,} frames of session {row['name']!r} are not decoded yet: "
-                           f"replay-proxy decode --db {db_path} --session {sid}")
+                           f"replay-proxy decode --db {db_path} --session {row['id']}")
+    return _load(Path(db_path), db, row)
+
+
+def _load(db_path: Path, db: sqlite_utils.Database, row: dict[str, Any]) -> Session:
+    sid = row["id"]
     progress: dict[int, dict[str, int]] = defaultdict(dict)
     for r in db.query("SELECT seq, request_id, tokens_before_abort FROM abort_progress WHERE session_id = ? "
                       "ORDER BY seq", [sid]):
         progress[r["seq"]][r["request_id"]] = r["tokens_before_abort"]
     # ADDs and output frames keep what their tables hold there, not in ``decoded``: named again from the raw
     # bytes.
-    decoder = WireDecoder(schema_for(row["vllm_version"])[0], frontend_release=row.get("frontend_release"),
+    schema = schema_for(row["vllm_version"])[0]
+    decoder = WireDecoder(schema, frontend_release=row.get("frontend_release"),
                           frontend_source=row.get("frontend_source"))
 
     def decoded(r: dict, parts: list[bytes]) -> Any:
@@ -192,7 +200,7 @@ def load_session(db_path: Path, session: str) -> Session:
     outputs = _outputs(db, sid)
     requests = _requests(db, sid, aborted, outputs)
     return Session(
-        db_path=Path(db_path), id=sid, name=row["name"], schema=schema_for(row["vllm_version"])[0], init=init,
+        db_path=db_path, id=sid, name=row["name"], schema=schema, init=init,
         engines=sorted({f.engine_index for f in handshake if f.kind is Kind.HELLO}), handshake=handshake,
         inputs=[f for f in frames if f.kind in INPUT_KINDS], outputs=[f for f in frames if f.kind in OUTPUT_KINDS],
         registrations=registrations, requests=[r for r in requests if not r.request_id.startswith(SCORE_PREFIX)],

@@ -10,12 +10,17 @@ schemas, so a new vLLM release adds columns without anyone typing them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sqlite3
 from pathlib import Path
 
 import sqlite_utils
 
+from replay_proxy.clock import utc_now
+from replay_proxy.store import reserve
+from replay_proxy.store.counts import FrameCounts
 from replay_proxy.wire.schema import load_schema, shipped_releases
 
 SCALAR_KINDS = {"nil", "bool", "int", "float", "str"}
@@ -52,7 +57,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "cut_from": str,
         # Recorded with --sample-requests: the fraction and its seed, and what the sample left out.
         "sample_requests": float, "sample_seed": str, "frames_sampled_out": int, "outputs_sampled_out": int,
-        # One file of a rotating recording (store/rotation.py): the files before and after it, and the rows that
+        # One file of a rotating recording (store/rotation/): the files before and after it, and the rows that
         # are copies counted in another file (the session's start; the other part of a split frame).
         "continues": str, "continued_in": str, "frames_copied": int,
     }, "id"),
@@ -210,6 +215,50 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
     db.enable_wal()
     ensure_schema(db)
     return db
+
+
+def begin_session(path: Path, row: dict[str, object]) -> tuple[int, bool]:
+    """A new session's row in the recording at ``path`` (made if need be), and room held beside it for the
+    session's end (``reserve``): its id, and whether there was room."""
+    with contextlib.closing(open_database(path)) as db:
+        session_id = db["sessions"].insert(row).last_pk
+    return session_id, reserve.hold(path)
+
+
+def end_session(path: Path, session_id: int, *, status: str | None = None, error: str | None = None,
+                counts: FrameCounts | None = None, **values: object) -> None:
+    """Write a session's end into its row: how it ended, where each frame it saw is (``store/counts.py``),
+    ``values``, and ``error`` unless it has one; the room held for it is given back first, so that it is
+    written however full the disk is. The one place a session ends: the writer at the recorder's Stop or
+    when the proxy is gone, each closed file of a rotating recording, and the recorder for a writer that
+    died or never started. Without a status it ends nothing: ``decode`` writes the totals it changed."""
+    if status is not None:
+        reserve.release(path)
+        values.update(status=status, ended_at=utc_now())
+    if counts is not None:
+        values.update(frames_seen=counts.seen, frames_recorded=counts.recorded, frames_dropped=counts.dropped)
+    assignments = "".join(f"{column} = ?, " for column in values)
+    with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection, connection:
+        connection.execute(f"UPDATE sessions SET {assignments}error = COALESCE(?, error) WHERE id = ?",
+                           (*values.values(), error, session_id))
+
+
+def frames_kept(path: Path, session_id: int) -> int:
+    """A session's frames in its file: decoded, or kept to decode later."""
+    with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection:
+        return connection.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
+                                  "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
+                                  {"s": session_id}).fetchone()[0]
+
+
+def ended_session(path: Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
+    """A session's row as whoever ended it wrote it, its requests counted, and its drift alarms in order."""
+    with contextlib.closing(open_database(path)) as db:
+        row = db["sessions"].get(session_id)
+        requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [session_id]).fetchone()[0]
+        alarms = [m for (m,) in db.execute("SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid",
+                                           [session_id])]
+    return row, requests, alarms
 
 
 # An older file's logprobs and events columns, folded into ``output_rows.other`` (a null patch value

@@ -271,10 +271,11 @@ def main() -> None:
     parser.add_argument("--rotate-mb", type=float, help="record's --rotate-mb")
     parser.add_argument("--rotate-every", help="record's --rotate-every")
     parser.add_argument("--keep", type=int, help="record's --keep")
+    parser.add_argument("--max-total-gb", type=float, help="record's --max-total-gb")
     parser.add_argument("--against-plain", action="store_true",
                         help="rotating, first run plain as the floor (as --redact-key and --sample-requests do)")
     args = parser.parse_args()
-    rotation = [arg for name in ("rotate_mb", "rotate_every", "keep") if getattr(args, name) is not None
+    rotation = [arg for name in ("rotate_mb", "rotate_every", "keep", "max_total_gb") if getattr(args, name) is not None
                 for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     if args.against_plain and not rotation:
         parser.error("--against-plain compares a rotating run with a plain one: give --rotate-mb or --rotate-every")
@@ -325,7 +326,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         proxy.wait_for_log('"event":"listening"', timeout=60)
         children.append(Child([*me, "engine", f"tcp://127.0.0.1:{listen}", str(steps), str(args.rate),
                                str(args.outputs), str(int(args.finishing))], logs / "engine.log", name="busy engine"))
-        writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}") for m in ("writer", "redactor"))
+        writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}")
+                            for m in ("writer_loop", "redactor"))
         # Each process's CPU from here (its start-up done), read last just before it exits: what it takes per
         # frame holds on any machine.
         processes = {"proxy": proxy.process.pid, "writer": writer, "redactor": redactor}

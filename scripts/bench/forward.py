@@ -287,7 +287,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         # The forwarding and the recording process of the cases held to each other on CPU per frame.
         if name in RECORDER_FLOORS:
             measured = {"forwarding": children[-1].process.pid,
-                        "recording": child_pid(children[-1].process.pid, "replay_proxy.store.writer")}
+                        "recording": child_pid(children[-1].process.pid, "replay_proxy.store.writer_loop")}
         elif name in RECORDER_FLOORS.values():
             measured = {"forwarding": children[-1].process.pid, "recording": children[0].process.pid}
         else:

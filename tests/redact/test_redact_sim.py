@@ -242,7 +242,7 @@ def test_a_redactor_that_dies_is_reported_and_counted_and_forwarding_goes_on(tmp
                 await frontend.wait_for(lambda: "before" in frontend.finish_reasons)
                 while session.recorder.statistics().frames_recorded == 0:  # (within the fail_after)
                     await trio.sleep(0.05)
-                redactor = session.recorder._redactor
+                redactor = session.recorder.writer.redactor
                 os.kill(redactor.pid, signal.SIGKILL)
                 await trio.to_thread.run_sync(redactor.wait, 10)
                 await frontend.add("after", [4, 5, 6], max_tokens=4, temperature=0.0)

@@ -1,8 +1,9 @@
-"""A recording in a series of files (store/rotation.py): exact counts over the files, every request whole in the
+"""A recording in a series of files (store/rotation/): exact counts over the files, every request whole in the
 file of its ADD, each file replaying alone, --keep, and SIGHUP through the command line."""
 
 import json
 import signal
+import subprocess
 import sqlite3
 import sys
 import time
@@ -14,7 +15,8 @@ from replay_proxy.compare.findings import Severity
 from replay_proxy.processes import Child, free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
-from replay_proxy.store.rotation import ABORT_GRACE_NS, Finishing, RotationSettings
+from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.store.rotation.rotator import ABORT_GRACE_NS, Finishing
 from replay_proxy.wire.messages import Side
 from tests.helpers import RecordedSession
 from tests.helpers import engines_command
@@ -96,6 +98,7 @@ def test_rotations_count_every_frame_once_keep_every_request_whole_and_each_file
     # Every frame that crossed is counted once, in one file: the files add up to what the tap saw.
     assert sum(s["seen"] for s in sessions) == stats.frames_seen == stats.frames_recorded > 0
     assert sum(s["recorded"] for s in sessions) == stats.frames_recorded and stats.frames_dropped == 0
+    assert stats.frames().balanced()
     assert all(s["seen"] == s["recorded"] and s["dropped"] == 0 for s in sessions)
     for path, s in zip(files, sessions):  # what is not counted there is a copy
         assert rows(path, "SELECT COUNT(*) FROM frames")[0][0] == s["recorded"] + (s["copied"] or 0)
@@ -175,12 +178,33 @@ def test_an_aborted_request_stays_in_its_file_for_the_grace_by_the_frames_own_ti
     """vLLM's engine sends nothing for an aborted request, but outputs it had sent may cross after the ABORT:
     those belong to the request's file for ABORT_GRACE_NS of frame time, however late the writer reads them."""
     path = tmp_path / "old.db"
-    finishing = Finishing({"aborted", "running"}, "0.32.0", path, RotationSettings(str(path)))
+    finishing = Finishing({"aborted", "running"}, "0.32.0", RotationSettings(str(path)), now=0.0, file_bytes=0)
     aborted_at = 10**18
     finishing.end([], ["aborted"], aborted_at)
     finishing.expire(aborted_at + ABORT_GRACE_NS)  # an output in flight, at the edge of the grace
     assert finishing.pending == {"aborted", "running"}
     finishing.end(["running"], [], aborted_at + 1)
-    assert finishing.pending == {"aborted"} and not finishing.over()
+    assert finishing.pending == {"aborted"} and not finishing.over(1.0, 0)
     finishing.expire(aborted_at + ABORT_GRACE_NS + 1)
-    assert finishing.pending == set() and finishing.over()
+    assert finishing.pending == set() and finishing.over(1.0, 0)
+
+
+def test_rotate_mb_begins_a_file_at_that_size_and_max_total_gb_deletes_the_oldest(tmp_path):
+    """Through record itself, between busy peers: --rotate-mb rotates by size alone (no clock, no SIGHUP), and
+    --max-total-gb deletes this run's oldest files, so that those left before the last stay under it."""
+    db = tmp_path / "sized.db"
+    run = subprocess.run([sys.executable, "scripts/bench/busy.py", "--seconds", "4", "--rate", "1000", "--outputs",
+                          "32", "--json", "--db", str(db), "--rotate-mb", "1", "--max-total-gb", "0.004"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["frames_seen"] == summary["frames_recorded"] == 8004, summary
+    assert summary["rotations"] >= 3 and summary["files_deleted"] >= 1, summary
+    left = sorted(tmp_path.glob("sized*.db"), key=lambda p: (len(p.name), p.name))
+    assert len(left) == summary["rotations"] + 1 - summary["files_deleted"] >= 2
+    assert sum(path.stat().st_size for path in left[:-1]) <= 0.004e9
+    # The newest are left, a chain of complete sessions: each continues the one before it.
+    chain = [rows(path, "SELECT continues, continued_in, status FROM sessions")[0] for path in left]
+    assert [c[1] for c in chain] == [*(path.name for path in left[1:]), None]
+    assert [c[0] for c in chain[1:]] == [path.name for path in left[:-1]]
+    assert {c[2] for c in chain} == {"complete"}

@@ -80,6 +80,7 @@ async def test_a_quarter_of_the_requests_on_two_engines_and_two_api_servers_with
     adds_and_aborts = len(set(sent) - chosen) + ("cmpl-long" not in chosen)
     assert (stats.frames_sampled_out, stats.outputs_sampled_out) == (adds_and_aborts + output_frames, outputs)
     assert stats.frames_seen == stats.frames_recorded + stats.frames_sampled_out and stats.frames_dropped == 0
+    assert stats.frames().balanced()
     row = db["sessions"].get(session.recorder.session_id)
     assert (row["frames_sampled_out"], row["outputs_sampled_out"], row["frames_dropped"]) == (
         stats.frames_sampled_out, stats.outputs_sampled_out, 0)

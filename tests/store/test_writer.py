@@ -65,7 +65,7 @@ def test_a_full_queue_drops_and_counts(db_path):
     recorder, stats = record_burst(db_path, "drop")
     assert stats.frames_seen == 3000
     assert 2998 <= stats.frames_dropped < 3000  # the writer took nothing while they came: all but a batch
-    assert stats.frames_recorded + stats.frames_dropped == 3000
+    assert stats.frames_recorded + stats.frames_dropped == 3000 and stats.frames().balanced()
     db = sqlite_utils.Database(db_path)
     numbers = [r["seq"] for r in db.query("SELECT seq FROM frames ORDER BY seq")]
     assert len(numbers) == len(set(numbers)) == stats.frames_recorded
@@ -92,8 +92,9 @@ def test_a_stop_that_ends_before_the_writer_calls_nothing_still_being_written_dr
         stats = recorder.close()
     assert (recorder.status, stats.final, stats.frames_seen, stats.frames_dropped) == ("finishing", False, 5000, 0)
     assert stats.frames_recorded + stats.queue_depth_frames == 5000 and stats.queue_depth_frames > 0
+    assert stats.frames().balanced()
     assert "still writing" in stats.error
-    recorder._process.wait(60)
+    recorder.writer.process.wait(60)
     row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
     assert (row["status"], row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (
         "complete", 5000, 5000, 0)
@@ -110,7 +111,7 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
         "r = Recorder(sys.argv[1], SessionInfo(name='killed'))\n"
         "[r.frame(frame(seq)) for seq in range(1, 51)]\n"
         "while r.statistics().frames_recorded < 50: time.sleep(0.05)\n"
-        "print(r._process.pid, flush=True)\n"
+        "print(r.writer.process.pid, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"
     )
     db = tmp_path / "r.db"
@@ -164,7 +165,7 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
     for seq in range(1, 101):
         recorder.frame(frame(seq))
     assert wait_for(lambda: recorder.statistics().frames_recorded == 100)
-    recorder._process.kill()  # by its PID
+    recorder.writer.process.kill()  # by its PID
     assert wait_for(lambda: recorder.statistics().error is not None, timeout=5)  # the tap looks every 100 ms
     assert "writer process exited" in recorder.statistics().error
     assert "writer process exited" in health(recorder.statistics())  # /healthz: 503 with the reason
@@ -175,6 +176,7 @@ def test_a_dead_writer_is_noticed_counted_and_ends_the_session_incomplete(db_pat
     row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)
     assert (recorder.status, row["status"]) == ("incomplete", "incomplete")
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (200, 100, 100)
+    assert stats.frames().balanced()
     assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "late_at_stop": 0,
                                               "writer_lost": 100}  # (/metrics)
     assert (row["frames_seen"], row["frames_recorded"], row["frames_dropped"]) == (200, 100, 100)
@@ -198,6 +200,7 @@ def test_a_full_database_keeps_what_fits_and_counts_the_rest_exactly(db_path):
     kept = kept_in_the_database(db_path, recorder.session_id)
     assert 0 < kept < 12_000 and row["status"] == "incomplete" and "full" in row["error"]
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (12_000, kept, 12_000 - kept)
+    assert stats.frames().balanced()
     assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 12_000 - kept,
                                               "late_at_stop": 0, "writer_lost": 0}
 
@@ -313,7 +316,7 @@ def test_the_writer_yields_the_cpu_by_default_and_still_records_everything(db_pa
     import os
 
     recorder = Recorder(db_path, SessionInfo(name="yielding"))  # forwarding and the peers first
-    assert os.sched_getscheduler(recorder._process.pid) == os.SCHED_IDLE
+    assert os.sched_getscheduler(recorder.writer.process.pid) == os.SCHED_IDLE
     for seq in range(1, 101):
         recorder.frame(frame(seq))
     assert recorder.close().frames_recorded == 100
@@ -383,6 +386,7 @@ def test_copies_that_never_come_after_the_stop_are_counted_dropped_late(db_path)
     finally:
         forwarder.close(linger=0)
     assert (stats.frames_seen, stats.frames_recorded, stats.frames_dropped) == (5, 2, 3)
+    assert stats.frames().balanced()
     assert stats.frames_dropped_by_reason == {"queue_full": 0, "write_failed": 0, "late_at_stop": 3,
                                               "writer_lost": 0}
     row = sqlite_utils.Database(db_path)["sessions"].get(recorder.session_id)

@@ -1,6 +1,6 @@
 """``record --rotate-mb / --rotate-every / SIGHUP`` and ``--keep / --max-total-gb``: one recording in a
-series of files, each of which stands alone. Sans-IO but for file names and sizes; the writer process
-(``store/writer.py``) acts on what this says.
+series of files, each of which stands alone. Sans-IO: the clock and the files' sizes are passed in. The
+writer process holds the files (``series.py``) and acts on what this says.
 
 Theory of operation. The writer rotates, since it is where the files are written and it knows their
 size. It rotates between two of its transactions, and only once it has nothing kept to decode: under
@@ -42,11 +42,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import msgspec
 
+from replay_proxy.store.protocol import RotationSettings
 from replay_proxy.store.subset import Cutter, announced_release
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType, request_type
@@ -60,23 +61,9 @@ FINISHING_GROWTH = 1 / 8  # ... and, with --rotate-mb, growing by this share of 
 ABORT_GRACE_NS = 2_000_000_000  # an aborted request's outputs that cross this soon after its ABORT are its own
 
 
-class RotationSettings(msgspec.Struct, frozen=True):
-    pattern: str  # --db, with strftime fields
-    rotate_bytes: int | None = None  # --rotate-mb
-    every_s: float | None = None  # --rotate-every, aligned to the clock
-    keep: int | None = None  # --keep: this run's files, the one being written included
-    max_total_bytes: int | None = None  # --max-total-gb
-
-
-def first_file(pattern: str) -> Path:
-    """The file a recording starts in: the pattern's strftime fields filled in (it may exist: a session
-    is added to it, as without rotation)."""
-    return Path(time.strftime(pattern))
-
-
-def database_bytes(path: Path) -> int:
-    """A recording's size on disk: the file and its write-ahead log."""
-    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+def file_named(pattern: str, now: float) -> Path:
+    """The pattern's strftime fields filled in for ``now`` (local time)."""
+    return Path(time.strftime(pattern, time.localtime(now)))
 
 
 def _asks(frame: CapturedFrame) -> RequestType | None:
@@ -86,7 +73,7 @@ def _asks(frame: CapturedFrame) -> RequestType | None:
 class Rotator:
     """When to rotate, what every new file begins with, and which of this run's files to delete."""
 
-    def __init__(self, settings: RotationSettings, first: Path):
+    def __init__(self, settings: RotationSettings, first: Path, now: float):
         self.settings = settings
         self.files = [first]  # this run's files that still exist, oldest first
         self.used = {first}  # every file this run has written
@@ -95,7 +82,7 @@ class Rotator:
         self._calls: set[tuple] = set()  # the start-up's utility calls not answered yet: (engine, API server, id)
         self._schema, _ = schema_for(None)  # the engines' release, once a registration names it
         self.requested = False  # SIGHUP
-        self.due_at = self._next_boundary(time.time())
+        self.due_at = self._next_boundary(now)
         self.retry_at = 0.0
         self.rotations = self.rotations_failed = self.files_deleted = 0
 
@@ -139,46 +126,47 @@ class Rotator:
         self._calls.discard(call)
         return True
 
-    def next_file(self) -> Path:
-        """A new file for the next part of the recording: never one that holds anything already, nor one this
-        run has written (and perhaps deleted)."""
-        path = candidate = Path(time.strftime(self.settings.pattern))
+    def next_file(self, now: float, holds_data: Callable[[Path], bool]) -> Path:
+        """A new file for the next part of the recording, named for ``now``: never one that ``holds_data``
+        already, nor one this run has written (and perhaps deleted)."""
+        path = candidate = file_named(self.settings.pattern, now)
         number = 0
-        while candidate in self.used or (candidate.exists() and candidate.stat().st_size):
+        while candidate in self.used or holds_data(candidate):
             number += 1
             candidate = path.with_name(f"{path.stem}-{number}{path.suffix}")
         return candidate
 
-    def due(self, current: Path) -> bool:
-        now, settings = time.time(), self.settings
+    def due(self, now: float, current_bytes: int) -> bool:
+        """Whether to rotate at ``now``, the file being written having grown to ``current_bytes``."""
         if now < self.retry_at:
             return False
+        rotate_bytes = self.settings.rotate_bytes
         return self.requested or (self.due_at is not None and now >= self.due_at) or (
-            settings.rotate_bytes is not None and database_bytes(current) >= settings.rotate_bytes)
+            rotate_bytes is not None and current_bytes >= rotate_bytes)
 
-    def rotated(self, path: Path) -> None:
+    def rotated(self, path: Path, now: float) -> None:
         self.files.append(path)
         self.used.add(path)
         self.rotations += 1
         self.requested = False
-        self.due_at = self._next_boundary(time.time())
+        self.due_at = self._next_boundary(now)
 
-    def failed(self) -> None:
+    def failed(self, now: float) -> None:
         self.rotations_failed += 1
-        self.retry_at = time.time() + ROTATE_RETRY_S
+        self.retry_at = now + ROTATE_RETRY_S
 
-    def expired(self, open_files: set[Path]) -> list[Path]:
-        """This run's oldest files beyond ``--keep`` and ``--max-total-gb``, older than any still open (so the
-        files left are always the newest; a file still finishing its requests holds back the newer ones,
-        at most ``FINISHING_FILES``, until it closes). Forgotten here: the caller deletes them."""
+    def expired(self, open_files: set[Path], sizes: Mapping[Path, int]) -> list[Path]:
+        """This run's oldest files beyond ``--keep`` and ``--max-total-gb`` (by their ``sizes``), older than any
+        still open (so the files left are always the newest; a file still finishing its requests holds back
+        the newer ones, at most ``FINISHING_FILES``, until it closes). Forgotten here: the caller deletes them."""
         keep, most = self.settings.keep, self.settings.max_total_bytes
-        total = sum(database_bytes(path) for path in self.files) if most is not None else 0
+        total = sum(sizes[path] for path in self.files) if most is not None else 0
         gone = []
         for path in list(self.files):
             if path in open_files or not (
                     (keep is not None and len(self.files) > keep) or (most is not None and total > most)):
                 break
-            total -= database_bytes(path)
+            total -= sizes[path]
             self.files.remove(path)
             gone.append(path)
         self.files_deleted += len(gone)
@@ -193,13 +181,15 @@ class Rotator:
 class Finishing:
     """One previous file's requests still in flight after a rotation: the part of a frame that goes there."""
 
-    def __init__(self, pending: set[str], version: str | None, path: Path, settings: RotationSettings):
+    def __init__(self, pending: set[str], version: str | None, settings: RotationSettings, now: float,
+                 file_bytes: int):
+        """``now``: a monotonic clock's time; ``file_bytes``: the file's size then."""
         self.pending = pending
         self._theirs = Cutter(pending, version, in_window=lambda _: True, first_add_ns=None)
         self._aborted: dict[str, int] = {}  # request id: the frame time until which its outputs may still come
-        self._path, self._until = path, time.monotonic() + FINISHING_S
+        self._until = now + FINISHING_S
         self._most = None if settings.rotate_bytes is None else \
-            database_bytes(path) + int(settings.rotate_bytes * FINISHING_GROWTH)
+            file_bytes + int(settings.rotate_bytes * FINISHING_GROWTH)
 
     def end(self, ended: Iterable[str], aborted: Iterable[str], ts_ns: int) -> None:
         """Requests that finished (no longer pending) or were aborted at ``ts_ns`` (pending for the grace)."""
@@ -215,10 +205,10 @@ class Finishing:
                 del self._aborted[request_id]
                 self.pending.discard(request_id)
 
-    def over(self) -> bool:
-        """Its requests have all ended, or it has waited or grown as much as it may."""
-        return not self.pending or time.monotonic() > self._until or (
-            self._most is not None and database_bytes(self._path) > self._most)
+    def over(self, now: float, file_bytes: int) -> bool:
+        """Its requests have all ended, or at ``now`` (the monotonic clock) it has waited or grown to
+        ``file_bytes`` as much as it may."""
+        return not self.pending or now > self._until or (self._most is not None and file_bytes > self._most)
 
     def part(self, frame: CapturedFrame) -> CapturedFrame:
         """``frame`` with only these requests' outputs (or ABORT), and no utility result."""
