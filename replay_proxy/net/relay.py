@@ -144,9 +144,16 @@ class Relay:
         self._forwarders: list[Forwarder] = []
 
     def socket(self, socket_type: int, *, identity: bytes | None = None) -> ZmqSocket:
-        sock = ZmqSocket(self.context, socket_type, identity=identity)
+        return self.adopt(ZmqSocket(self.context, socket_type, identity=identity))
+
+    def adopt(self, sock: ZmqSocket) -> ZmqSocket:
+        """A socket closed when the relay stops."""
         self._sockets.append(sock)
         return sock
+
+    async def to_engine(self, identity: bytes, frames: list[bytes]) -> None:
+        """A handshake message to the engine ``identity``, through the socket it dialled."""
+        await self._handshake.send([identity, *frames])
 
     def forward(self, channel: Channel, engine: int, client: int, engine_side: zmq.Socket,
                 frontend_side: zmq.Socket) -> None:
@@ -170,7 +177,7 @@ class Relay:
                         link = self.engines[identity] = EngineLink(self, identity)
                         nursery.start_soon(link.relay_handshake_replies, nursery)
                     await link.handshake.send(frames)
-                    self._report(ts_ns, Channel.HANDSHAKE, Direction.TO_FRONTEND, link.index, None, frames)
+                    self.report(ts_ns, Channel.HANDSHAKE, Direction.TO_FRONTEND, link.index, None, frames)
         finally:
             for forwarder in self._forwarders:
                 forwarder.stop()
@@ -178,7 +185,7 @@ class Relay:
             for sock in self._sockets:
                 sock.close()
 
-    def _report(self, ts_ns: int, channel: Channel, direction: Direction, engine: int | None,
+    def report(self, ts_ns: int, channel: Channel, direction: Direction, engine: int | None,
                 client: int | None, frames: list[bytes], forwarded: list[bytes] | None = None) -> None:
         self.observer.frame(CapturedFrame(self.counter.next(), ts_ns, channel, direction, engine, client, frames,
                                           forwarded))
@@ -205,9 +212,9 @@ class EngineLink:
                     forwarded = [self._connect_clients(frames[0], nursery)]
                 except HandshakeError:
                     pass  # not an INIT we understand: relay it untouched, it is recorded as is
-            relay._report(ts_ns, Channel.HANDSHAKE, Direction.TO_ENGINE, self.index, None, frames,
-                          forwarded if forwarded is not frames else None)
-            await relay._handshake.send([self.identity, *forwarded])
+            relay.report(ts_ns, Channel.HANDSHAKE, Direction.TO_ENGINE, self.index, None, frames,
+                         forwarded if forwarded is not frames else None)
+            await relay.to_engine(self.identity, forwarded)
 
     def _connect_clients(self, init: bytes, nursery: trio.Nursery) -> bytes:
         """Open the per-API-server sockets for an INIT and return the rewritten INIT."""
@@ -226,7 +233,7 @@ class EngineLink:
             connect(frontend_side_out, frontend_output)
             if client == 0:  # before the forwarder owns the socket
                 watcher = monitor(engine_side_in, zmq.EVENT_DISCONNECTED)
-                relay._sockets.append(watcher)
+                relay.adopt(watcher)
                 nursery.start_soon(self._watch, watcher)
             relay.forward(Channel.INPUT, self.index, client, engine_side_in, frontend_side_in)
             relay.forward(Channel.OUTPUT, self.index, client, engine_side_out, frontend_side_out)
@@ -270,7 +277,7 @@ class EngineLink:
                     source: ZmqSocket, sink: ZmqSocket) -> None:
         """Forward every message from source to sink, then report it (the coordinator channels:
         a few messages a second, where telling the directions apart matters more than speed)."""
-        report = self.relay._report
+        report = self.relay.report
         try:
             while True:
                 frames = await source.receive()
