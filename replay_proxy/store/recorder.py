@@ -101,7 +101,11 @@ class SessionInfo(msgspec.Struct, frozen=True):
 
 
 class Recorder:
-    """Records one session; an ``Observer`` for the relay (and for the replay players)."""
+    """Records one session; an ``Observer`` for the relay (and for the replay players).
+
+    Its own fields are set at the start and by ``close`` (the thread that made it); ``statistics`` may be
+    called from any thread (the status line's, the metrics server's); the tap's and the writer process's
+    fields are theirs (``tap.py``)."""
 
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
                  queue_size: int = 100_000, max_db_bytes: int | None = None,

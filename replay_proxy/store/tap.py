@@ -50,10 +50,13 @@ _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it
 
 class Tap:
     def __init__(self, context: zmq.Context, writer: WriterProcess, *, queue_size: int, block: bool):
+        # Written by the tap's thread alone (read by others, a field at a time):
         self.counts = TapCounts()
         self.first_frame_s: float | None = None  # when the tap took the first frame (wall clock)
-        self._writer, self._queue_size, self._block = writer, queue_size, block
-        self._last_seq: int | None = None  # how many the relay numbered, once it has stopped
+        self._writer, self._queue_size, self._block = writer, queue_size, block  # (the writer: see its docstring)
+        # Written by the relay's thread once it has stopped, read by the tap's after STOP:
+        self._last_seq: int | None = None  # how many the relay numbered
+        # Written by the closing thread before it sends STOP, read by the tap's after it:
         self._ending = Stop("complete", None, 0, 0)  # how the session ended, for the tap's Stop to the writer
         # We connect, the writer binds: a connecting PUSH queues from the first frame on, even before the
         # writer process has started. Unbounded here: the tap counts.
