@@ -190,9 +190,8 @@ class Writer:
         self.write_frames(list(_giving_way((item for _, entries in messages for item in decode_entries(entries)),
                                            DECODED_PER_YIELD)))
 
-    def write_frames(self, captured: list[CapturedFrame | EngineLoss], *, copies: bool = False) -> None:
-        """Tabulate and write captured frames, in one transaction (redacted first, if redacting); ``copies``:
-        rows of frames another file of a rotating recording counts."""
+    def write_frames(self, captured: list[CapturedFrame | EngineLoss]) -> None:
+        """Tabulate and write captured frames, in one transaction (redacted first, if redacting)."""
         if self.redactor is not None:
             captured = self.redactor.frames(captured)
         captured, left_out, outputs_left_out = self._sample(captured)
@@ -200,13 +199,20 @@ class Writer:
         self.outputs_sampled_out += outputs_left_out
         frames = sum(type(item) is CapturedFrame for item in captured)
         rows, added = self._tabulate(captured)
-        if not self._commit(rows):
-            self.frames_failed += 0 if copies else frames
-        elif copies:
-            self.frames_copied += frames
-        else:
+        if self._commit(rows):
             self.frames_written += frames
             self._decoded(rows, added)
+        else:
+            self.frames_failed += frames
+
+    def write_copies(self, captured: list[CapturedFrame | EngineLoss]) -> None:
+        """Rows of frames that another file of a rotating recording counts (``rotation/``), in one transaction:
+        counted here only as copied. What the sample leaves out of them, or a write that fails, is counted
+        where the frames are."""
+        captured, _, _ = self._sample(captured)
+        rows, _ = self._tabulate(captured)
+        if self._commit(rows):
+            self.frames_copied += sum(type(item) is CapturedFrame for item in captured)
 
     def _sample(self, captured: list[CapturedFrame | EngineLoss]) -> tuple[list, int, int]:
         """What ``--sample-requests`` keeps of captured frames, and how many frames and outputs it left out."""

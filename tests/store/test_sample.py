@@ -8,6 +8,7 @@ import sqlite_utils
 import trio
 
 from replay_proxy.sim.workload import run_workload
+from replay_proxy.store.counts import FrameCounts
 from replay_proxy.store.protocol import Stop
 from replay_proxy.store.sample import InSample, RequestSample
 from replay_proxy.store.tables import open_database
@@ -102,3 +103,21 @@ def test_frames_kept_undecoded_under_load_are_sampled_when_they_are_decoded(db_p
     assert (row["frames_recorded"], row["frames_sampled_out"], row["frames_dropped"], row["frames_undecoded"]) == (
         chosen, 300 - chosen, 0, 0)
     assert db["aborts"].count == chosen
+
+
+def test_copies_for_another_file_of_a_rotation_count_only_as_copied_however_the_sample_takes_them(db_path):
+    """A rotating recording writes a split frame's other part, and each file's start, as copies: the frames are
+    counted in the file that holds them whole, so nothing of a copy is counted here as sampled out (the sample's
+    part of it was counted there), and the file's account stays balanced."""
+    session_id = open_database(db_path)["sessions"].insert({"name": "copies", "status": "recording"}).last_pk
+    sample = RequestSample(0.25)
+    writer = Writer(str(db_path), session_id, sample=sample)
+    copies = [frame(seq, f"r{seq}") for seq in range(1, 101)]
+    writer.write_copies(copies)
+    chosen = sum(f"r{seq}" in InSample(sample) for seq in range(1, 101))
+    assert (writer.frames_copied, writer.frames_written, writer.frames_sampled_out) == (chosen, 0, 0)
+    assert writer.outputs_sampled_out == 0 and 0 < chosen < 100
+    writer.write_frames([frame(seq, f"r{seq}") for seq in range(101, 121)])
+    kept = sum(f"r{seq}" in InSample(sample) for seq in range(101, 121))
+    assert writer.account(20) == FrameCounts(20, kept, 20 - kept) and writer.account(20).balanced()
+    assert sqlite_utils.Database(db_path)["aborts"].count == chosen + kept

@@ -216,14 +216,15 @@ class Finishing:
 
 
 class Others:
-    """The part of a frame for the current file: all but the requests that finish in previous files (those
-    that ``finishing`` gives at the time)."""
+    """The part of a frame for the current file: all but the requests that finish in previous files."""
 
-    def __init__(self, finishing: Callable[[], list[Finishing]], version: str | None):
-        self._cutter = Cutter(_NotIn(finishing), version, in_window=lambda _: True, first_add_ns=None,
-                              every_call=True)
+    def __init__(self, version: str | None):
+        self._kept = _PendingInNone()
+        self._cutter = Cutter(self._kept, version, in_window=lambda _: True, first_add_ns=None, every_call=True)
 
-    def part(self, frame: CapturedFrame) -> CapturedFrame | None:
+    def part(self, frame: CapturedFrame, finishing: list[Finishing]) -> CapturedFrame | None:
+        """``frame`` without the requests still pending in ``finishing``, the previous files open now."""
+        self._kept.finishing = finishing
         return self._cutter.frame(frame)
 
 
@@ -249,11 +250,11 @@ def requests_of(frame: CapturedFrame, schema: Schema) -> tuple[list, list, list]
     return ids, ended, []
 
 
-class _NotIn:
-    """Request ids pending in none of the previous files (read as they change)."""
+class _PendingInNone:
+    """Request ids pending in none of ``finishing``: what the cutter keeps (read as they change)."""
 
-    def __init__(self, finishing: Callable[[], list[Finishing]]):
-        self.finishing = finishing
+    def __init__(self) -> None:
+        self.finishing: list[Finishing] = []
 
     def __contains__(self, request_id: object) -> bool:
-        return not any(request_id in f.pending for f in self.finishing())
+        return not any(request_id in f.pending for f in self.finishing)

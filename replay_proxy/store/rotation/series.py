@@ -87,7 +87,8 @@ class Series:
             if not owners:
                 current.append(item)
                 continue
-            if (rest := self.others.part(item)) is not None:  # (before the requests it ends are no longer pending)
+            rest = self.others.part(item, [f for _, f in self.finishing])  # (before the requests it ends are done)
+            if rest is not None:
                 current_copies.append(rest)
             for n, (part, finishing) in enumerate(owners):
                 (copies if n else counted)[id(part)].append(finishing.part(item))
@@ -96,9 +97,9 @@ class Series:
             if counted[id(part)]:
                 part.writer.write_frames(counted[id(part)])
             if copies[id(part)]:
-                part.writer.write_frames(copies[id(part)], copies=True)
+                part.writer.write_copies(copies[id(part)])
         if current_copies:
-            self.current.writer.write_frames(current_copies, copies=True)
+            self.current.writer.write_copies(current_copies)
         for part, finishing in list(self.finishing):
             if finishing.over(time.monotonic(), database_bytes(part.path)):
                 self._close(part)
@@ -117,7 +118,7 @@ class Series:
             if not held:  # a file whose end could not be written is no file to begin
                 raise OSError("no room for the reserve its session's end needs")
             writer = Writer(str(path), session_id, **self.options)
-            writer.write_frames(list(self.rotator.start), copies=True)
+            writer.write_copies(list(self.rotator.start))
             if writer.frames_copied < sum(type(item) is CapturedFrame for item in self.rotator.start):
                 writer.connection.close()
                 raise OSError(f"no room for the session's start ({writer.write_error})")
@@ -137,8 +138,7 @@ class Series:
         if pending:
             self.finishing.append((old, Finishing(pending, old.writer.decoder.vllm_version, self.rotator.settings,
                                                   time.monotonic(), database_bytes(old.path))))
-            self.others = self.others or Others(lambda: [f for _, f in self.finishing],
-                                                old.writer.decoder.vllm_version)
+            self.others = self.others or Others(old.writer.decoder.vllm_version)
         else:
             self._close(old)
         while len(self.finishing) > FINISHING_FILES:  # its requests still running go on into the files after it
