@@ -217,7 +217,7 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
     return db
 
 
-def begin_session(path: Path, row: dict[str, object]) -> tuple[int, bool]:
+def begin_session(path: str | Path, row: dict[str, object]) -> tuple[int, bool]:
     """A new session's row in the recording at ``path`` (made if need be), and room held beside it for the
     session's end (``reserve``): its id, and whether there was room."""
     with contextlib.closing(open_database(path)) as db:
@@ -225,7 +225,7 @@ def begin_session(path: Path, row: dict[str, object]) -> tuple[int, bool]:
     return session_id, reserve.hold(path)
 
 
-def end_session(path: Path, session_id: int, *, status: str | None = None, error: str | None = None,
+def end_session(path: str | Path, session_id: int, *, status: str | None = None, error: str | None = None,
                 counts: FrameCounts | None = None, **values: object) -> None:
     """Write a session's end into its row: how it ended, where each frame it saw is (``store/counts.py``),
     ``values``, and ``error`` unless it has one; the room held for it is given back first, so that it is
@@ -243,7 +243,7 @@ def end_session(path: Path, session_id: int, *, status: str | None = None, error
                            (*values.values(), error, session_id))
 
 
-def frames_kept(path: Path, session_id: int) -> int:
+def frames_kept(path: str | Path, session_id: int) -> int:
     """A session's frames in its file: decoded, or kept to decode later."""
     with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection:
         return connection.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
@@ -251,7 +251,7 @@ def frames_kept(path: Path, session_id: int) -> int:
                                   {"s": session_id}).fetchone()[0]
 
 
-def ended_session(path: Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
+def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
     """A session's row as whoever ended it wrote it, its requests counted, and its drift alarms in order."""
     with contextlib.closing(open_database(path)) as db:
         row = db["sessions"].get(session_id)
