@@ -249,6 +249,14 @@ def finished(path: Path) -> sqlite3.Connection:
     return connection
 
 
+def _bytes(path: Path) -> int:
+    """A file's size, or 0 if it is gone (rotation deletes files while they are counted)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def run_files(db: Path) -> list[Path]:
     """The files of a run: ``db``, and the files it rotated into (``db-1``, ``db-2`` ...) still there."""
     return sorted((p for p in db.parent.glob(f"{db.stem}*{db.suffix}") if p.stem == db.stem or
@@ -337,7 +345,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         while front.running() and time.monotonic() < deadline:
             time.sleep(0.5)
             files = run_files(db)
-            disk_mb.append(sum(f.stat().st_size for f in db.parent.glob(f"{db.stem}*") if f.exists()) / 2**20)
+            disk_mb.append(sum(map(_bytes, db.parent.glob(f"{db.stem}*"))) / 2**20)
             newest = []  # of the two files written last (a file just begun holds only copies of the start)
             for path in sorted(files, key=lambda f: f.stat().st_mtime)[-2:]:
                 try:

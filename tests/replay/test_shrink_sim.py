@@ -15,15 +15,16 @@ from tests.helpers import RecordedSession
 SIM_ENGINE = [sys.executable, "-m", "replay_proxy", "sim", "engine", "--handshake", "tcp://127.0.0.1:{port}"]
 
 
-async def _record(db, requests: int, poisoned: int | None) -> None:
-    """``requests`` requests sent at once (so they run together), one of them asking for 26 logprobs (more than
-    the 20 every replay asks for, to judge what the engine generates)."""
+async def _record(db, requests: int, poisoned: int | None, max_tokens: int = 6) -> None:
+    """``requests`` requests sent at once (so they run together, if each runs for longer than the ADDs take to
+    send: ``max_tokens`` steps of 2 ms), one of them asking for 26 logprobs (more than the 20 every replay asks
+    for, to judge what the engine generates)."""
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             session = await RecordedSession(nursery, db, name="staging").start()
             frontend = session.frontend
             for k in range(requests):
-                await frontend.add(f"r{k}", [7, 8, k % 50], max_tokens=6, temperature=0.0,
+                await frontend.add(f"r{k}", [7, 8, k % 50], max_tokens=max_tokens, temperature=0.0,
                                    **({"logprobs": 26} if k == poisoned else {}))
             await frontend.wait_for(lambda: len(frontend.finish_reasons) == requests)
             nursery.cancel_scope.cancel()
@@ -40,7 +41,7 @@ def five_hundred(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sixteen(tmp_path_factory):
     db = tmp_path_factory.mktemp("shrink") / "staging.db"
-    trio.run(_record, db, 16, None)
+    trio.run(_record, db, 16, None, 50)  # (each request runs 0.1 s: all of them at once, on a loaded machine too)
     return db
 
 
