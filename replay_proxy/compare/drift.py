@@ -31,38 +31,9 @@ from __future__ import annotations
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
-from replay_proxy.wire.rust import RustField, RustSchema, RustStruct, type_names
+from replay_proxy.wire.rust import (ENGINE_ROOTS, FRONTEND_ROOTS, RustField, RustSchema, RustStruct, pair_structs,
+                                    type_names)
 from replay_proxy.wire.schema import Field, Schema
-
-# The structs each side writes on the link (the frontend: requests and utility calls; the engine: the rest).
-FRONTEND_ROOTS = ("EngineCoreRequest",)
-ENGINE_ROOTS = ("EngineCoreOutputs", "EngineCoreReadyResponse")
-
-
-def pair_structs(python: Schema, rust: RustSchema) -> dict[str, str]:
-    """Python class -> the Rust struct that mirrors it."""
-    by_name = {}
-    for name in rust.structs:
-        for python_name in (name, name.removeprefix("Wire"), name.removeprefix("Wire").removeprefix("EngineCore"),
-                            name.removeprefix("EngineCore")):
-            if python_name in python.structs and python_name not in by_name:
-                by_name[python_name] = name
-                break
-    pairs, todo = {}, [p for p in (*FRONTEND_ROOTS, *ENGINE_ROOTS) if p in by_name]
-    for root in todo:
-        pairs[root] = by_name[root]
-    while todo:  # down through the fields of paired structs
-        name = todo.pop()
-        rust_fields = {f.name: f for f in rust.structs[pairs[name]].fields}
-        for field in python.structs[name].fields:
-            if field.struct is None or field.struct in pairs or field.name not in rust_fields:
-                continue
-            below = rust.struct_of(rust_fields[field.name].type)
-            if below is not None:
-                pairs[field.struct] = below
-                todo.append(field.struct)
-    return {**{p: r for p, r in by_name.items() if p not in pairs}, **pairs}
-
 
 def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset[str] = frozenset()
                    ) -> list[Finding]:

@@ -21,10 +21,9 @@ from typing import Literal
 
 import msgspec
 
-from replay_proxy.compare.drift import pair_structs
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
-from replay_proxy.wire.rust import RustField, RustSchema, load_rust_schema, rust_schema_path
-from replay_proxy.wire.schema import Field, Schema, StructSchema, load_schema, shipped_releases
+from replay_proxy.wire.rust import load_rust_schema, pair_structs, rust_layouts
+from replay_proxy.wire.schema import Schema, load_schema, shipped_releases
 
 Rule = Literal["extra_trailing_elements", "missing_trailing_with_default", "unknown_map_key",
                "missing_required_key", "changed_type"]
@@ -37,72 +36,34 @@ def reader_rules() -> dict[str, dict]:
     return {reader: data[reader] for reader in READERS}
 
 
+class _Release(msgspec.Struct, frozen=True):
+    """What the readers of one release declare, read once."""
+    python: Schema  # the Python readers' layouts (msgspec reads exactly what the classes declare)
+    rust: Schema | None  # vllm-rs's (rust_layouts); None where the release has no Rust structs
+    declared: dict[str, frozenset[str]]  # a Rust struct attribute -> the Python names of the structs declaring it
+
+
+@functools.cache
+def _release(release: str) -> _Release:
+    python, rust = load_schema(release), load_rust_schema(release)
+    pairs = pair_structs(python, rust) if rust else {}
+    return _Release(python, rust_layouts(python, rust) if rust else None, {
+        "read_with_trailing": frozenset(p for p, r in pairs.items() if r in rust.read_with_trailing),
+        "deny_unknown_fields": frozenset(p for p, r in pairs.items() if rust.structs[r].deny_unknown_fields)})
+
+
 def reader_schema(reader: str, release: str) -> Schema:
     """``reader``'s layout of ``release``: the Python schema, or for a reader whose layouts are Rust's, the
     release's Rust structs (where the release has none: the Python schema, as vllm-rs mirrors it)."""
-    if reader_rules()[reader]["layouts"] == "rust" and rust_schema_path(release).exists():
-        return _rust_layouts_of(release)
-    return load_schema(release)
-
-
-@functools.cache
-def _rust_layouts_of(release: str) -> Schema:
-    return rust_layouts(load_schema(release), load_rust_schema(release))
-
-
-def rust_layouts(python: Schema, rust: RustSchema) -> Schema:
-    """vllm-rs as a reader: its release's Python schema with each struct the Rust side mirrors laid
-    out as Rust declares it: its fields on the wire in order (a flattened struct's in its place), required
-    where neither an ``Option`` nor ``#[serde(default)]``, a map's missing required key a rejection. Each
-    field Python mirrors keeps Python's name, struct and the msgpack kinds it accepts (one only Rust has accepts
-    any: its width is compare/drift.py's to judge)."""
-    structs = dict(python.structs)
-    for name, rust_name in pair_structs(python, rust).items():
-        declared = rust.structs[rust_name]
-        if declared.encoding not in ("array", "map"):  # transparent: read as the type it wraps
-            continue
-        mirror = python.structs[name]
-        fields = tuple(_as_read(f, position, _mirrored(mirror, declared.encoding, f, position))
-                       for position, f in enumerate(rust.wire_fields(declared)))
-        structs[name] = msgspec.structs.replace(mirror, encoding=declared.encoding,
-                                                omit_defaults=False, fields=fields)
-    return msgspec.structs.replace(python, structs=structs, extracted_from=f"vllm-rs {rust.release}'s Rust structs")
-
-
-def _mirrored(mirror: StructSchema, encoding: str, declared: RustField, position: int) -> Field | None:
-    """The Python field ``declared`` mirrors: in a tuple struct the one at its position, whatever either side
-    calls it (positions carry no names: a name only one side uses there is drift's to report); in a map, the
-    one of its name."""
-    if encoding == "array":
-        return mirror.fields[position] if position < len(mirror.fields) and mirror.encoding == "array" else None
-    return mirror.by_name.get(declared.name)
-
-
-def _as_read(declared: RustField, position: int, python: Field | None) -> Field:
-    required = not (declared.optional or declared.default)
-    if python is None:
-        return Field(declared.name, position, declared.type, ("any",), required)
-    return msgspec.structs.replace(python, position=position, required=required,
-                                   default=None if required else python.default)
-
-
-@functools.cache
-def _declared(release: str, attribute: str) -> frozenset[str]:
-    """The Python names of the structs whose Rust struct in ``release`` declares ``attribute``."""
-    rust = load_rust_schema(release)
-    if rust is None:
-        return frozenset()
-    pairs = pair_structs(load_schema(release), rust)
-    if attribute == "read_with_trailing":
-        return frozenset(p for p, r in pairs.items() if r in rust.read_with_trailing)
-    return frozenset(p for p, r in pairs.items() if getattr(rust.structs[r], attribute))
+    layouts = _release(release)
+    return layouts.rust if reader_rules()[reader]["layouts"] == "rust" and layouts.rust else layouts.python
 
 
 def _rule(reader: str, rule: Rule, struct: str | None, release: str | None) -> tuple[str, str]:
     """The verdict and source of ``reader``'s rule for ``struct`` in ``release`` (None: the newest)."""
     entry = reader_rules()[reader]["rules"][rule]
     unless = entry.get("unless")
-    if unless and struct in _declared(release or shipped_releases()[-1], unless):
+    if unless and struct in _release(release or shipped_releases()[-1]).declared[unless]:
         return entry["then"], f"{entry['source']}; {struct} is read so in {release or 'the newest release'}"
     return entry["verdict"], entry["source"]
 

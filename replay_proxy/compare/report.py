@@ -13,12 +13,12 @@ from replay_proxy.compare.performance import LATENCIES, latency_samples, perform
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
-from replay_proxy.compare.drift import drift_findings, pair_structs
+from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
 from replay_proxy.store.session import Matching, Request, Session, decode_and_load, match_requests
-from replay_proxy.wire.rust import RustSchema
+from replay_proxy.wire.rust import RustSchema, pair_structs
 from replay_proxy.wire.schema import Schema, schema_lines
 
 HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-lengths`` sets in every ADD

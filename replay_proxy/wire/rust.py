@@ -15,8 +15,10 @@ real Rust parser (tree-sitter-rust), never with regular expressions:
 * ``deny_unknown_fields``, and each enum: ``repr`` (an integer on the wire)
   or its variants' names (``rename``, ``rename_all``), ``untagged``.
 
-What this says about a reader (which extra or missing values it accepts) is
-``compare/drift.py``'s to judge; here is only what the source declares.
+Here too is which Rust struct mirrors which Python class (``pair_structs``)
+and vllm-rs as a reader, its layouts laid out as a ``Schema`` (``rust_layouts``):
+what the source declares. What that means for a reader (which extra or missing
+values it accepts) is ``compare/``'s to judge.
 Every release from 0.22.0 has it; each is read once (``replay-proxy schema
 extract --rust``) and shipped in ``rust_schemas/RELEASE.json``, beside the
 Python schemas, or added with a release (``add-release``).
@@ -27,6 +29,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+
+from replay_proxy.wire.schema import Field, Schema, StructSchema, added_releases
 
 PROTOCOL = Path("rust/src/engine-core-client/src/protocol")  # within a vLLM source tree (an sdist's root)
 RUST_SCHEMAS = Path(__file__).resolve().parent / "rust_schemas"
@@ -335,8 +339,6 @@ def _renamed(name: str, rule: str | None) -> str:
 
 def rust_schema_path(release: str) -> Path:
     """A release's Rust schema file: one added by the user (``schema.added_releases``), else the package's."""
-    from replay_proxy.wire.schema import added_releases
-
     added = added_releases() / "rust_schemas" / f"{release}.json"
     return added if added.exists() else RUST_SCHEMAS / f"{release}.json"
 
@@ -349,3 +351,70 @@ def load_rust_schema(release: str) -> RustSchema | None:
 
 def encode_rust_schema(schema: RustSchema) -> bytes:
     return msgspec.json.format(msgspec.json.encode(schema), indent=1) + b"\n"
+
+
+# The structs each side writes on the link (the frontend: requests and utility calls; the engine: the rest),
+# from which the pairing goes down.
+FRONTEND_ROOTS = ("EngineCoreRequest",)
+ENGINE_ROOTS = ("EngineCoreOutputs", "EngineCoreReadyResponse")
+
+
+def pair_structs(python: Schema, rust: RustSchema) -> dict[str, str]:
+    """Python class -> the Rust struct that mirrors it."""
+    by_name = {}
+    for name in rust.structs:
+        for python_name in (name, name.removeprefix("Wire"), name.removeprefix("Wire").removeprefix("EngineCore"),
+                            name.removeprefix("EngineCore")):
+            if python_name in python.structs and python_name not in by_name:
+                by_name[python_name] = name
+                break
+    pairs, todo = {}, [p for p in (*FRONTEND_ROOTS, *ENGINE_ROOTS) if p in by_name]
+    for root in todo:
+        pairs[root] = by_name[root]
+    while todo:  # down through the fields of paired structs
+        name = todo.pop()
+        rust_fields = {f.name: f for f in rust.structs[pairs[name]].fields}
+        for field in python.structs[name].fields:
+            if field.struct is None or field.struct in pairs or field.name not in rust_fields:
+                continue
+            below = rust.struct_of(rust_fields[field.name].type)
+            if below is not None:
+                pairs[field.struct] = below
+                todo.append(field.struct)
+    return {**{p: r for p, r in by_name.items() if p not in pairs}, **pairs}
+
+
+def rust_layouts(python: Schema, rust: RustSchema) -> Schema:
+    """vllm-rs as a reader: its release's Python schema with each struct the Rust side mirrors laid
+    out as Rust declares it: its fields on the wire in order (a flattened struct's in its place), required
+    where neither an ``Option`` nor ``#[serde(default)]``, a map's missing required key a rejection. Each
+    field Python mirrors keeps Python's name, struct and the msgpack kinds it accepts (one only Rust has accepts
+    any: its width is compare/drift.py's to judge)."""
+    structs = dict(python.structs)
+    for name, rust_name in pair_structs(python, rust).items():
+        declared = rust.structs[rust_name]
+        if declared.encoding not in ("array", "map"):  # transparent: read as the type it wraps
+            continue
+        mirror = python.structs[name]
+        fields = tuple(_as_read(f, position, _mirrored(mirror, declared.encoding, f, position))
+                       for position, f in enumerate(rust.wire_fields(declared)))
+        structs[name] = msgspec.structs.replace(mirror, encoding=declared.encoding,
+                                                omit_defaults=False, fields=fields)
+    return msgspec.structs.replace(python, structs=structs, extracted_from=f"vllm-rs {rust.release}'s Rust structs")
+
+
+def _mirrored(mirror: StructSchema, encoding: str, declared: RustField, position: int) -> Field | None:
+    """The Python field ``declared`` mirrors: in a tuple struct the one at its position, whatever either side
+    calls it (positions carry no names: a name only one side uses there is drift's to report); in a map, the
+    one of its name."""
+    if encoding == "array":
+        return mirror.fields[position] if position < len(mirror.fields) and mirror.encoding == "array" else None
+    return mirror.by_name.get(declared.name)
+
+
+def _as_read(declared: RustField, position: int, python: Field | None) -> Field:
+    required = not (declared.optional or declared.default)
+    if python is None:
+        return Field(declared.name, position, declared.type, ("any",), required)
+    return msgspec.structs.replace(python, position=position, required=required,
+                                   default=None if required else python.default)

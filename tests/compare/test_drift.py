@@ -8,10 +8,10 @@ from pathlib import Path
 
 import msgspec
 
-from replay_proxy.compare.drift import drift_findings, pair_structs
+from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.findings import RUST_FRONTEND, PYTHON_FRONTEND, Severity
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.wire.rust import load_rust_schema
+from replay_proxy.wire.rust import load_rust_schema, pair_structs
 from replay_proxy.wire.schema import load_schema
 
 HANDLED = load_rules().frontend_handled_sampling_keys

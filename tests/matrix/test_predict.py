@@ -11,12 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from replay_proxy.compare.readers import rust_layouts
 from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording, engine_release,
                                  frontends_in, parse_build, recording_of, releases_in)
 from replay_proxy.matrix.predict import frames, predict, read_direction
 from replay_proxy.wire.messages import Direction
-from replay_proxy.wire.rust import RustField, load_rust_schema
+from replay_proxy.wire.rust import RustField, load_rust_schema, rust_layouts
 from replay_proxy.wire.schema import load_schema
 
 ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
