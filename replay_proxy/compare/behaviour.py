@@ -7,7 +7,7 @@ says which tier judged it. Finish reasons must be the same, logprobs of the
 same tokens within a tolerance, an ABORT where it was recorded; utility calls
 must get the same results. Greedy or seeded requests that ran batched, in
 either session, do not reproduce on vLLM's CPU build: unless repeat runs of
-the baseline (``noise``) show them stable, they are judged at their first
+the baseline build (``repeats``) show them stable, they are judged at their first
 divergence rather than held to every token.
 """
 
@@ -20,7 +20,7 @@ from replay_proxy.compare.findings import Finding, Severity, Verdict
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.tokens import (INVARIANTS, TIERS, UNJUDGED, deterministic, invariant_violations,
                                          token_verdict)
-from replay_proxy.store.session import Matching, Request, Session, match_requests
+from replay_proxy.store.session import Matching, Request, Session
 
 
 def batched(session: Session) -> set[str]:
@@ -37,9 +37,10 @@ def batched(session: Session) -> set[str]:
 
 
 def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
-                       noise: list[Session] = (), frontend_under_test: bool = False,
+                       repeats: list[Matching] = (), frontend_under_test: bool = False,
                        scored: dict[str, Verdict] | None = None) -> tuple[list[Finding], list[Verdict]]:
-    """The findings, and each baseline request's verdict (``scored``: the teacher-forced ones, by request)."""
+    """The findings, and each baseline request's verdict. ``repeats``: the baseline's requests matched with
+    each repeat run of the baseline build's; ``scored``: the teacher-forced verdicts, by request."""
     findings, verdicts = [], []
     for request in matching.missing:
         findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
@@ -52,11 +53,11 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                 request_id=request.request_id))
     # Batched requests do not reproduce on vLLM's CPU build: noise, unless repeat runs show them stable.
     # A slower candidate batches requests that ran alone when recorded: those are noise too.
-    unstable = _unstable(baseline, noise, rules.match_sampling_keys)
+    unstable = {a.request_id for repeat in repeats for a, b in repeat.pairs if a.tokens != b.tokens}
     batched_in_candidate = batched(candidate)
     ran_batched = batched(baseline) | {a.request_id for a, b in matching.pairs
                                        if b.request_id in batched_in_candidate}
-    noisy = {rid for rid in ran_batched if not noise or rid in unstable} | unstable
+    noisy = {rid for rid in ran_batched if not repeats or rid in unstable} | unstable
     for a, b in matching.pairs:
         rid = a.request_id
         if a.frontend_aborted or b.frontend_aborted:
@@ -125,14 +126,6 @@ def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:
                    + (f" (more than {tolerance} off)" if off else ""),
                    message_kind="ABORT", request_id=a.request_id, baseline=a.abort_progress,
                    candidate=b.abort_progress)
-
-
-def _unstable(baseline: Session, noise: list[Session], keys: list[str]) -> set[str]:
-    """Baseline requests whose tokens differ in any repeat run of the baseline."""
-    unstable = set()
-    for repeat in noise:
-        unstable |= {a.request_id for a, b in match_requests(baseline, repeat, keys).pairs if a.tokens != b.tokens}
-    return unstable
 
 
 def _utility_findings(baseline: Session, candidate: Session, frontend_under_test: bool,

@@ -39,6 +39,7 @@ import functools
 import math
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 
 from replay_proxy.compare.findings import Change, Finding, Severity
@@ -67,6 +68,45 @@ LATENCIES: dict[str, Callable[[Request], list[float]]] = {
 def latency_samples(session: Session) -> dict[str, list[float]]:
     """Every value of each latency metric in a session (for the plots)."""
     return {metric: [v for r in session.requests for v in values(r)] for metric, values in LATENCIES.items()}
+
+
+def timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: list[Session],
+                    candidate_runs: list[Session], replayed_noise: bool, keys: list[str], rules: Rules,
+                    other_cpu: dict[str, float]) -> list[Finding]:
+    """Latency and throughput, or why they are not judged. A diff's are the candidate's against the recording
+    (``matching``: their requests); a replay's against the baseline build's runs (``noise``), pooled, each side's
+    runs interleaved with the other's (A B A B), so a replay needs two of them. ``other_cpu``: by run, the share
+    of the machine's CPU that other processes took: above ``max_other_cpu`` a busy neighbour, not a build, would
+    be measured."""
+    busy = {run: share for run, share in other_cpu.items() if share > rules.performance.max_other_cpu}
+    if replayed_noise and len(noise) < 2:
+        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+            "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
+                                     "machine with the live frontend)" if not noise else
+                                     "one run of the baseline build does not say how much runs of one build differ")
+            + "; --baseline-cmd with --noise-runs 2 or more compares it with the baseline build's runs, "
+            "interleaved with the candidate's"), field="timing")]
+    if busy:
+        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+            "timing not judged: other processes took " + ", ".join(f"{share:.0%} of the machine's CPU during {run}"
+                                                                   for run, share in busy.items())
+            + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
+            "measured; replay on a quieter machine"), field="timing", candidate=busy)]
+    if not replayed_noise:
+        return performance_findings(baseline, candidate, matching, rules, noise)
+    before, after = _pooled(noise), _pooled([candidate, *candidate_runs])
+    findings = performance_findings(before, after, match_requests(before, after, keys), rules, noise[1:],
+                                    runs=(list(noise), [candidate, *candidate_runs]))
+    findings.append(Finding("performance", Severity.INFO, "timing_baseline", (
+        f"latency is compared with {len(noise)} run(s) of the baseline build, replayed as the candidate was and "
+        f"interleaved with its {1 + len(candidate_runs)} run(s), not with the recording"), field="timing_baseline"))
+    return findings
+
+
+def _pooled(runs: list[Session]) -> Session:
+    """Several runs of one build as one session of all their requests, in run order."""
+    return runs[0] if len(runs) == 1 else msgspec.structs.replace(
+        runs[0], requests=[r for run in runs for r in run.requests])
 
 
 def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,

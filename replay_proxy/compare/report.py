@@ -9,7 +9,7 @@ import msgspec
 
 from replay_proxy.compare.behaviour import behaviour_findings
 from replay_proxy.compare.findings import Finding, Report, Severity
-from replay_proxy.compare.performance import LATENCIES, latency_samples, performance_findings
+from replay_proxy.compare.performance import LATENCIES, latency_samples, timing_findings
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
@@ -17,7 +17,7 @@ from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
-from replay_proxy.store.session import Matching, Request, Session, decode_and_load, match_requests
+from replay_proxy.store.session import Request, Session, decode_and_load, match_requests
 from replay_proxy.wire.rust import RustSchema, pair_structs
 from replay_proxy.wire.schema import Schema, schema_lines
 
@@ -50,40 +50,25 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked else frozenset())
     keys = [k for k in rules.match_sampling_keys if k not in set_by_replay]
     matching = match_requests(baseline, candidate, keys)
+    judged, judged_noise, judged_matching = ((noise[0], noise[1:], match_requests(noise[0], candidate, keys))
+                                             if replayed_noise and noise else (baseline, noise, matching))
+    repeats = [match_requests(judged, run, rules.match_sampling_keys) for run in judged_noise]
     shapes = observed_shapes(baseline), observed_shapes(candidate)
     pseudonyms = baseline.redacted and not frontend_under_test
-    judged, judged_noise, judged_matching = baseline, noise, matching
-    if replayed_noise and noise:
-        judged, judged_noise, judged_matching = noise[0], noise[1:], match_requests(noise[0], candidate, keys)
     scoring = teacher_forced(baseline, list(noise), candidate) if replayed_noise else None
     scored_findings, scored = scoring_findings(scoring, rules) if asked_logprobs else ([], {})
     findings = [*schema_findings(baseline, candidate, shapes, rules),
                 *sampling_findings(matching.pairs, candidate, rules, set_by_replay)]
     verdicts = []
     if judged is not baseline or not pseudonyms:
-        behaviour, verdicts = behaviour_findings(judged, candidate, judged_matching, rules, judged_noise,
+        behaviour, verdicts = behaviour_findings(judged, candidate, judged_matching, rules, repeats,
                                                  frontend_under_test, scored)
         findings += behaviour
     findings += scored_findings
     if asked_logprobs and replayed_noise:
         findings += sampled_findings(list(noise), candidate, judged_matching.pairs, rules)
-    busy = {run: share for run, share in (other_cpu or {}).items() if share > rules.performance.max_other_cpu}
-    if replayed_noise and len(noise) < 2:
-        findings.append(Finding("performance", Severity.INFO, "timing_not_judged", (
-            "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
-                                     "machine with the live frontend)" if not noise else
-                                     "one run of the baseline build does not say how much runs of one build differ")
-            + "; --baseline-cmd with --noise-runs 2 or more compares it with the baseline build's runs, "
-            "interleaved with the candidate's"), field="timing"))
-    elif busy:
-        findings.append(Finding("performance", Severity.INFO, "timing_not_judged", (
-            "timing not judged: other processes took " + ", ".join(f"{share:.0%} of the machine's CPU during {run}"
-                                                                   for run, share in busy.items())
-            + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
-            "measured; replay on a quieter machine"), field="timing", candidate=busy))
-    else:
-        findings += _timing_findings(baseline, candidate, matching, noise, candidate_runs, replayed_noise, keys,
-                                     rules)
+    findings += timing_findings(baseline, candidate, matching, noise, candidate_runs, replayed_noise, keys, rules,
+                                other_cpu or {})
     if pseudonyms:
         findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
             f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
@@ -98,6 +83,7 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
                                 field="lengths_held"))
     timing = noise[0] if replayed_noise and noise else baseline
     a, b = latency_samples(timing), latency_samples(candidate)
+    divergences = _divergences(judged_matching.pairs, findings)
     return Report(
         title=title, baseline=baseline.label, candidate=candidate.label, findings=findings, verdicts=verdicts,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
@@ -105,33 +91,11 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
         performance_threshold=rules.performance.min_relative_change,
         kl={"noise floor": [s.kl for s in scoring.noise.values()],
             "candidate": [s.kl for s in scoring.candidate.values()]} if scoring else {},
-        divergences=_divergences(judged_matching.pairs, findings),
+        divergences=divergences,
         checks=([f"schema:{s}" for s in sorted(shapes[0])] + ["schema:EngineCoreReadyResponse"]
                 + [f"behaviour:{r.request_id}" for r in baseline.requests]
                 + [f"performance:{m}.p{p}" for m in LATENCIES for p in rules.percentiles]
                 + ["performance:throughput_tokens_s"]))
-
-
-def _timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: list[Session],
-                     candidate_runs: list[Session], replayed_noise: bool, keys: list[str], rules: Rules
-                     ) -> list[Finding]:
-    """Latency and throughput: a replay's against the baseline build's runs, pooled, each side's runs
-    interleaved with the other's (A B A B); a diff's against the recording (``matching``: their requests)."""
-    if not replayed_noise:
-        return performance_findings(baseline, candidate, matching, rules, noise)
-    before, after = _pooled(noise), _pooled([candidate, *candidate_runs])
-    findings = performance_findings(before, after, match_requests(before, after, keys), rules, noise[1:],
-                                    runs=(list(noise), [candidate, *candidate_runs]))
-    findings.append(Finding("performance", Severity.INFO, "timing_baseline", (
-        f"latency is compared with {len(noise)} run(s) of the baseline build, replayed as the candidate was and "
-        f"interleaved with its {1 + len(candidate_runs)} run(s), not with the recording"), field="timing_baseline"))
-    return findings
-
-
-def _pooled(runs: list[Session]) -> Session:
-    """Several runs of one build as one session of all their requests, in run order."""
-    return runs[0] if len(runs) == 1 else msgspec.structs.replace(
-        runs[0], requests=[r for run in runs for r in run.requests])
 
 
 def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], limit: int = 12) -> dict[str, dict]:

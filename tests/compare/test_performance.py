@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 from replay_proxy.compare.findings import Severity
-from replay_proxy.compare.performance import performance_findings
+from replay_proxy.compare.performance import performance_findings, timing_findings
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.store.session import Request, Session, match_requests
 from replay_proxy.wire.schema import load_schema
@@ -131,14 +131,13 @@ def test_inter_token_gaps_are_the_engines_so_a_reader_that_reads_a_backlog_at_on
 
 def interleaved(baseline_factors, candidate_factors):
     """Findings of a replay whose baseline build and candidate ran interleaved, each run slowed by its factor
-    (load that came and went), both sides pooled (``compare/report.py``)."""
-    from replay_proxy.compare.report import _pooled
-
-    runs = ([session(20 + i, factor=f, name=f"b{i}") for i, f in enumerate(baseline_factors)],
-            [session(30 + i, factor=f, name=f"c{i}") for i, f in enumerate(candidate_factors)])
-    before, after = _pooled(runs[0]), _pooled(runs[1])
-    matching = match_requests(before, after, RULES.match_sampling_keys)
-    return {f.field: f for f in performance_findings(before, after, matching, RULES, runs=runs)}
+    (load that came and went), both sides pooled."""
+    noise = [session(20 + i, factor=f, name=f"b{i}") for i, f in enumerate(baseline_factors)]
+    candidate, *candidate_runs = [session(30 + i, factor=f, name=f"c{i}") for i, f in enumerate(candidate_factors)]
+    findings = timing_findings(session(10), candidate, None, noise, candidate_runs, True, RULES.match_sampling_keys,
+                               RULES, {})
+    assert findings[-1].code == "timing_baseline", findings[-1]
+    return {f.field: f for f in findings}
 
 
 def test_load_that_falls_on_one_candidate_run_is_not_a_regression_and_a_slower_build_is():
