@@ -22,7 +22,7 @@ from typing import Literal
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
-from replay_proxy.wire.rust import load_rust_schema, pair_structs, rust_layouts
+from replay_proxy.wire.rust import load_rust_schema, pair_structs, rust_layouts, rust_schema_path
 from replay_proxy.wire.schema import Schema, load_schema, shipped_releases
 
 Rule = Literal["extra_trailing_elements", "missing_trailing_with_default", "unknown_map_key",
@@ -43,9 +43,14 @@ class _Release(msgspec.Struct, frozen=True):
     declared: dict[str, frozenset[str]]  # a Rust struct attribute -> the Python names of the structs declaring it
 
 
-@functools.cache
 def _release(release: str) -> _Release:
-    python, rust = load_schema(release), load_rust_schema(release)
+    # Read again once its Rust schema is there: add-release writes it after the Python one, and judges between.
+    return _read_release(release, rust_schema_path(release).exists())
+
+
+@functools.cache
+def _read_release(release: str, has_rust: bool) -> _Release:
+    python, rust = load_schema(release), load_rust_schema(release) if has_rust else None
     pairs = pair_structs(python, rust) if rust else {}
     return _Release(python, rust_layouts(python, rust) if rust else None, {
         "read_with_trailing": frozenset(p for p, r in pairs.items() if r in rust.read_with_trailing),
