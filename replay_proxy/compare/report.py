@@ -50,9 +50,11 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked else frozenset())
     keys = [k for k in rules.match_sampling_keys if k not in set_by_replay]
     matching = match_requests(baseline, candidate, keys)
-    judged, judged_noise, judged_matching = ((noise[0], noise[1:], match_requests(noise[0], candidate, keys))
-                                             if replayed_noise and noise else (baseline, noise, matching))
-    repeats = [match_requests(judged, run, rules.match_sampling_keys) for run in judged_noise]
+    # Behaviour is judged against the baseline build's first replay where there is one (above); its other runs
+    # (or the baseline's) are repeats, which show the requests of one build that do not reproduce.
+    judged, repeat_runs, judged_matching = ((noise[0], noise[1:], match_requests(noise[0], candidate, keys))
+                                            if replayed_noise and noise else (baseline, noise, matching))
+    repeats = [match_requests(judged, run, rules.match_sampling_keys) for run in repeat_runs]
     shapes = observed_shapes(baseline), observed_shapes(candidate)
     pseudonyms = baseline.redacted and not frontend_under_test
     scoring = teacher_forced(baseline, list(noise), candidate) if replayed_noise else None
