@@ -46,7 +46,7 @@ class _Part:
 
 
 class Series:
-    """The files of a rotating recording, as the writer process holds them (``store/rotation.py``): the
+    """The files of a rotating recording, as the writer process holds them (``rotator.py`` decides): the
     current one, the previous ones while their requests finish, and the totals of those already closed."""
 
     def __init__(self, start: WriterStart, first: Writer):
