@@ -78,18 +78,20 @@ def test_the_failures_a_rejection_caused_are_shown_under_it_in_every_form(tmp_pa
 
 
 def test_the_html_shows_each_request_s_verdict_groups_one_cause_and_plots_the_judging(tmp_path):
-    from replay_proxy.compare.findings import Verdict
+    from replay_proxy.compare.findings import Judgement, Verdict
 
     mismatches = [Finding("behaviour", Severity.REGRESSION, "token_mismatch", f"tokens diverge at 0 of 4 ({k})",
                           request_id=f"r{k}", position=0, tier="exact") for k in range(12)]
     report = Report(title="replay", baseline="a", candidate="b", findings=mismatches,
                     verdicts=[Verdict(f"r{k}", "exact", False, "tokens diverge") for k in range(12)]
-                    + [Verdict("s1", "scored", True, "KL 0.0001")],
+                    + [Verdict("s1", "same_context", True, "moved by up to 0", (
+                        Judgement("same_context", True, "moved by up to 0"), Judgement("scored", True, "KL 0.0001")))],
                     kl={"noise floor": [0.0, 0.0001], "candidate": [0.0002, 0.0003]},
                     divergences={"r0": {"position": 0, "baseline": [-0.5, -0.2], "candidate": [-1.5, -0.3]}})
     write_reports(report, tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert page.count("<td>token_mismatch</td>") == 1  # twelve findings of one cause: one row
     assert "<summary>12 requests</summary>" in page and "<li>r11</li>" in page
-    assert "exact 12 (12 failed), scored 1 (0 failed)" in page
+    assert "exact 12 (12 failed), same_context 1 (0 failed), scored 1 (0 failed); 13 requests, 12 failed" in page
+    assert "<b>same_context</b> passed: moved by up to 0<br><b>scored</b> passed: KL 0.0001" in page  # every tier
     assert "teacher-forced KL per request (CDF)" in page and "diverging at position 0" in page

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import click
+import msgspec
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -124,7 +125,14 @@ def check_host_port(value: str | None) -> str | None:
     return value
 
 
-def rules_option(path: Path | None) -> Rules:
-    """``--rules FILE`` over the defaults; a file that cannot be used is an input error (exit 1, ``cli.run``), as
-    a --db is."""
-    return load_rules(path)
+VOCAB_SIZE_HELP = ("The model's vocabulary size (its config.json's vocab_size): bounds the top-p nucleus on flat "
+                   "distributions and above temperature 1 (rules: judging.vocab_size).")
+
+
+def rules_option(path: Path | None, vocab_size: int | None = None) -> Rules:
+    """``--rules FILE`` over the defaults, and ``--vocab-size`` over that; a file that cannot be used is an input
+    error (exit 1, ``cli.run``), as a --db is."""
+    rules = load_rules(path)
+    if vocab_size is None:
+        return rules
+    return msgspec.structs.replace(rules, judging=msgspec.structs.replace(rules.judging, vocab_size=vocab_size))

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from replay_proxy.cli.common import (JSON_HELP, app, check_address, err, fail, finish_report, out, rules_option,
-                                     schema_app)
+from replay_proxy.cli.common import (JSON_HELP, VOCAB_SIZE_HELP, app, check_address, err, fail, finish_report, out,
+                                     rules_option, schema_app)
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.wire.messages import Side
 
@@ -30,6 +30,7 @@ def diff(
         = None,
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules and thresholds to apply over the defaults.")]
         = None,
+    vocab_size: Annotated[int | None, typer.Option(min=2, help=VOCAB_SIZE_HELP)] = None,
     report_dir: Annotated[Path | None, typer.Option(help=REPORT_DIR_HELP)] = None,
     show_info: Annotated[bool, typer.Option("--all", help="Also list informational findings.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
@@ -44,7 +45,7 @@ def diff(
     """
     from replay_proxy.compare.report import diff_sessions
 
-    noise_rules = rules_option(rules)
+    noise_rules = rules_option(rules, vocab_size)
     report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
     finish_report(report, report_dir, show_info, as_json)
 
@@ -74,6 +75,7 @@ def replay(
         rich_help_panel=PEER, help="Seconds to wait for outstanding requests.")] = 120.0,
     rules: Annotated[Path | None, typer.Option(
         rich_help_panel=JUDGING, help="JSON noise rules over the defaults.")] = None,
+    vocab_size: Annotated[int | None, typer.Option(rich_help_panel=JUDGING, min=2, help=VOCAB_SIZE_HELP)] = None,
     noise_runs: Annotated[int, typer.Option(rich_help_panel=JUDGING, min=0, help=(
         "Replay the session this many times against --baseline-cmd and as many against the build under "
         "test, interleaved: what varies between the baseline's runs is the noise floor, not regression. "
@@ -118,8 +120,8 @@ def replay(
                          command=engine_cmd if against is Side.ENGINE else frontend_cmd)
     try:
         options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout,
-                                rules=rules_option(rules), noise_runs=noise_runs, baseline_command=baseline_cmd,
-                                report_dir=report_dir, hold_lengths=hold_lengths)
+                                rules=rules_option(rules, vocab_size), noise_runs=noise_runs,
+                                baseline_command=baseline_cmd, report_dir=report_dir, hold_lengths=hold_lengths)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     if out_db is None:

@@ -1,11 +1,11 @@
 """Behaviour findings: per matched request, what the engine produced and what the frontend did.
 
-Each request's tokens are judged by the strongest evidence it allows
+Each request is judged by every tier whose evidence it allows
 (``compare/tokens.py``: exact tokens, the first divergence, the sampling
-invariants; ``compare/scoring.py``: teacher-forced scoring), and the verdict
-says which tier judged it. Finish reasons must be the same, logprobs of the
-same tokens within a tolerance, an ABORT where it was recorded; utility calls
-must get the same results. Greedy or seeded requests that ran batched, in
+invariants; ``compare/context.py``: logprobs where both builds saw the same
+context; ``compare/scoring.py``: teacher-forced scoring): it fails if any
+tier fails it, and its verdict lists each. Finish reasons must be the same,
+an ABORT where it was recorded; utility calls must get the same results. Greedy or seeded requests that ran batched, in
 either session, do not reproduce on vLLM's CPU build: unless repeat runs of
 the baseline build (``repeats``) show them stable, they are judged at their first
 divergence rather than held to every token.
@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from replay_proxy.compare.findings import Finding, Severity, Verdict
+from replay_proxy.compare.context import context_judgement, context_shift_findings, noise_floor
+from replay_proxy.compare.findings import Finding, Judgement, Severity, Verdict
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.tokens import (INVARIANTS, TIERS, UNJUDGED, deterministic, invariant_violations,
-                                         token_verdict)
+                                         token_judgement)
 from replay_proxy.store.session import Matching, Request, Session
 
 
@@ -38,9 +39,9 @@ def batched(session: Session) -> set[str]:
 
 def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
                        repeats: list[Matching] = (), frontend_under_test: bool = False,
-                       scored: dict[str, Verdict] | None = None) -> tuple[list[Finding], list[Verdict]]:
+                       scored: dict[str, Judgement] | None = None) -> tuple[list[Finding], list[Verdict]]:
     """The findings, and each baseline request's verdict. ``repeats``: the baseline's requests matched with
-    each repeat run of the baseline build's; ``scored``: the teacher-forced verdicts, by request."""
+    each repeat run of the baseline build's; ``scored``: the teacher-forced judgements, by request."""
     findings, verdicts = [], []
     for request in matching.missing:
         findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
@@ -58,6 +59,10 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
     ran_batched = batched(baseline) | {a.request_id for a, b in matching.pairs
                                        if b.request_id in batched_in_candidate}
     noisy = {rid for rid in ran_batched if not repeats or rid in unstable} | unstable
+    # A sampled request reproduces only where every repeat run showed it so.
+    stable = ({a.request_id for a, _ in repeats[0].pairs}.intersection(
+        *({a.request_id for a, _ in repeat.pairs} for repeat in repeats[1:])) - unstable) if repeats else set()
+    floor = noise_floor(repeats)
     for a, b in matching.pairs:
         rid = a.request_id
         if a.frontend_aborted or b.frontend_aborted:
@@ -72,23 +77,23 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                     "aborted by the frontend: judged by where its ABORT landed"))
             continue
         judged = []
-        verdict, finding = token_verdict(baseline, a, b, rid not in noisy, rules)
-        if verdict is not None:
-            judged.append(verdict)
-        if finding is not None:
-            findings.append(finding)
+        reproduces = rid not in noisy if deterministic(baseline, a) else rid in stable
+        for judgement, finding in (token_judgement(baseline, a, b, reproduces, rules),
+                                   context_judgement(a, b, floor, rules)):
+            judged += [judgement] if judgement is not None else []
+            findings += [finding] if finding is not None else []
         if scored and rid in scored:
             judged.append(scored[rid])
-        broken = invariant_violations(candidate, b, b.params.get("_eos_token_id"))
+        broken = invariant_violations(candidate, b, b.params.get("_eos_token_id"), rules.judging.vocab_size)
         for rule, what in broken:
             findings.append(Finding("behaviour", Severity.REGRESSION, "sampling_invariant", f"{rule}: {what}",
                                     request_id=rid, field=rule, tier=INVARIANTS))
-        judged.append(Verdict(rid, INVARIANTS, not broken, "; ".join(w for _, w in broken) or (
+        judged.append(Judgement(INVARIANTS, not broken, "; ".join(w for _, w in broken) or (
             f"{len(b.tokens)} tokens within its sampling parameters"
             + ("" if b.token_logprobs and not candidate.speculates else " (lengths and stop tokens: " + (
                 "the engine drafted tokens, and its raw logprobs do not rank what its rejection sampler chose)"
                 if b.token_logprobs else "no logprobs to rank them)")))))
-        verdicts.append(_strongest(judged))
+        verdicts.append(_verdict(rid, judged))
         if a.finish_reason != b.finish_reason:
             severity = Severity.REGRESSION if deterministic(baseline, a) and rid not in noisy else Severity.WARNING
             findings.append(Finding("behaviour", severity, "finish_reason_changed",
@@ -98,23 +103,17 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
             findings.append(Finding("behaviour", Severity.WARNING, "length_changed",
                                     f"generated {len(a.tokens)} tokens, now {len(b.tokens)}", request_id=rid,
                                     baseline=len(a.tokens), candidate=len(b.tokens)))
-        # Logprobs of the same tokens, where the request reproduces: a batch's numerics move them (on a GPU, by
-        # more than the tolerance), and batched requests' numerics are teacher-forced scoring's to judge.
-        if a.logprobs and b.logprobs and a.tokens == b.tokens and rid not in noisy:
-            worst = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
-            if worst > rules.logprob_tolerance:
-                findings.append(Finding("behaviour", Severity.REGRESSION, "logprobs_differ",
-                                        f"logprobs differ by up to {worst:.2g} (tolerance {rules.logprob_tolerance})",
-                                        request_id=rid, baseline=rules.logprob_tolerance, candidate=worst))
+    findings += context_shift_findings(matching.pairs, repeats)
     findings += _utility_findings(baseline, candidate, frontend_under_test, rules.unordered_utility_results)
     return findings, verdicts
 
 
-def _strongest(judged: list[Verdict]) -> Verdict:
-    """A request's verdict: the strongest tier that failed it, else the strongest that passed it."""
-    order = lambda v: TIERS.index(v.tier) if v.tier in TIERS else len(TIERS)  # noqa: E731
-    failed = sorted((v for v in judged if not v.passed), key=order)
-    return failed[0] if failed else min(judged, key=order)
+def _verdict(rid: str, judged: list[Judgement]) -> Verdict:
+    """A request's verdict: every tier that judged it, strongest first; decided by the strongest that failed
+    it, else the strongest that passed it."""
+    judged = sorted(judged, key=lambda j: TIERS.index(j.tier))
+    decides = next((j for j in judged if not j.passed), judged[0])
+    return Verdict(rid, decides.tier, decides.passed, decides.why, tuple(judged))
 
 
 def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:

@@ -27,13 +27,24 @@ Category = Literal["schema", "behaviour", "performance", "replay"]
 PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND = "python-engine", "python-frontend", "rust-frontend"
 
 
-class Verdict(msgspec.Struct, frozen=True):
-    """How one request was judged: by which tier of evidence (compare/tokens.py), and why it passed or failed."""
+class Judgement(msgspec.Struct, frozen=True):
+    """One tier's judgement of one request (compare/tokens.py, compare/context.py, compare/scoring.py)."""
 
-    request_id: str
-    tier: str  # exact, first_divergence, scored, invariants; unjudged
+    tier: str  # exact, first_divergence, same_context, scored, invariants; unjudged
     passed: bool
     why: str
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """How one request was judged: every tier that judged it (``judged``, strongest first), and the one that
+    decides (``tier``, ``why``): the strongest that failed it, else the strongest that passed it. It fails if
+    any tier fails it."""
+
+    request_id: str
+    tier: str
+    passed: bool
+    why: str
+    judged: tuple[Judgement, ...] = ()
 
 
 class Change(msgspec.Struct, frozen=True):

@@ -68,7 +68,7 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
         findings += behaviour
     findings += scored_findings
     if asked_logprobs and replayed_noise:
-        findings += sampled_findings(list(noise), candidate, judged_matching.pairs, rules)
+        findings += sampled_findings(list(noise), judged_matching.pairs)
     findings += timing_findings(baseline, candidate, matching, noise, candidate_runs, replayed_noise, keys, rules,
                                 other_cpu or {})
     if pseudonyms:

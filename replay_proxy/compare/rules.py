@@ -35,19 +35,20 @@ class Performance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Judging(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What judging each request asks of a replay and where its verdicts draw the line (compare/tokens.py,
-    compare/scoring.py)."""
+    compare/context.py, compare/scoring.py)."""
 
     top_logprobs: int  # asked for on every request a replay sends (0: none, and no scoring)
     tie_logprob: float  # a greedy divergence between tokens this close (nats) is a tie
     min_kl: float  # nats per token: scoring below this is no change, whatever the noise floor
-    sampled_logprob_shift: float  # nats per token: a smaller shift of what is sampled is no change
+    same_context_logprob: float  # nats: with one baseline run, a logprob that moved less where both builds saw
+    # the same context is no change (compare/context.py)
+    vocab_size: int | None  # the model's, where given: bounds the top-p nucleus (compare/tokens.py)
 
 
 class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_registration_keys: frozenset[str]
     match_sampling_keys: list[str]
     frontend_handled_sampling_keys: frozenset[str]
-    logprob_tolerance: float
     float_tolerance: float
     performance: Performance
     judging: Judging

@@ -25,8 +25,9 @@ temperature), so a temperature or a penalty applied wrongly leaves every
 score alike and every sampled token still "allowed", but moves which tokens
 get sampled: over the session's sampled requests, the mean raw logprob of
 the sampled tokens in the candidate's replay against the baseline's, paired
-by request, with a bootstrap interval widened by the difference between
-baseline runs where there are several.
+by request and judged against the same build's own spread
+(``compare/shift.py``), its effect stated in nats per token and in standard
+deviations of the requests' shifts.
 """
 
 from __future__ import annotations
@@ -34,15 +35,13 @@ from __future__ import annotations
 import math
 
 import msgspec
-import numpy as np
 
-from replay_proxy.compare.findings import Finding, Severity, Verdict
+from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
+from replay_proxy.compare.shift import mean_interval, paired_shift
 from replay_proxy.compare.tokens import SAMPLED, SCORED, greedy
 from replay_proxy.store.session import Request, Session, TokenLogprobs
 
-RESAMPLES = 1000
-SEED = 20261206
 FLOOR = 1e-12  # a probability no bucket goes below (log of zero)
 
 
@@ -114,8 +113,8 @@ def teacher_forced(recording: Session, baseline: list[Session], candidate: Sessi
     return Scoring(cand, noise)
 
 
-def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Finding], dict[str, Verdict]]:
-    """The session's scoring finding and each scored request's verdict (with a finding for each failure)."""
+def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Finding], dict[str, Judgement]]:
+    """The session's scoring finding and each scored request's judgement (with a finding for each failure)."""
     if scoring is None or not scoring.candidate:
         return [Finding("behaviour", Severity.INFO, "scoring_not_judged",
                         "teacher-forced scoring not judged: it needs a baseline run (--baseline-cmd with --noise-runs)",
@@ -128,12 +127,12 @@ def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Findin
                 f"threshold {limit:g}), top-1 agrees at {s.same_top1:.0%}, a recorded token's probability moved by "
                 f"up to {s.max_delta_p:.3g}")
         failed = s.kl > max(limit, floor)
-        verdicts[rid] = Verdict(rid, SCORED, not failed, said)
+        verdicts[rid] = Judgement(SCORED, not failed, said)
         if failed:
             findings.append(Finding("behaviour", Severity.REGRESSION, "scores_diverge", said, tier=SCORED,
                                     request_id=rid, baseline=round(floor, 6), candidate=round(s.kl, 6)))
-    mean, low, high = _mean_interval([s.kl for s in scoring.candidate.values()])
-    noise_mean, _, noise_high = _mean_interval([s.kl for s in scoring.noise.values()] or [0.0])
+    mean, low, high = mean_interval([s.kl for s in scoring.candidate.values()])
+    noise_mean, _, noise_high = mean_interval([s.kl for s in scoring.noise.values()] or [0.0])
     agree = sum(s.same_top1 * s.tokens for s in scoring.candidate.values()) / sum(
         s.tokens for s in scoring.candidate.values())
     beyond = low > max(limit, noise_high)
@@ -146,8 +145,7 @@ def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Findin
     return findings, verdicts
 
 
-def sampled_findings(baseline: list[Session], candidate: Session, pairs: list[tuple[Request, Request]],
-                     rules: Rules) -> list[Finding]:
+def sampled_findings(baseline: list[Session], pairs: list[tuple[Request, Request]]) -> list[Finding]:
     """The distribution of what was sampled (the module's docstring), over the pairs of sampled requests."""
     first = baseline[0] if baseline else None
     if first is None:
@@ -155,7 +153,6 @@ def sampled_findings(baseline: list[Session], candidate: Session, pairs: list[tu
     sampled = [(a, b) for a, b in pairs if not greedy(first, a) and a.token_logprobs and b.token_logprobs]
     if len(sampled) < 2:
         return []
-    shifts = [_mean(b) - _mean(a) for a, b in sampled]
     repeats = []
     for run in baseline[1:]:
         by_id = {r.request_id: r for r in run.requests}
@@ -163,19 +160,15 @@ def sampled_findings(baseline: list[Session], candidate: Session, pairs: list[tu
                  if a.request_id in by_id and by_id[a.request_id].token_logprobs]
         if diffs:
             repeats.append(sum(diffs) / len(diffs))
-    mean, low, high = _mean_interval(shifts)
-    run_to_run = math.sqrt(sum(d * d for d in repeats) / len(repeats)) if repeats else 0.0
-    low, high = low - 1.96 * run_to_run, high + 1.96 * run_to_run
-    limit = rules.judging.sampled_logprob_shift
-    beyond = low > limit or high < -limit
+    shift = paired_shift([_mean(b) - _mean(a) for a, b in sampled], repeats)
     ranks = sum(_rank(b) for _, b in sampled) / len(sampled), sum(_rank(a) for a, _ in sampled) / len(sampled)
     return [Finding(
-        "behaviour", Severity.REGRESSION if beyond else Severity.INFO, "sampled_shift" if beyond else "sampled_same",
-        f"the tokens sampled in {len(sampled)} sampled requests: mean raw logprob {mean:+.3f} nats/token against "
-        f"the baseline's (95% CI {low:+.3f} to {high:+.3f}{f', {len(repeats)} repeat run(s)' if repeats else ''}); "
-        f"mean rank {ranks[1]:.2f} -> {ranks[0]:.2f}" + (
-            f": {'more' if mean > 0 else 'less'} likely tokens are sampled than the baseline samples (beyond "
-            f"{limit:g}): a temperature, penalty or cut applied otherwise" if beyond else ""),
+        "behaviour", Severity.REGRESSION if shift.beyond else Severity.INFO,
+        "sampled_shift" if shift.beyond else "sampled_same",
+        f"the tokens sampled in {len(sampled)} sampled requests: mean raw logprob {shift.said('nats/token')} "
+        f"against the baseline's; mean rank {ranks[1]:.2f} -> {ranks[0]:.2f}" + (
+            f": {'more' if shift.mean > 0 else 'less'} likely tokens are sampled than the baseline samples: a "
+            "temperature, penalty or cut applied otherwise" if shift.beyond else ""),
         tier=SAMPLED, field="sampled_distribution", baseline=round(ranks[1], 3), candidate=round(ranks[0], 3))]
 
 
@@ -186,14 +179,3 @@ def _mean(request: Request) -> float:
 
 def _rank(request: Request) -> float:
     return sum(t.rank for t in request.token_logprobs) / len(request.token_logprobs)
-
-
-def _mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """The mean and its 95% bootstrap interval (requests resampled)."""
-    data = np.asarray(values, dtype=float)
-    if len(data) < 2:
-        return float(data.mean()), float(data.mean()), float(data.mean())
-    rng = np.random.default_rng(SEED)
-    means = data[rng.integers(0, len(data), size=(RESAMPLES, len(data)))].mean(axis=1)
-    low, high = np.quantile(means, [0.025, 0.975])
-    return float(data.mean()), float(low), float(high)

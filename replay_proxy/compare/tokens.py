@@ -2,10 +2,12 @@
 
 * ``exact``: a greedy or seeded request that reproduces (it ran alone in
   both sessions, or was stable in every repeat run of the baseline) must
-  generate the baseline's tokens.
-* ``first_divergence``: one that does not reproduce (batched on vLLM's CPU
-  build, where a batch's numerics move a near-tie) is judged where its
-  tokens first differ, as vLLM's own tests judge two runs
+  generate the baseline's tokens; so must a sampled request that every
+  repeat run of the baseline showed stable (vLLM's CPU build, with its
+  default seed, reproduces them).
+* ``first_divergence``: a greedy or seeded one that does not reproduce
+  (batched on vLLM's CPU build, where a batch's numerics move a near-tie) is
+  judged where its tokens first differ, as vLLM's own tests judge two runs
   (``check_logprobs_close``): each side's token must be among the other
   side's top-k logprobs, and for a greedy request the two must be nearly
   tied there (within ``judging.tie_logprob``) on each side that has them; for
@@ -13,30 +15,34 @@
   a seeded draw only by moving the distribution it is drawn from).
   Where only the candidate has logprobs (the baseline is the recording) the
   check is one-sided.
+* ``same_context`` (``compare/context.py``): every request's logprobs where
+  both builds saw the same context.
 * ``invariants``: every token the candidate generated obeys its request's
   sampling parameters as the candidate's own logprobs define them: greedy
-  is rank 1, top-k, min-p, and top-p where a bound on the nucleus can be
-  computed from the top-k (temperature at most 1); a stop token (or EOS
-  without ``ignore_eos``) ends the request once ``min_tokens`` are out, and
-  none comes before; ``max_tokens`` holds. vLLM returns raw logprobs (before
-  temperature and penalties): a request with penalties, a logit bias or
-  allowed / bad words is judged by the length and stop rules only.
+  is rank 1, top-k, min-p, and top-p by a lower bound on the mass of the
+  tokens ranked above the sampled one (the listed top-k and, by the sampled
+  token's rank, every unlisted token at least as likely as it; temperature
+  at most 1); a stop token (or EOS without ``ignore_eos``) ends the request
+  once ``min_tokens`` are out, and none comes before; ``max_tokens`` holds.
+  vLLM returns raw logprobs (before temperature and penalties): a request
+  with penalties, a logit bias or allowed / bad words is judged by the
+  length and stop rules only.
 
-Sampled requests have no tokens to compare: teacher-forced scoring and the
-distribution of what was sampled (``compare/scoring.py``) judge them.
+Teacher-forced scoring and the distribution of what was sampled
+(``compare/scoring.py``) judge what the tokens cannot.
 """
 
 from __future__ import annotations
 
 import math
 
-from replay_proxy.compare.findings import Finding, Severity, Verdict
+from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Request, Session, TokenLogprobs
 
-EXACT, FIRST_DIVERGENCE, SCORED, INVARIANTS, UNJUDGED = "exact", "first_divergence", "scored", "invariants", \
-    "unjudged"
-TIERS = (EXACT, FIRST_DIVERGENCE, SCORED, INVARIANTS)  # a request's, strongest first
+EXACT, FIRST_DIVERGENCE, SAME_CONTEXT, SCORED, INVARIANTS, UNJUDGED = (
+    "exact", "first_divergence", "same_context", "scored", "invariants", "unjudged")
+TIERS = (EXACT, FIRST_DIVERGENCE, SAME_CONTEXT, SCORED, INVARIANTS)  # a request's, strongest first
 SAMPLED = "sampled"  # the session's sampled requests together (compare/scoring.py)
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is greedy
 LOGPROB_SLACK = 1e-4  # float32 logprobs: equal within this
@@ -54,38 +60,38 @@ def deterministic(session: Session, request: Request) -> bool:
     return greedy(session, request) or session.schema.sampling_value(request.params, "seed") is not None
 
 
-def token_verdict(baseline: Session, a: Request, b: Request, reproduces: bool, rules: Rules
-                  ) -> tuple[Verdict | None, Finding | None]:
-    """The ``exact`` or ``first_divergence`` verdict of a deterministic request (None for a sampled one), and
-    the finding of a failure. ``reproduces``: it ran alone, or repeat runs showed it stable."""
+def token_judgement(baseline: Session, a: Request, b: Request, reproduces: bool, rules: Rules
+                    ) -> tuple[Judgement | None, Finding | None]:
+    """The ``exact`` or ``first_divergence`` judgement of a request (None where its tokens cannot be judged),
+    and the finding of a failure or of a divergence left unjudged. ``reproduces``: it ran alone, or repeat runs
+    of the baseline build showed it stable; a sampled request is judged only then, and exactly."""
     rid = a.request_id
-    if not deterministic(baseline, a):
+    if not reproduces and not deterministic(baseline, a):
         return None, None
     if a.tokens == b.tokens:
-        return Verdict(rid, EXACT, True, f"the same {len(a.tokens)} tokens"), None
+        return Judgement(EXACT, True, f"the same {len(a.tokens)} tokens"), None
     first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
     said = dict(request_id=rid, position=first, baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5])
     if reproduces:
         why = f"tokens diverge at position {first} of {len(a.tokens)}, and the request reproduces (it ran alone " \
               "or was stable in every baseline run)"
-        return Verdict(rid, EXACT, False, why), Finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
+        return Judgement(EXACT, False, why), Finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
                                                         tier=EXACT, **said)
     ours, theirs = _at(b, first), _at(a, first)
     if ours is None or first >= min(len(a.tokens), len(b.tokens)):
         why = (f"tokens diverge at position {first} of {len(a.tokens)}; batched, so not reproducible on vLLM's CPU "
                "build, and " + ("the candidate returned no logprobs to judge the divergence" if ours is None else
                                 "one side ended there") + " (--noise-runs tell whether it is stable)")
-        return Verdict(rid, UNJUDGED, True, why), Finding("behaviour", Severity.WARNING, "token_mismatch", why,
-                                                          tier=UNJUDGED, **said)
+        return None, Finding("behaviour", Severity.WARNING, "token_mismatch", why, tier=UNJUDGED, **said)
     problem = _divergence_problem(a.tokens[first], b.tokens[first], theirs, ours, greedy(baseline, a),
                                   rules.judging.tie_logprob)
     sides = "both builds' top-k" if theirs is not None else "the candidate's top-k (the baseline has no logprobs)"
     if problem:
         why = f"tokens diverge at position {first} of {len(a.tokens)}: {problem}"
-        return Verdict(rid, FIRST_DIVERGENCE, False, why), Finding(
+        return Judgement(FIRST_DIVERGENCE, False, why), Finding(
             "behaviour", Severity.REGRESSION, "divergence_not_close", why, tier=FIRST_DIVERGENCE, **said)
-    return Verdict(rid, FIRST_DIVERGENCE, True, f"batched; tokens diverge at position {first} between tokens "
-                                                f"close in {sides}"), None
+    return Judgement(FIRST_DIVERGENCE, True, f"batched; tokens diverge at position {first} between tokens "
+                                             f"close in {sides}"), None
 
 
 def _at(request: Request, position: int) -> TokenLogprobs | None:
@@ -117,9 +123,10 @@ def _divergence_problem(base_token: int, cand_token: int, base: TokenLogprobs | 
     return None
 
 
-def invariant_violations(session: Session, request: Request, eos: int | None) -> list[tuple[str, str]]:
+def invariant_violations(session: Session, request: Request, eos: int | None, vocab_size: int | None = None
+                         ) -> list[tuple[str, str]]:
     """(rule, what broke it) for each sampling rule the request's generated tokens break (the module's
-    docstring), judged from its own logprobs."""
+    docstring), judged from its own logprobs; ``vocab_size``: the model's, where known (``judging.vocab_size``)."""
     value = lambda key: session.schema.sampling_value(request.params, key)  # noqa: E731
     tokens, broken = request.tokens, []
     max_tokens, min_tokens = value("max_tokens"), value("min_tokens") or 0
@@ -164,7 +171,7 @@ def invariant_violations(session: Session, request: Request, eos: int | None) ->
             share = math.exp((row.logprob - best) / temperature)
             broken.append(("min_p", f"token {row.token} at position {i} has {share:.3g} of the most likely token's "
                                     f"probability, min_p {min_p:g}"))
-        above = _mass_above(row, temperature, top_k)
+        above = _mass_above(row, temperature, top_k, vocab_size)
         if top_p < 1 and above is not None and above > top_p + LOGPROB_SLACK:
             broken.append(("top_p", f"token {row.token} at position {i} lies outside the nucleus: tokens more likely "
                                     f"than it hold at least {above:.3f} of the mass, top_p {top_p:g}"))
@@ -180,17 +187,44 @@ def _without(row: TokenLogprobs, masked: set[int]) -> TokenLogprobs:
                          {t: lp for t, lp in row.top.items() if t not in masked})
 
 
-def _mass_above(row: TokenLogprobs, temperature: float, top_k: int) -> float | None:
+def _mass_above(row: TokenLogprobs, temperature: float, top_k: int, vocab_size: int | None) -> float | None:
     """A lower bound on the probability (at ``temperature``, within ``top_k``) of the tokens more likely than
-    ``row.token``; None where no bound can be had from the top-k (temperature above 1)."""
-    if temperature > 1:
+    ``row.token``; None where none can be had (above temperature 1 without the vocabulary's size).
+
+    The top-k lists some of those tokens exactly. The token's rank counts all of them (vLLM ranks a token
+    among every token at least as likely: a tie counts as above), each unlisted one at least as likely as the
+    token and no likelier than the last listed one. The unlisted mass is known (the raw logprobs are
+    normalized); with the vocabulary's size, so is how many tokens lie below the token, each no likelier than
+    it: what they cannot hold lies above it. At a temperature T, p**(1/T) is bounded by p times a power of
+    the bound on p (convex at T <= 1, concave above: Jensen's inequality bounds the tokens below)."""
+    if temperature > 1 and vocab_size is None:
         return None
     ranked = sorted(row.top.values(), reverse=True)
     kept = ranked[:top_k] if top_k else ranked
-    weight = lambda lp: math.exp((lp - ranked[0]) / temperature)  # noqa: E731 (scaled by the best: no overflow)
-    # The tokens below the top-k: each no likelier than the last listed, p**(1/T) <= p * p_last**(1/T - 1).
-    unlisted = max(0.0, 1 - sum(math.exp(lp) for lp in ranked))
-    tail = 0.0 if top_k and top_k <= len(ranked) else \
-        unlisted * math.exp(ranked[-1] * (1 / temperature - 1) - ranked[0] / temperature)
-    total = sum(weight(lp) for lp in kept) + tail
-    return sum(weight(lp) for lp in kept if lp > row.logprob + LOGPROB_SLACK) / total
+    best, own = max(ranked[0], row.logprob), row.logprob
+    weight = lambda lp: math.exp((lp - best) / temperature)  # noqa: E731 (scaled by the best: no overflow)
+    power = lambda mass, cap: mass * math.exp(cap * (1 / temperature - 1) - best / temperature)  # noqa: E731
+    others = {t: lp for t, lp in row.top.items() if t != row.token}
+    listed_above = [lp for lp in others.values() if lp > own + LOGPROB_SLACK and lp >= kept[-1]]
+    listed_below = [lp for lp in others.values() if lp <= own + LOGPROB_SLACK and lp >= kept[-1]]
+    unlisted_above = max(0, row.rank - 1 - sum(lp >= own - LOGPROB_SLACK for lp in others.values()))
+    if top_k and top_k <= len(ranked):  # every token kept is listed
+        above, below = sum(map(weight, listed_above)), sum(map(weight, listed_below))
+        return above / (above + weight(own) + below)
+    cap = min(own, ranked[-1])  # what an unlisted token below it may have at most
+    unlisted = max(0.0, 1 - math.exp(own) * (row.token not in row.top) - sum(math.exp(lp) for lp in row.top.values()))
+    mass_above = unlisted_above * math.exp(own)
+    unlisted_below = None
+    if vocab_size is not None:
+        unlisted_below = max(0, vocab_size - row.rank - sum(lp < own - LOGPROB_SLACK for lp in others.values()))
+        mass_above = max(mass_above, unlisted - unlisted_below * math.exp(cap))
+    rest = max(0.0, unlisted - mass_above)
+    if temperature <= 1:
+        above = power(mass_above, own)  # each at least as likely as the token: p**(1/T) >= p * own**(1/T - 1)
+        tail = power(rest, cap)
+    else:  # each no likelier than the last listed; the tokens below hold at most n * (mass / n)**(1/T)
+        above = power(mass_above, ranked[-1])
+        tail = unlisted_below * weight(min(cap, math.log(rest / unlisted_below))) if unlisted_below and rest > 0 \
+            else 0.0
+    above += sum(map(weight, listed_above))
+    return above / (above + weight(own) + sum(map(weight, listed_below)) + tail)

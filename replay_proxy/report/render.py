@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from replay_proxy.compare.findings import Finding, Report, Severity, exit_code, report_json, worst_first
+from replay_proxy.compare.findings import Finding, Report, Severity, Verdict, exit_code, report_json, worst_first
+from replay_proxy.compare.tokens import TIERS
 from replay_proxy.report.tables import fits
 
 SEVERITY_STYLE = {Severity.BREAKING: "bold red", Severity.REGRESSION: "red", Severity.WARNING: "yellow",
@@ -68,11 +69,16 @@ def group_line(finding: Finding, requests: list[str], limit: int = 6) -> str:
 
 
 def verdict_counts(report: Report) -> str:
-    """How many requests each tier judged, and how many of them failed: ``exact 12 (0 failed), ...``."""
+    """How many requests each tier judged and failed, then in all: ``exact 12 (0 failed), ...; 36 requests,
+    1 failed``. A request no tier judged counts as ``unjudged``."""
     tiers: dict[str, list[bool]] = {}
     for v in report.verdicts:
-        tiers.setdefault(v.tier, []).append(v.passed)
-    return ", ".join(f"{tier} {len(passed)} ({passed.count(False)} failed)" for tier, passed in tiers.items())
+        for j in v.judged or (v,):
+            tiers.setdefault(j.tier, []).append(j.passed)
+    failed = sum(not v.passed for v in report.verdicts)
+    order = sorted(tiers, key=lambda t: TIERS.index(t) if t in TIERS else len(TIERS))
+    return ", ".join(f"{t} {len(tiers[t])} ({tiers[t].count(False)} failed)" for t in order) + \
+        f"; {len(report.verdicts)} requests, {failed} failed"
 
 
 def print_summary(report: Report, console: Console, show_info: bool = False) -> None:
@@ -289,6 +295,12 @@ def _divergence_svg(request_id: str, divergence: dict, width: int = 460, height:
     return "".join(parts)
 
 
+def _judged(verdict: Verdict) -> str:
+    """Each tier that judged a request, a line each: passed or failed, and why."""
+    return "<br>".join(f"<b>{html.escape(j.tier)}</b> {'passed' if j.passed else 'failed'}: {html.escape(j.why)}"
+                       for j in verdict.judged) or html.escape(verdict.why)
+
+
 def html_page(report: Report) -> str:
     rows = "".join(
         f'<tr class="s{int(f.severity)}"><td>{f.severity.name.lower()}</td><td>{f.category}</td>'
@@ -298,7 +310,7 @@ def html_page(report: Report) -> str:
         for f, requests in grouped(worst_first(report.findings)))
     verdicts = "".join(
         f'<tr class="{"" if v.passed else "s2"}"><td>{"passed" if v.passed else "failed"}</td><td>{html.escape(v.tier)}'
-        f"</td><td>{html.escape(v.request_id)}</td><td>{html.escape(v.why)}</td></tr>"
+        f"</td><td>{html.escape(v.request_id)}</td><td>{_judged(v)}</td></tr>"
         for v in sorted(report.verdicts, key=lambda v: (v.passed, v.tier, v.request_id)))
     judged = "".join([_cdf_svg("teacher-forced KL per request (CDF)", report.kl, label="KL (nats/token)")
                       if any(report.kl.values()) else "",

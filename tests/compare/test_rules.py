@@ -10,10 +10,10 @@ from tests.helpers import ROOT, cli
 
 def test_a_rules_file_replaces_the_keys_it_gives(tmp_path):
     path = tmp_path / "rules.json"
-    path.write_text(json.dumps({"_why": "a comment", "logprob_tolerance": 0.5,
+    path.write_text(json.dumps({"_why": "a comment", "float_tolerance": 0.5,
                                 "performance": {"min_relative_change": 0.2, "min_delta_ms": {"ttft_ms": 3}}}))
     rules, defaults = load_rules(path), load_rules()
-    assert (rules.logprob_tolerance, rules.performance.min_relative_change, rules.performance.min_delta_ms) == (
+    assert (rules.float_tolerance, rules.performance.min_relative_change, rules.performance.min_delta_ms) == (
         0.5, 0.2, {"ttft_ms": 3.0})
     assert rules.match_sampling_keys == defaults.match_sampling_keys  # the keys it does not give stay
     assert defaults.min_samples == {50: 3, 90: 10}
@@ -22,7 +22,7 @@ def test_a_rules_file_replaces_the_keys_it_gives(tmp_path):
 @pytest.mark.parametrize("content, said", [
     ({"percentile": [50]}, "unknown field `percentile`"),  # a typo is never silently ignored
     ({"performance": {"min_relative_change": 0.1, "min_delta": 1}}, "unknown field `min_delta`"),
-    ({"logprob_tolerance": "tight"}, "Expected `float`"),
+    ({"float_tolerance": "tight"}, "Expected `float`"),
     ([1, 2], "expected a JSON object"),
 ])
 def test_a_rules_file_that_cannot_be_used_is_a_clear_error(tmp_path, content, said):

@@ -17,7 +17,7 @@ from replay_proxy.compare.rules import load_rules
 from replay_proxy.compare.scoring import position_kl
 from replay_proxy.compare.tokens import invariant_violations
 from replay_proxy.errors import ExitCode
-from replay_proxy.report.render import grouped
+from replay_proxy.report.render import grouped, verdict_counts
 from replay_proxy.store.session import RecordedFrame, Request, Session, TokenLogprobs, load_session
 from replay_proxy.wire.messages import Kind
 from replay_proxy.wire.schema import load_schema
@@ -105,9 +105,90 @@ def test_a_batched_seeded_request_may_diverge_only_where_its_logprobs_moved():
     assert (verdicts["r"].tier, verdicts["r"].passed) == ("first_divergence", True), verdicts["r"].why
 
 
-def violations(tokens, rows=None, finish="length", **params):
+def judge_runs(baselines: list[Session], candidate: Session):
+    """A replay's report against several interleaved runs of the baseline build (the first is judged against,
+    the others are repeats)."""
+    report = build_report("replay", baselines[0], candidate, RULES, baselines, replayed_noise=True,
+                          asked_logprobs=True)
+    return report, {v.request_id: v for v in report.verdicts}
+
+
+SAMPLED = dict(temperature=0.8, top_p=0.9, max_tokens=4)
+SCALED = {t: lp * 1.25 for t, lp in PEAKED.items()}  # the same order, each logprob further from the best
+
+
+def test_logprobs_where_both_builds_saw_the_same_context_judge_every_request_sampled_or_not():
+    """A sampled request whose very first token differs shares one context with the baseline's, its prompt:
+    position 0. Logits scaled before the sampler keep every order (greedy tokens unchanged), and show there. A
+    comparator that skips position 0, or compares only before the first differing token, passes this one."""
+    base = request("r", [10, 11, 10, 10], **SAMPLED)
+    moved = request("r", [11, 10, 10, 10], rows=[row(11, SCALED)] + [row(10, PEAKED)] * 3, **SAMPLED)
+    report, verdicts = judge(session("b", base), session("c", moved))
+    assert [(j.tier, j.passed) for j in verdicts["r"].judged] == [("same_context", False), ("invariants", True)]
+    failed = next(f for f in report.findings if f.code == "context_logprobs_differ")
+    assert failed.position == 0 and failed.candidate > RULES.judging.same_context_logprob
+    assert exit_code(report.findings) is ExitCode.BEHAVIOUR
+    other_draw = request("r", [11, 10, 10, 10], rows=[row(11, PEAKED)] + [row(10, SCALED)] * 3, **SAMPLED)
+    _, verdicts = judge(session("b", base), session("c", other_draw))  # moved only after the contexts part
+    assert verdicts["r"].passed and verdicts["r"].judged[0].tier == "same_context"
+
+
+def test_with_repeat_runs_the_same_context_is_held_to_the_baseline_build_s_own_spread():
+    """One baseline run: a GPU's batch noise (``same_context_logprob``) is let through. Repeat runs that agree
+    to the last bit hold the candidate to that: a slight, order-keeping change fails."""
+    slight = {t: lp * 1.02 for t, lp in PEAKED.items()}
+    base = request("r", [10, 10, 10, 10], **SAMPLED)
+    candidate = session("c", request("r", [10, 10, 10, 10], rows=[row(10, slight)] * 4, **SAMPLED))
+    _, verdicts = judge(session("b", base), candidate)
+    assert verdicts["r"].passed, verdicts["r"].why
+    _, verdicts = judge_runs([session("b1", base), session("b2", base)], candidate)
+    assert {j.tier: j.passed for j in verdicts["r"].judged}["same_context"] is False
+
+
+def test_a_small_change_at_every_same_context_position_shifts_the_session_where_noise_does_not():
+    """Each request's logprobs moved by less than one baseline run's tolerance, but all alike: the session's
+    shift is beyond the noise. The same build's noise (each request moved at random) is not."""
+    requests = [request(f"r{k}", [10, 10, 10, 10], start_ms=1000 * k, **SAMPLED) for k in range(24)]
+    flatter = {t: lp * 1.05 for t, lp in PEAKED.items()}
+    moved = [request(f"r{k}", [10, 10, 10, 10], start_ms=1000 * k, rows=[row(10, flatter)] * 4, **SAMPLED)
+             for k in range(24)]
+    report, verdicts = judge(session("b", *requests), session("c", *moved))
+    assert all(v.passed for v in verdicts.values())  # no request beyond the tolerance on its own
+    shift = next(f for f in report.findings if f.field == "same_context")
+    assert shift.code == "context_shift" and exit_code(report.findings) is ExitCode.BEHAVIOUR, shift.message
+    rng = random.Random(5)
+    noisy = [request(f"r{k}", [10, 10, 10, 10], start_ms=1000 * k, **SAMPLED, rows=[
+        row(10, {t: lp + rng.uniform(-0.05, 0.05) for t, lp in PEAKED.items()}) for _ in range(4)])
+        for k in range(24)]
+    report, _ = judge(session("b", *requests), session("c", *noisy))
+    assert next(f for f in report.findings if f.field == "same_context").code == "context_same"
+    assert exit_code(report.findings) is ExitCode.OK
+
+
+def test_a_sampled_request_every_baseline_run_reproduced_is_held_to_its_exact_tokens():
+    base = request("r", [10, 11, 12, 10], **SAMPLED)
+    other = request("r", [10, 11, 10, 10], **SAMPLED)
+    _, verdicts = judge_runs([session("b1", base), session("b2", base)], session("c", other))
+    assert (verdicts["r"].tier, verdicts["r"].passed) == ("exact", False), verdicts["r"].why
+    _, verdicts = judge_runs([session("b1", base), session("b2", other)], session("c", other))  # not stable
+    assert "exact" not in {j.tier for j in verdicts["r"].judged}
+    _, verdicts = judge(session("b", base), session("c", other))  # one run: nothing shows it reproduces
+    assert "exact" not in {j.tier for j in verdicts["r"].judged}
+
+
+def test_every_tier_that_judged_a_request_is_in_its_verdict_and_counted():
+    report, verdicts = judge(session("b", request("r", [10, 10, 10, 10], **GREEDY)),
+                             session("c", request("r", [10, 10, 10, 10], rows=[row(10, SCALED)] * 4, **GREEDY)))
+    assert [(j.tier, j.passed) for j in verdicts["r"].judged] == [
+        ("exact", True), ("same_context", False), ("invariants", True)]
+    assert (verdicts["r"].tier, verdicts["r"].passed) == ("same_context", False)  # any tier failing fails it
+    assert verdict_counts(report) == ("exact 1 (0 failed), same_context 1 (1 failed), invariants 1 (0 failed); "
+                                      "1 requests, 1 failed")
+
+
+def violations(tokens, rows=None, finish="length", vocab_size=None, **params):
     made = msgspec.structs.replace(request("r", tokens, rows=rows, **params), finish_reason=finish)
-    return {rule for rule, _ in invariant_violations(session("c"), made, eos=1)}
+    return {rule for rule, _ in invariant_violations(session("c"), made, eos=1, vocab_size=vocab_size)}
 
 
 def test_sampled_tokens_are_held_to_their_request_s_sampling_parameters():
@@ -122,6 +203,38 @@ def test_sampled_tokens_are_held_to_their_request_s_sampling_parameters():
     assert violations([10, 11], temperature=0.0) == {"greedy"}
     # Penalties change the logits the sampler sees: the raw logprobs no longer rank its choice.
     assert violations([10, 13], temperature=0.8, top_k=3, repetition_penalty=1.3) == set()
+
+
+def flat(rank: int, vocab: int = 32000) -> TokenLogprobs:
+    """A position of a flat distribution (a random model's, or a trained one's where it is unsure): a top-4 of
+    0.002 each, the rest spread over the vocabulary so that the token at ``rank`` has 0.0008 and every token
+    above it at least that much."""
+    top = {t: math.log(0.002) for t in range(10, 14)}
+    return TokenLogprobs(5000, math.log(0.0008), rank, top)
+
+
+def test_the_nucleus_is_bounded_by_the_sampled_token_s_rank_on_a_flat_distribution():
+    """The top-4 above the token holds 0.008 of the mass, so the top-k alone bounds nothing; its rank says
+    1,195 unlisted tokens lie above it, each at least as likely: at least 0.96 of the mass, outside top_p 0.9.
+    A bound that ignores the rank passes it."""
+    assert violations([5000], rows=[flat(1200)], temperature=1.0, top_p=0.9) == {"top_p"}
+    assert violations([5000], rows=[flat(1200)], temperature=0.7, top_p=0.9) == {"top_p"}
+    assert violations([5000], rows=[flat(300)], temperature=1.0, top_p=0.9) == set()
+
+
+def test_the_vocabulary_s_size_bounds_the_nucleus_where_the_rank_alone_cannot():
+    """A near-uniform distribution over 900 tokens (the random model's): the top-4 holds 0.01, the token at
+    rank 890 has 0.001. Its rank says 885 unlisted tokens lie above it, at least 0.885 of the mass: not beyond
+    top_p 0.95. The vocabulary says only 10 lie below it, holding at most 0.01: the rest of the unlisted mass,
+    0.979, lies above it, outside the nucleus. Above temperature 1 only the vocabulary's size gives a bound."""
+    top = {t: math.log(0.0025) for t in range(10, 14)}
+    tail = TokenLogprobs(500, math.log(0.001), 890, top)
+    assert violations([500], rows=[tail], temperature=1.0, top_p=0.95) == set()
+    assert violations([500], rows=[tail], temperature=1.0, top_p=0.95, vocab_size=900) == {"top_p"}
+    assert violations([500], rows=[tail], temperature=1.2, top_p=0.9) == set()
+    assert violations([500], rows=[tail], temperature=1.2, top_p=0.9, vocab_size=900) == {"top_p"}
+    inside = TokenLogprobs(500, math.log(0.001), 300, top)  # 600 tokens below it: it may lie in the nucleus
+    assert violations([500], rows=[inside], temperature=1.2, top_p=0.9, vocab_size=900) == set()
 
 
 def test_an_engine_that_drafted_tokens_is_held_to_lengths_and_stop_tokens_only():

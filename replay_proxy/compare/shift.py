@@ -1,0 +1,65 @@
+"""A session's shift between two builds, paired by request, judged against the same build's own spread.
+
+Each request gives one number (how far the candidate moved it from the
+baseline run); the session's shift is their mean, with a bootstrap interval
+over requests at the two-sided 99.9% level, widened by how far the baseline
+build's own interleaved runs move the same mean (their root mean square),
+where there are several. No threshold of its own: a shift is a regression
+when that interval excludes no shift (beyond float32's ``LOGPROB_SLACK``).
+One such test a session flags a build whose runs differ at random (batched
+sampling on a GPU) in about one replay of a thousand; on vLLM's CPU build
+the same build gives the same numbers, and the interval is a point.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+from replay_proxy.compare.tokens import LOGPROB_SLACK
+
+RESAMPLES = 1000
+SEED = 20261206
+SHIFT_Z = 3.29  # two-sided 99.9%
+
+
+class Shift(msgspec.Struct, frozen=True):
+    mean: float
+    low: float
+    high: float
+    repeats: int  # baseline runs whose spread widened the interval
+    spread: float  # standard deviation of the requests' shifts
+
+    @property
+    def beyond(self) -> bool:
+        return self.low > LOGPROB_SLACK or self.high < -LOGPROB_SLACK
+
+    def said(self, unit: str) -> str:
+        """The estimate in words: ``+0.031 nats/token (99.9% CI ...; +0.4 standard deviations ...)``."""
+        effect = (f"{self.mean / self.spread:+.2f} standard deviations of the requests' shifts" if self.spread > 0
+                  else "every request shifted alike")
+        widened = f", widened by {self.repeats} repeat run(s)" if self.repeats else ""
+        return f"{self.mean:+.3f} {unit} (99.9% CI {self.low:+.3f} to {self.high:+.3f}{widened}; {effect})"
+
+
+def paired_shift(shifts: list[float], repeat_means: list[float]) -> Shift:
+    """``shifts``: each request's, candidate against the baseline run; ``repeat_means``: the same mean between
+    the baseline run and each further run of the baseline build."""
+    mean, low, high = mean_interval(shifts, SHIFT_Z)
+    run_to_run = math.sqrt(sum(d * d for d in repeat_means) / len(repeat_means)) if repeat_means else 0.0
+    spread = float(np.std(shifts, ddof=1)) if len(shifts) > 1 else 0.0
+    return Shift(mean, low - SHIFT_Z * run_to_run, high + SHIFT_Z * run_to_run, len(repeat_means), spread)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The mean and its bootstrap interval at the two-sided level of ``z`` (1.96: 95%; requests resampled)."""
+    data = np.asarray(values, dtype=float)
+    if len(data) < 2:
+        return float(data.mean()), float(data.mean()), float(data.mean())
+    tail = math.erfc(z / math.sqrt(2)) / 2
+    rng = np.random.default_rng(SEED)  # enough resamples that each tail holds at least 20 of them
+    means = data[rng.integers(0, len(data), size=(max(RESAMPLES, int(20 / tail)), len(data)))].mean(axis=1)
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(data.mean()), float(low), float(high)
