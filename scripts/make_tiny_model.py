@@ -1,6 +1,6 @@
 """Build a tiny random-weights model and a byte-level BPE tokenizer, offline.
 
-Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe | --peaked]`,
+Run with the vLLM venv's Python: `python make_tiny_model.py OUT_DIR [--moe | --trained]`,
 or `python make_tiny_model.py OUT_DIR --lora-of MODEL_DIR` for a LoRA adapter of
 that model (rank 8 on every layer's q_proj and v_proj, random weights, in PEFT's
 format, which vLLM loads: adapter_config.json and adapter_model.safetensors).
@@ -8,14 +8,17 @@ Sizes follow docs/real-vllm.md: the CPU attention backend needs a head size of
 32 or more, so hidden 128 with 4 heads. --moe makes a Mixtral (4 experts, 2
 per token) instead of a Llama: under data parallelism vLLM's CPU build fails
 at its first request and every engine sends ENGINE_CORE_DEAD, a real fatal
-error sequence for the tests. --peaked makes the Llama with its output layer
-scaled by 20, so that its next-token distributions are as peaked as a trained
-model's (top-1 probability about 0.5, entropy about 1.7 nats, the top 20 tokens
-97% of the mass; the plain one's are nearly uniform): temperature, top-p and
-min-p then change what is sampled, as they do on real staging traffic.
+error sequence for the tests. --trained trains the Llama, on the text of the
+Python standard library that runs this script (its tokenizer too), for a few
+minutes on the CPU, seeded and on one thread, so that the same machine makes the
+same weights: its next-token distributions are peaked as a real model's are
+(the random one's are nearly uniform over its 900 tokens), so temperature,
+top-p and min-p change what is sampled, as they do on real staging traffic.
 """
 
 import sys
+import sysconfig
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,15 +32,29 @@ WORDS = (
 ).split()
 
 
-def corpus():
+def synthetic():
     for i in range(4000):
         yield " ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 12))
 
 
-PEAKED_SCALE = 20.0
+# What the trained model learns from: the standard library's own modules, in name order (text every machine
+# with Python has), about 2 MB; and how long: 2048 tokens a step.
+TEXT_BYTES, STEPS, BATCH, CONTEXT = 2_000_000, 700, 32, 64
 
 
-def main(out: str, moe: bool, peaked: bool = False) -> None:
+def library_text() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text, size = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        if size >= TEXT_BYTES:
+            break
+        text.append(path.read_text(errors="replace"))
+        size += len(text[-1])
+    return "".join(text)[:TEXT_BYTES]
+
+
+def main(out: str, moe: bool, trained: bool = False) -> None:
+    text = library_text() if trained else None
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -47,7 +64,7 @@ def main(out: str, moe: bool, peaked: bool = False) -> None:
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(corpus(), trainer)
+    bpe.train_from_iterator(text.splitlines() if trained else synthetic(), trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
@@ -75,16 +92,37 @@ def main(out: str, moe: bool, peaked: bool = False) -> None:
         model = MixtralForCausalLM(MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
     else:
         model = LlamaForCausalLM(LlamaConfig(**sizes))
-        if peaked:
-            with torch.no_grad():
-                model.lm_head.weight.mul_(PEAKED_SCALE)
+        if trained:
+            train(model, torch.tensor(bpe.encode(text).ids))
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+
+
+def train(model, ids) -> None:
+    """Next-token training on random windows of ``ids``: seeded, on one thread, so one machine makes one
+    set of weights. Prints the loss (nats per token) as it goes."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=STEPS, pct_start=0.1)
+    model.train()
+    for step in range(STEPS):
+        starts = torch.randint(0, len(ids) - CONTEXT - 1, (BATCH,), generator=generator)
+        batch = torch.stack([ids[s:s + CONTEXT + 1] for s in starts.tolist()])
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == STEPS - 1:
+            print(f"step {step}: loss {loss.item():.3f} nats/token", flush=True)
+    model.eval()
 
 
 def lora(out: str, base: str) -> None:
     """A random rank-8 adapter whose effect shows: lora_B is not zero (PEFT starts it at zero)."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
@@ -113,4 +151,4 @@ if __name__ == "__main__":
     if "--lora-of" in sys.argv:
         lora(sys.argv[1], sys.argv[sys.argv.index("--lora-of") + 1])
     else:
-        main(sys.argv[1], "--moe" in sys.argv[2:], "--peaked" in sys.argv[2:])
+        main(sys.argv[1], "--moe" in sys.argv[2:], "--trained" in sys.argv[2:])

@@ -15,8 +15,8 @@
 #                         these releases' shipped schemas against a fresh extraction, and 0.34.0's
 #                         encoder is the oracle for its frames
 #     tiny-model/         random Llama + BPE tokenizer, built offline
-#     tiny-peaked/        the same Llama, its output layer scaled: peaked distributions, as a trained
-#                         model's (the verdicts of sampled traffic need them)
+#     tiny-trained/       the same Llama trained for a few minutes on the standard library's text:
+#                         peaked distributions, as a real model's (the verdicts of sampled traffic need them)
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 #     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
 # Five jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
@@ -72,12 +72,12 @@ fi
 
 models() {
   install_vllm 0.32.0
-  for model in tiny-model tiny-peaked tiny-moe; do
+  for model in tiny-model tiny-trained tiny-moe; do
     if [ ! -f "$CACHE/$model/.complete" ]; then
-      step "$model, random weights"
+      step "$model$(case $model in tiny-trained) echo ", trained (about 2 minutes)" ;; *) echo ", random weights" ;; esac)"
       rm -rf "${CACHE:?}/$model"
-      timeout 300 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
-        $(case $model in tiny-moe) echo --moe ;; tiny-peaked) echo --peaked ;; esac)
+      timeout 900 "$VLLM_VENV/bin/python" "$HERE/make_tiny_model.py" "$CACHE/$model" \
+        $(case $model in tiny-moe) echo --moe ;; tiny-trained) echo --trained ;; esac)
       touch "$CACHE/$model/.complete"
     fi
   done

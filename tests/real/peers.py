@@ -25,7 +25,7 @@ VENV = CACHE / "vllm-0.32.0"
 ENGINE_RELEASES = ("0.32.0", "0.31.0")
 MODEL = CACHE / "tiny-model"
 MOE_MODEL = CACHE / "tiny-moe"
-PEAKED = CACHE / "tiny-peaked"  # the tiny model with peaked distributions (scripts/make_tiny_model.py --peaked)
+TRAINED = CACHE / "tiny-trained"  # the tiny model trained: peaked distributions (scripts/make_tiny_model.py --trained)
 # A frontend and engine that serve LoRA adapters (the frontend also loads them through its API), in the
 # cache folder, where the tiny adapter's relative path (real.ADAPTER) finds it.
 LORA = real.SERVING["lora"]
@@ -40,7 +40,7 @@ REPLAY_S = READY_TIMEOUT_S + 180
 
 
 def installed() -> bool:
-    return all((m / ".complete").exists() for m in (MODEL, MOE_MODEL, PEAKED)) and all(
+    return all((m / ".complete").exists() for m in (MODEL, MOE_MODEL, TRAINED)) and all(
         p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
@@ -80,10 +80,10 @@ def engine_command(rpc_port: int, release: str = "0.32.0", flags: tuple[str, ...
 INJECT = Path(__file__).resolve().parents[2] / "scripts" / "inject"
 
 
-def injected_engine_command(rpc_port: int, kind: str = "", slot: int = 100) -> str:
-    """A 0.32.0 engine serving the peaked model with scripts/inject on its PYTHONPATH, injecting ``kind`` (none:
-    the same build, loaded the same way); ``slot``: the token ``vocab-slot`` breaks."""
-    return command(real.engine_argv(rpc_port, "0.32.0", model_dir=PEAKED), PYTHONPATH=str(INJECT),
+def injected_engine_command(rpc_port: int, kind: str = "", slot: int = 100, model: Path = TRAINED) -> str:
+    """A 0.32.0 engine serving ``model`` (the trained one) with scripts/inject on its PYTHONPATH, injecting
+    ``kind`` (none: the same build, loaded the same way); ``slot``: the token ``vocab-slot`` breaks."""
+    return command(real.engine_argv(rpc_port, "0.32.0", model_dir=model), PYTHONPATH=str(INJECT),
                    REPLAY_PROXY_INJECT=kind, REPLAY_PROXY_INJECT_TOKEN=str(slot))
 
 
