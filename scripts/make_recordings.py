@@ -12,9 +12,11 @@ Each is one session of the HTTP workload in tests/real/workload.py through
 (tests/real/workload.py: staging) between the Python frontend and a 0.32.0
 engine, the session the real shrink test cuts down. `--bench-serve` records
 vllm-0.32.0-bench-serve.db: a real client's traffic (`vllm bench serve`, 4 users
-at a time, sampled, greedy, and seeded with stop tokens: tests/real/workload.py
-bench_serve) between the Python frontend and a 0.32.0 engine serving the peaked
-tiny model, the session whose verdicts scripts/bench/verdicts.py measures. The second form records a
+at a time, sampled with top-p alone, greedy, and seeded with stop tokens:
+tests/real/workload.py bench_serve) between the Python frontend and a 0.32.0
+engine serving the trained tiny model, and vllm-0.32.0-bench-serve-flat.db, the
+same serving the random one: the sessions whose verdicts
+scripts/bench/verdicts.py measures. The second form records a
 release's own Python frontend and engine
 (vllm-X-python.db; install the release first: scripts/setup-vllm.sh X). The
 third records a release's Rust frontend (vllm-X-vllm-rs.db) with the engine of
@@ -49,6 +51,8 @@ from replay_proxy.matrix.release import reads_requests  # noqa: E402
 from replay_proxy.wire.schema import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
+# A real client's session on each shape of model: the trained one's peaked distributions, the random one's flat.
+BENCH_SERVE = {"vllm-0.32.0-bench-serve.db": peers.TRAINED, "vllm-0.32.0-bench-serve-flat.db": peers.MODEL}
 RECORDINGS = {
     "vllm-0.32.0-python.db": ("python-frontend", peers.python_frontend),
     "vllm-0.32.0-vllm-rs.db": ("vllm-rs-frontend", peers.rust_frontend),
@@ -120,9 +124,9 @@ def main() -> None:
         record("vllm-0.32.0-staging.db", "staging", peers.python_frontend, work=workload.staging)
         return
     if args.bench_serve:
-        record("vllm-0.32.0-bench-serve.db", "bench-serve",
-               functools.partial(peers.python_frontend, model=peers.PEAKED), work=workload.bench_serve,
-               model=peers.PEAKED)
+        for name, model in BENCH_SERVE.items():
+            record(name, "bench-serve", functools.partial(peers.python_frontend, model=model),
+                   work=functools.partial(workload.bench_serve, model=model), model=model)
         return
     for release in args.release:
         if not (peers.CACHE / f"vllm-{release}" / ".complete").exists():

@@ -10,6 +10,10 @@ Kinds, each a bug a release could really bring:
 
 * ``temperature-ignored``: the sampler samples at temperature 1 whatever was asked (greedy stays greedy);
 * ``top-p-ignored``: the nucleus is never cut;
+* ``sampler-scaled``: the logits reach the sampler scaled by 1.25 (a temperature of 0.8 applied twice, a
+  bad cast between model and sampler): the model's own logits, and so every prompt logprob and every greedy
+  token, are unchanged;
+* ``penalty-unasked``: a presence penalty of 1.0 applied to every request, asked for or not;
 * ``numerics-slight``: every logit scaled by 1.05: the same argmax, every distribution a little sharper;
 * ``numerics-strong``: every logit scaled by 0.8 plus a fixed offset per vocabulary slot (std 0.5);
 * ``vocab-slot``: one slot's logit is -inf, so that token is never produced
@@ -24,8 +28,9 @@ import dataclasses
 import functools
 import os
 
-KINDS = ("temperature-ignored", "top-p-ignored", "numerics-slight", "numerics-strong", "vocab-slot",
-         "stop-ignored", "seed-ignored")
+KINDS = ("temperature-ignored", "top-p-ignored", "sampler-scaled", "penalty-unasked", "numerics-slight",
+         "numerics-strong", "vocab-slot", "stop-ignored", "seed-ignored")
+SAMPLER_KINDS = ("temperature-ignored", "top-p-ignored", "sampler-scaled", "seed-ignored")
 
 
 def register() -> None:
@@ -37,10 +42,12 @@ def register() -> None:
     if getattr(register, "done", False):  # vLLM may load plugins more than once in a process
         return
     register.done = True
-    if kind in ("temperature-ignored", "top-p-ignored", "seed-ignored"):
+    if kind in SAMPLER_KINDS:
         _patch_sampler(kind)
     elif kind == "stop-ignored":
         _patch_stop()
+    elif kind == "penalty-unasked":
+        _patch_penalty()
     else:
         _patch_logits(kind)
 
@@ -61,6 +68,8 @@ def _patch_sampler(kind: str) -> None:
             m = dataclasses.replace(m, top_p=None)
         elif kind == "seed-ignored":
             m = dataclasses.replace(m, generators={})
+        elif kind == "sampler-scaled":
+            logits = logits * 1.25
         return original(self, logits, m, *args, **kwargs)
 
     Sampler.forward = forward
@@ -111,3 +120,20 @@ def _patch_stop() -> None:
             params.stop_token_ids = kept
 
     scheduler.check_stop = check_stop
+
+
+def _patch_penalty() -> None:
+    """Each request joins the model runner's batch with a presence penalty of 1.0 where it asked for none (a
+    default changed): the batch then tracks its generated tokens, and the sampler penalizes them."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original = InputBatch.add_request
+
+    @functools.wraps(original)
+    def add_request(self, request):
+        params = request.sampling_params
+        if params is not None and params.presence_penalty == 0.0:
+            params.presence_penalty = 1.0
+        return original(self, request)
+
+    InputBatch.add_request = add_request

@@ -1,11 +1,12 @@
 """Verdicts on a real client's traffic against real engines: the same build passes, injected regressions fail.
 
-The session is recordings/vllm-0.32.0-bench-serve.db (``vllm bench serve``, 4 users at a time: 16 sampled
-requests at temperature 0.8 with top-p and top-k, 12 greedy, 8 seeded with stop tokens and min_tokens; nearly
-all of them ran batched). Each replay plays it against a real 0.32.0 engine serving the peaked tiny model
-that loads scripts/inject (a vLLM general plugin, on its PYTHONPATH), after one run of the same engine without
-a regression (``--noise-runs 1``). How often each tier finds each kind, over many replays, is
-scripts/bench/verdicts.py's to measure; here, one replay of each case the gate must get right.
+The sessions are recordings/vllm-0.32.0-bench-serve.db and its -flat twin (``vllm bench serve``, 4 users at a
+time: 20 requests sampled with temperature and top-p alone, 10 greedy, 8 seeded with stop tokens and min_tokens;
+nearly all of them ran batched), served by the trained tiny model (peaked distributions) and by the random one
+(flat). Each replay plays one against a real 0.32.0 engine serving its model that loads scripts/inject (a vLLM
+general plugin, on its PYTHONPATH), after one run of the same engine without a regression (``--noise-runs 1``).
+How often each tier finds each kind, over many replays, is scripts/bench/verdicts.py's to measure; here, one
+replay of each case the gate must get right.
 """
 
 import json
@@ -20,19 +21,23 @@ from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
 
-RECORDING = peers.RECORDINGS / "vllm-0.32.0-bench-serve.db"
+TRAINED = peers.RECORDINGS / "vllm-0.32.0-bench-serve.db"
+FLAT = peers.RECORDINGS / "vllm-0.32.0-bench-serve-flat.db"
 
 
-def replay(tmp_path, kind: str, recording=RECORDING) -> tuple[int, dict]:
+def replay(tmp_path, kind: str, recording=TRAINED) -> tuple[int, dict]:
     """`replay-proxy replay` of the session against an engine injecting ``kind``: exit code and report."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     port = peers.free_port()
+    model = peers.MODEL if recording == FLAT else peers.TRAINED
     result = subprocess.run(
         [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording), "--session", "bench-serve",
          "--against", "engine", "--listen", f"tcp://127.0.0.1:{port}",
-         "--engine-cmd", peers.injected_engine_command(port, kind), "--noise-runs", "1",
-         "--baseline-cmd", peers.injected_engine_command(port), "--ready-timeout", str(peers.READY_TIMEOUT_S),
-         "--report-dir", str(tmp_path)], capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
+         "--engine-cmd", peers.injected_engine_command(port, kind, model=model), "--noise-runs", "1",
+         "--baseline-cmd", peers.injected_engine_command(port, model=model),
+         "--vocab-size", str(json.loads((model / "config.json").read_text())["vocab_size"]),
+         "--ready-timeout", str(peers.READY_TIMEOUT_S), "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=3 * peers.REPLAY_S)
     report = json.loads((tmp_path / "report.json").read_text())
     print(result.stdout[-3000:], result.stderr[-2000:])
     return result.returncode, report
@@ -47,25 +52,38 @@ def regressions(report) -> dict[str, set[str]]:
     return found
 
 
-def test_the_same_build_on_batched_sampled_traffic_passes_with_every_request_judged(tmp_path):
+def test_the_same_build_on_batched_sampled_traffic_passes_with_every_request_judged_by_every_tier(tmp_path):
     code, report = replay(tmp_path, "")
     assert code == 0 and regressions(report) == {}, regressions(report)
     verdicts = report["verdicts"]
-    assert len(verdicts) == 36 and all(v["passed"] for v in verdicts)
-    tiers = {v["tier"] for v in verdicts}
-    # The greedy and seeded requests by their tokens (exact, or at a divergence if batched), the sampled ones
-    # by teacher-forced scoring: each the strongest evidence it allows.
-    assert "scored" in tiers and tiers & {"exact", "first_divergence"}, tiers
+    assert len(verdicts) == 38 and all(v["passed"] for v in verdicts)
+    # Every request where both builds saw the same context (its prompt, at least), the greedy and seeded ones by
+    # their tokens too (exact, or at a divergence if batched), and every one by scoring and the invariants.
+    judged = [{j["tier"] for j in v["judged"]} for v in verdicts]
+    assert all({"same_context", "scored", "invariants"} <= tiers for tiers in judged), judged
+    assert sum(bool(tiers & {"exact", "first_divergence"}) for tiers in judged) >= 18, judged
     codes = {f["code"] for f in report["findings"]}
     assert {"scoring_same", "sampled_same", "timing_not_judged"} <= codes, codes
 
 
-def test_a_sampler_that_ignores_temperature_fails_the_gate(tmp_path):
-    """Greedy requests stay greedy and scoring is untouched: only what the sampled requests sampled shows it."""
-    code, report = replay(tmp_path, "temperature-ignored")
+def test_logits_scaled_before_the_sampler_fail_the_gate_on_a_flat_model_with_one_baseline_run(tmp_path):
+    """Every greedy token and every prompt logprob as it was (scoring sees nothing): the logprobs the engine
+    returned where both builds saw the same context show it, on sampled requests too."""
+    code, report = replay(tmp_path, "sampler-scaled", FLAT)
+    found = regressions(report)
+    assert code == 4 and "context_logprobs_differ" in found.get("same_context", set()), found
+    assert "scores_diverge" not in found.get("scored", set()), found
+    failed = {v["request_id"] for v in report["verdicts"] for j in v["judged"]
+              if j["tier"] == "same_context" and not j["passed"]}
+    assert len(failed) >= 19, failed  # on sampled requests as on greedy ones
+
+
+def test_a_sampler_that_ignores_top_p_fails_the_gate(tmp_path):
+    """Top-p alone, no top-k: the sampled tokens' ranks put some outside the nucleus."""
+    code, report = replay(tmp_path, "top-p-ignored")
     found = regressions(report)
     assert code == 4 and found.keys() & {"invariants", "sampled"}, found
-    assert not found.keys() & {"exact", "scored"}, found
+    assert not found.keys() & {"exact", "scored", "same_context"}, found
 
 
 def test_a_redacted_copy_is_judged_by_teacher_forced_scoring_alike(tmp_path):
@@ -74,8 +92,8 @@ def test_a_redacted_copy_is_judged_by_teacher_forced_scoring_alike(tmp_path):
     key = tmp_path / "redaction.key"
     key.write_bytes(b"verdicts-test-key-0123456789")
     redacted = tmp_path / "redacted.db"
-    vocab = json.loads((peers.PEAKED / "config.json").read_text())["vocab_size"]
-    redact_database(RECORDING, redacted, Redaction(RedactionSettings(str(key), vocab)))
+    vocab = json.loads((peers.TRAINED / "config.json").read_text())["vocab_size"]
+    redact_database(TRAINED, redacted, Redaction(RedactionSettings(str(key), vocab)))
     code, report = replay(tmp_path / "replay", "numerics-slight", redacted)
     found = regressions(report)
     assert code == 4 and "scoring_kl" in found.get("scored", set()), found

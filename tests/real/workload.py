@@ -21,7 +21,7 @@ import urllib.error
 from pathlib import Path
 
 from replay_proxy.peers import ADAPTER
-from tests.real.peers import CACHE, MODEL, PEAKED, post, stream
+from tests.real.peers import CACHE, MODEL, TRAINED, post, stream
 
 GREEDY = {"temperature": 0.0}
 
@@ -99,17 +99,19 @@ def staging(http_port: int, model: Path = MODEL, requests: int = 30, **_) -> dic
     return _each({f"user-{i}": functools.partial(kinds[i % len(kinds)], prompt) for i, prompt in enumerate(prompts)})
 
 
-# A real client's traffic (``bench_serve``): three runs of ``vllm bench serve``, 4 users at a time, on random
-# prompts; sampled as staging traffic is, greedy, and seeded with stop tokens and a min_tokens.
+# A real client's traffic (``bench_serve``): runs of ``vllm bench serve``, 4 users at a time, on random prompts;
+# sampled as OpenAI-style clients sample (temperature and top-p alone, no top-k, no seed), greedy, and seeded with
+# stop tokens and a min_tokens.
 BENCH_SERVE_RUNS = {
-    "sampled": ["--num-prompts", "16", "--temperature", "0.8", "--top-p", "0.95", "--top-k", "40"],
-    "greedy": ["--num-prompts", "12", "--temperature", "0"],
+    "top-p 0.9": ["--num-prompts", "10", "--temperature", "0.8", "--top-p", "0.9"],
+    "top-p 0.95": ["--num-prompts", "10", "--temperature", "1.0", "--top-p", "0.95"],
+    "greedy": ["--num-prompts", "10", "--temperature", "0"],
     "seeded": ["--num-prompts", "8", "--temperature", "0.9", "--min-p", "0.02", "--extra-body",
                json.dumps({"seed": 11, "min_tokens": 3, "stop_token_ids": list(range(100, 140))})],
 }
 
 
-def bench_serve(http_port: int, model: Path = PEAKED, **_) -> dict[str, object]:
+def bench_serve(http_port: int, model: Path = TRAINED, **_) -> dict[str, object]:
     """``BENCH_SERVE_RUNS`` through the frontend at ``http_port`` serving ``model``, one run after another;
     returns each run's summary (requests completed, output tokens) as vllm bench serve reports it."""
     from replay_proxy import peers as real

@@ -13,7 +13,9 @@ from replay_proxy.store.copy import redact_database
 from tests.redact.leaks import leaks, shape, tokens_of
 
 RECORDINGS = sorted((Path(__file__).parents[2] / "recordings").glob("vllm-*.db"))
-VOCAB = 407  # the tiny model's: vocab_size in the config.json scripts/make_tiny_model.py writes
+# The tiny models' vocab_size, in the config.json scripts/make_tiny_model.py writes: the random one's, and the
+# trained one's (its tokenizer learnt from more text), which the bench-serve session's engine served.
+VOCAB, TRAINED_VOCAB = 407, 900
 
 
 @pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.stem)
@@ -22,8 +24,8 @@ def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tm
     shutil.copy(recording, source)
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
-    [(_, session_id, frames)] = redact_database(source, tmp_path / "ci.db", Redaction(RedactionSettings(str(key),
-                                                                                                        VOCAB)))
+    [(_, session_id, frames)] = redact_database(source, tmp_path / "ci.db", Redaction(RedactionSettings(
+        str(key), TRAINED_VOCAB if recording.stem == "vllm-0.32.0-bench-serve" else VOCAB)))
     redacted = sqlite_utils.Database(tmp_path / "ci.db")
     row = redacted["sessions"].get(session_id)
     assert frames == row["frames_recorded"] == sqlite_utils.Database(source)["sessions"].get(1)["frames_recorded"]
