@@ -5,10 +5,11 @@ Each request is judged by every tier whose evidence it allows
 invariants; ``compare/context.py``: logprobs where both builds saw the same
 context; ``compare/scoring.py``: teacher-forced scoring): it fails if any
 tier fails it, and its verdict lists each. Finish reasons must be the same,
-an ABORT where it was recorded; utility calls must get the same results. Greedy or seeded requests that ran batched, in
-either session, do not reproduce on vLLM's CPU build: unless repeat runs of
-the baseline build (``repeats``) show them stable, they are judged at their first
-divergence rather than held to every token.
+an ABORT where it was recorded; utility calls must get the same results.
+Greedy or seeded requests that ran batched, in either session, do not
+reproduce on vLLM's CPU build: unless repeat runs of the baseline build
+(``repeats``) show them stable, they are judged at their first divergence
+rather than held to every token.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@
   sampling parameters as the candidate's own logprobs define them: greedy
   is rank 1, top-k, min-p, and top-p by a lower bound on the mass of the
   tokens ranked above the sampled one (the listed top-k and, by the sampled
-  token's rank, every unlisted token at least as likely as it; temperature
-  at most 1); a stop token (or EOS without ``ignore_eos``) ends the request
+  token's rank, every unlisted token at least as likely as it; given the
+  vocabulary's size, all the unlisted mass the tokens below it cannot hold;
+  above temperature 1, only given that size); a stop token (or EOS without ``ignore_eos``) ends the request
   once ``min_tokens`` are out, and none comes before; ``max_tokens`` holds.
   vLLM returns raw logprobs (before temperature and penalties): a request
   with penalties, a logit bias or allowed / bad words is judged by the
@@ -76,7 +77,7 @@ def token_judgement(baseline: Session, a: Request, b: Request, reproduces: bool,
         why = f"tokens diverge at position {first} of {len(a.tokens)}, and the request reproduces (it ran alone " \
               "or was stable in every baseline run)"
         return Judgement(EXACT, False, why), Finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
-                                                        tier=EXACT, **said)
+                                                     tier=EXACT, **said)
     ours, theirs = _at(b, first), _at(a, first)
     if ours is None or first >= min(len(a.tokens), len(b.tokens)):
         why = (f"tokens diverge at position {first} of {len(a.tokens)}; batched, so not reproducible on vLLM's CPU "

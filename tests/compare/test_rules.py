@@ -63,3 +63,12 @@ def test_a_section_s_keys_are_replaced_one_by_one(tmp_path):
     rules, defaults = load_rules(path), load_rules()
     assert rules.performance.max_other_cpu == defaults.performance.max_other_cpu
     assert (rules.judging.top_logprobs, rules.judging.min_kl) == (5, defaults.judging.min_kl)
+
+
+def test_vocab_size_on_the_command_line_goes_over_the_rules_file(tmp_path):
+    from replay_proxy.cli.common import rules_option
+
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps({"judging": {"vocab_size": 32000, "min_kl": 0.002}}))
+    assert (rules_option(path).judging.vocab_size, rules_option(path, 900).judging.vocab_size) == (32000, 900)
+    assert rules_option(path, 900).judging.min_kl == 0.002 and load_rules().judging.vocab_size is None
