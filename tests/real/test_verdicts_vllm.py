@@ -67,15 +67,13 @@ def test_the_same_build_on_batched_sampled_traffic_passes_with_every_request_jud
 
 
 def test_logits_scaled_before_the_sampler_fail_the_gate_on_a_flat_model_with_one_baseline_run(tmp_path):
-    """Every greedy token and every prompt logprob as it was (scoring sees nothing): the logprobs the engine
-    returned where both builds saw the same context show it, on sampled requests too."""
+    """Every greedy token and every prompt logprob as it was (scoring sees nothing). On the flat model no one
+    position moves past one baseline run's tolerance (0.1 to 0.2 nats, measured), but every request's moved
+    alike where both builds saw the same context, sampled ones included: the session's shift shows it."""
     code, report = replay(tmp_path, "sampler-scaled", FLAT)
     found = regressions(report)
-    assert code == 4 and "context_logprobs_differ" in found.get("same_context", set()), found
+    assert code == 4 and "context_shift" in found.get("same_context", set()), found
     assert "scores_diverge" not in found.get("scored", set()), found
-    failed = {v["request_id"] for v in report["verdicts"] for j in v["judged"]
-              if j["tier"] == "same_context" and not j["passed"]}
-    assert len(failed) >= 19, failed  # on sampled requests as on greedy ones
 
 
 def test_a_sampler_that_ignores_top_p_fails_the_gate(tmp_path):
