@@ -106,9 +106,26 @@ BENCH_SERVE_RUNS = {
     "top-p 0.9": ["--num-prompts", "10", "--temperature", "0.8", "--top-p", "0.9"],
     "top-p 0.95": ["--num-prompts", "10", "--temperature", "1.0", "--top-p", "0.95"],
     "greedy": ["--num-prompts", "10", "--temperature", "0"],
-    "seeded": ["--num-prompts", "8", "--temperature", "0.9", "--min-p", "0.02", "--extra-body",
-               json.dumps({"seed": 11, "min_tokens": 3, "stop_token_ids": list(range(100, 140))})],
+    "seeded": ["--num-prompts", "8", "--temperature", "0.9", "--min-p", "0.02"],  # and stop_token_ids (below)
 }
+STOP_TOKENS = 40  # the seeded requests' stop ids: those the model's tokenizer gives text most often
+
+
+def frequent_tokens(model: Path, count: int = STOP_TOKENS) -> list[int]:
+    """The ``count`` ids ``model``'s tokenizer gives the standard library's text most often (the text
+    scripts/make_tiny_model.py trains on): stop ids that the model generates, trained or random. (The
+    tokenizer is the 0.32.0 venv's: the project's venv has none.)"""
+    from replay_proxy import peers as real
+
+    program = (
+        "import collections, json, pathlib, sys, sysconfig\n"
+        "from tokenizers import Tokenizer\n"
+        "paths = sorted(pathlib.Path(sysconfig.get_paths()['stdlib']).glob('*.py'))[:20]\n"
+        "ids = Tokenizer.from_file(sys.argv[1]).encode(''.join(p.read_text(errors='replace') for p in paths)).ids\n"
+        "print(json.dumps([t for t, _ in collections.Counter(ids).most_common(int(sys.argv[2]))]))")
+    done = subprocess.run([str(real.venv("0.32.0") / "bin" / "python"), "-c", program, str(model / "tokenizer.json"),
+                           str(count)], check=True, capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout)
 
 
 def bench_serve(http_port: int, model: Path = TRAINED, **_) -> dict[str, object]:
@@ -127,7 +144,10 @@ def bench_serve(http_port: int, model: Path = TRAINED, **_) -> dict[str, object]
                  "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random",
                  "--random-input-len", "24", "--random-output-len", "24", "--random-range-ratio", "0.5",
                  "--max-concurrency", "4", "--seed", str(i), "--disable-tqdm", "--save-result",
-                 "--result-dir", str(scratch), "--result-filename", out.name, *flags],
+                 "--result-dir", str(scratch), "--result-filename", out.name, *flags, *(
+                     ["--extra-body", json.dumps({"seed": 11, "min_tokens": 3,
+                                                  "stop_token_ids": frequent_tokens(model)})]
+                     if name == "seeded" else [])],
                 env=real.vllm_env(scratch), check=True, capture_output=True, timeout=600)
             result = json.loads(out.read_text())
             seen[name] = {"completed": result["completed"], "output_tokens": result["total_output_tokens"]}
