@@ -35,6 +35,19 @@ def test_junit_has_a_testcase_per_check_and_fails_only_regressions(tmp_path):
     assert "+2.0%" in performance["ttft_ms.p50"].find("system-out").text  # a passing metric keeps its numbers
 
 
+def test_a_request_s_junit_testcase_lists_every_tier_that_judged_it(tmp_path):
+    from replay_proxy.compare.findings import Judgement, Verdict
+
+    judged = (Judgement("same_context", True, "moved by up to 0"), Judgement("invariants", True, "4 tokens within"))
+    report = Report(title="replay", baseline="a", candidate="b", findings=[], checks=["behaviour:r1"],
+                    verdicts=[Verdict("r1", "same_context", True, "moved by up to 0", judged)])
+    write_reports(report, tmp_path)
+    case = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase")
+    assert case.get("name") == "r1" and case.find("failure") is None
+    assert case.find("system-out").text == ("[same_context] passed: moved by up to 0\n"
+                                            "[invariants] passed: 4 tokens within")
+
+
 def test_the_summary_shows_every_estimate_with_its_interval_and_detectable_change():
     from rich.console import Console
 

@@ -146,8 +146,10 @@ def write_reports(report: Report, directory: Path) -> list[Path]:
 
 
 def junit(report: Report) -> bytes:
-    """One testsuite per category; a testcase per struct / request / metric checked."""
+    """One testsuite per category; a testcase per struct / request / metric checked, a request's with every
+    tier that judged it."""
     suites = ET.Element("testsuites", name=report.title)
+    verdicts = {v.request_id: v for v in report.verdicts}
     by_category: dict[str, dict[str, list[Finding]]] = {}
     for check in report.checks:
         category, _, name = check.partition(":")
@@ -165,10 +167,12 @@ def junit(report: Report) -> bytes:
                 failure = ET.SubElement(case, "failure", message=bad[0].message, type=bad[0].code)
                 failure.text = "\n".join(f"[{f.severity.name.lower()}] {where(f)}: {f.message}"
                                           + "".join(f"\n  caused {c}" for c in f.consequences) for f in bad)
-            notes = [f for f in fs if f.severity < Severity.REGRESSION]
+            notes = [f"[{f.severity.name.lower()}] {f.message}" for f in fs if f.severity < Severity.REGRESSION]
+            verdict = verdicts.get(name) if category == "behaviour" else None
+            notes += [f"[{j.tier}] {'passed' if j.passed else 'failed'}: {j.why}" for j in verdict.judged] \
+                if verdict else []  # every tier that judged the request
             if notes:
-                ET.SubElement(case, "system-out").text = "\n".join(f"[{f.severity.name.lower()}] {f.message}"
-                                                                  for f in notes)
+                ET.SubElement(case, "system-out").text = "\n".join(notes)
     return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
 
 
