@@ -154,6 +154,9 @@ def invariant_violations(session: Session, request: Request, eos: int | None, vo
     top_p, min_p = value("top_p") or 1.0, value("min_p") or 0.0
     # Until min_tokens are out the engine masks every stop token (its _all_stop_token_ids): not candidates then.
     masked = stops | set(request.params.get("_all_stop_token_ids") or ())
+    # Logits of a bf16 or fp16 model tie (a top-k shows it: two tokens of one position with one logprob): the
+    # rank then counts ties as above, which the nucleus may not, and bounds nothing.
+    ranks_bound = not any(len(set(row.top.values())) < len(row.top) for row in request.token_logprobs)
     for i, row in enumerate(request.token_logprobs[:len(tokens)]):
         if i < min_tokens:
             row = _without(row, masked)
@@ -172,7 +175,7 @@ def invariant_violations(session: Session, request: Request, eos: int | None, vo
             share = math.exp((row.logprob - best) / temperature)
             broken.append(("min_p", f"token {row.token} at position {i} has {share:.3g} of the most likely token's "
                                     f"probability, min_p {min_p:g}"))
-        above = _mass_above(row, temperature, top_k, vocab_size)
+        above = _mass_above(row, temperature, top_k, vocab_size, ranks_bound)
         if top_p < 1 and above is not None and above > top_p + LOGPROB_SLACK:
             broken.append(("top_p", f"token {row.token} at position {i} lies outside the nucleus: tokens more likely "
                                     f"than it hold at least {above:.3f} of the mass, top_p {top_p:g}"))
@@ -188,16 +191,20 @@ def _without(row: TokenLogprobs, masked: set[int]) -> TokenLogprobs:
                          {t: lp for t, lp in row.top.items() if t not in masked})
 
 
-def _mass_above(row: TokenLogprobs, temperature: float, top_k: int, vocab_size: int | None) -> float | None:
+def _mass_above(row: TokenLogprobs, temperature: float, top_k: int, vocab_size: int | None, ranks_bound: bool
+                ) -> float | None:
     """A lower bound on the probability (at ``temperature``, within ``top_k``) of the tokens more likely than
-    ``row.token``; None where none can be had (above temperature 1 without the vocabulary's size).
+    ``row.token``; None where none can be had (above temperature 1 without the vocabulary's size, or without
+    ``ranks_bound``: logits that tie).
 
     The top-k lists some of those tokens exactly. The token's rank counts all of them (vLLM ranks a token
-    among every token at least as likely: a tie counts as above), each unlisted one at least as likely as the
-    token and no likelier than the last listed one. The unlisted mass is known (the raw logprobs are
-    normalized); with the vocabulary's size, so is how many tokens lie below the token, each no likelier than
-    it: what they cannot hold lies above it. At a temperature T, p**(1/T) is bounded by p times a power of
-    the bound on p (convex at T <= 1, concave above: Jensen's inequality bounds the tokens below)."""
+    among every token at least as likely: a tie counts as above, so this holds only where logits do not tie),
+    each unlisted one at least as likely as the token and no likelier than the last listed one. The unlisted
+    mass is known (the raw logprobs are normalized); with the vocabulary's size, so is how many tokens lie
+    below the token, each no likelier than it: what they cannot hold lies above it. At a temperature T,
+    p**(1/T) is bounded by p times a power of the bound on p (convex at T <= 1, concave above: Jensen's
+    inequality bounds the tokens below)."""
+    vocab_size = vocab_size if ranks_bound else None  # with ties, only the listed tokens bound anything
     if temperature > 1 and vocab_size is None:
         return None
     ranked = sorted(row.top.values(), reverse=True)
@@ -208,7 +215,8 @@ def _mass_above(row: TokenLogprobs, temperature: float, top_k: int, vocab_size: 
     others = {t: lp for t, lp in row.top.items() if t != row.token}
     listed_above = [lp for lp in others.values() if lp > own + LOGPROB_SLACK and lp >= kept[-1]]
     listed_below = [lp for lp in others.values() if lp <= own + LOGPROB_SLACK and lp >= kept[-1]]
-    unlisted_above = max(0, row.rank - 1 - sum(lp >= own - LOGPROB_SLACK for lp in others.values()))
+    unlisted_above = max(0, row.rank - 1 - sum(lp >= own - LOGPROB_SLACK for lp in others.values())) \
+        if ranks_bound else 0
     if top_k and top_k <= len(ranked):  # every token kept is listed
         above, below = sum(map(weight, listed_above)), sum(map(weight, listed_below))
         return above / (above + weight(own) + below)

@@ -207,9 +207,9 @@ def test_sampled_tokens_are_held_to_their_request_s_sampling_parameters():
 
 def flat(rank: int, vocab: int = 32000) -> TokenLogprobs:
     """A position of a flat distribution (a random model's, or a trained one's where it is unsure): a top-4 of
-    0.002 each, the rest spread over the vocabulary so that the token at ``rank`` has 0.0008 and every token
-    above it at least that much."""
-    top = {t: math.log(0.002) for t in range(10, 14)}
+    about 0.002 each, the rest spread over the vocabulary so that the token at ``rank`` has 0.0008 and every
+    token above it at least that much."""
+    top = {t: math.log(0.0021 - 0.0001 * k) for k, t in enumerate(range(10, 14))}
     return TokenLogprobs(5000, math.log(0.0008), rank, top)
 
 
@@ -220,6 +220,10 @@ def test_the_nucleus_is_bounded_by_the_sampled_token_s_rank_on_a_flat_distributi
     assert violations([5000], rows=[flat(1200)], temperature=1.0, top_p=0.9) == {"top_p"}
     assert violations([5000], rows=[flat(1200)], temperature=0.7, top_p=0.9) == {"top_p"}
     assert violations([5000], rows=[flat(300)], temperature=1.0, top_p=0.9) == set()
+    # bf16 logits tie (a top-k with two equal logprobs shows it): the rank counts ties as above, which vLLM's
+    # nucleus may sort after the token, so it bounds nothing there.
+    tied = TokenLogprobs(5000, math.log(0.0008), 1200, {10: math.log(0.002), 11: math.log(0.002), 12: -7.0})
+    assert violations([5000], rows=[tied], temperature=1.0, top_p=0.9, vocab_size=32000) == set()
 
 
 def test_the_vocabulary_s_size_bounds_the_nucleus_where_the_rank_alone_cannot():
@@ -227,7 +231,7 @@ def test_the_vocabulary_s_size_bounds_the_nucleus_where_the_rank_alone_cannot():
     rank 890 has 0.001. Its rank says 885 unlisted tokens lie above it, at least 0.885 of the mass: not beyond
     top_p 0.95. The vocabulary says only 10 lie below it, holding at most 0.01: the rest of the unlisted mass,
     0.979, lies above it, outside the nucleus. Above temperature 1 only the vocabulary's size gives a bound."""
-    top = {t: math.log(0.0025) for t in range(10, 14)}
+    top = {t: math.log(0.0026 - 0.0001 * k) for k, t in enumerate(range(10, 14))}
     tail = TokenLogprobs(500, math.log(0.001), 890, top)
     assert violations([500], rows=[tail], temperature=1.0, top_p=0.95) == set()
     assert violations([500], rows=[tail], temperature=1.0, top_p=0.95, vocab_size=900) == {"top_p"}
