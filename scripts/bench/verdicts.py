@@ -17,9 +17,14 @@ non-zero exit code). ``--beside`` runs a second replay of the same kind at
 the same time on the same cores (a shared, noisy CI runner). ``--cost``
 replays the same build with and without judging (no logprobs and no
 scoring, ``rules: judging.top_logprobs 0``) and prints the wall times.
+``--judge-again FOLDER`` replays nothing: it judges the replays an earlier
+run kept in FOLDER again, with whatever ``replay_proxy`` is first on the
+path (``PYTHONPATH=OLD_CHECKOUT`` for an older build's verdicts on the very
+same replays), ``--unseeded`` on the requests without a seed alone (what
+OpenAI-style clients send).
 
     .venv/bin/python scripts/bench/verdicts.py [--runs 3] [--models trained flat] [--kinds same stop-ignored]
-        [--noise-runs 1] [--beside] [--cost]
+        [--noise-runs 1] [--beside] [--cost] [--judge-again FOLDER [--unseeded]]
 """
 
 from __future__ import annotations
@@ -37,16 +42,16 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: --judge-again judges with the replay_proxy found there first
 
+from replay_proxy.peers import cache_dir  # noqa: E402
 from replay_proxy.processes import free_port  # noqa: E402
-from tests.real.peers import MODEL, TRAINED, injected_engine_command  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "inject"))
 from replay_proxy_inject import KINDS  # noqa: E402
 
-MODELS = {"trained": (TRAINED, ROOT / "recordings" / "vllm-0.32.0-bench-serve.db"),
-          "flat": (MODEL, ROOT / "recordings" / "vllm-0.32.0-bench-serve-flat.db")}
+MODELS = {"trained": (cache_dir() / "tiny-trained", ROOT / "recordings" / "vllm-0.32.0-bench-serve.db"),
+          "flat": (cache_dir() / "tiny-model", ROOT / "recordings" / "vllm-0.32.0-bench-serve-flat.db")}
 SESSION = "bench-serve"
 TIERS = ("exact", "first_divergence", "same_context", "scored", "invariants", "sampled", "other behaviour",
          "performance", "gate")
@@ -62,10 +67,53 @@ def frequent_token(db: Path) -> int:
     return counts.most_common(1)[0][0]
 
 
+def found_in(findings: list[dict], exit_code: int) -> set[str]:
+    """The tiers (and other categories) that reported a regression in a report's findings, and ``gate``."""
+    found = set()
+    for f in findings:
+        if f["severity"] not in ("regression", "breaking"):
+            continue
+        if f["category"] == "behaviour":
+            found.add(f.get("tier") if f.get("tier") in TIERS else "other behaviour")
+        else:
+            found.add(f["category"])
+    if exit_code:
+        found.add("gate")
+    if any(f["code"] == "timing_not_judged" and "other processes" in f["message"] for f in findings):
+        found.add(UNTIMED)
+    return found
+
+
+def judge_again(replay_db: Path, model: str, unseeded: bool) -> set[str]:
+    """The tiers that report a regression when the kept replay in ``replay_db`` (the recording, the baseline
+    run, the candidate run) is judged by this ``replay_proxy``, as the replay judged it (timing aside)."""
+    import msgspec
+
+    from replay_proxy.compare.findings import exit_code, report_json
+    from replay_proxy.compare.report import build_report
+    from replay_proxy.compare.rules import load_rules
+    from replay_proxy.store.session import load_session
+
+    rules = load_rules()
+    if "vocab_size" in rules.judging.__struct_fields__:  # (an older build's rules have none)
+        vocab_size = json.loads((MODELS[model][0] / "config.json").read_text())["vocab_size"]
+        rules = msgspec.structs.replace(rules, judging=msgspec.structs.replace(rules.judging, vocab_size=vocab_size))
+    sessions = [load_session(replay_db, str(i)) for i in (1, 2, 3)]
+    if unseeded:
+        sessions = [msgspec.structs.replace(s, requests=[r for r in s.requests if r.params.get("seed") is None])
+                    for s in sessions]
+    recording, baseline, candidate = sessions
+    report = build_report("replay", recording, candidate, rules, [baseline], replayed_noise=True,
+                          asked_logprobs=True)
+    return found_in(json.loads(report_json(report))["findings"], int(exit_code(report.findings)))
+
+
 def replay(model: str, kind: str, noise_runs: int, folder: Path, judging: bool = True) -> tuple[set[str], float]:
     """One replay of ``model``'s session against ``kind``, as ``replay-proxy replay`` in a process of its own (so
     that a replay beside it is another process to it, as a neighbour on a CI runner is): the tiers that reported
     a regression, and its wall time."""
+    from tests.real.peers import injected_engine_command
+
     folder.mkdir(parents=True)
     model_dir, recording = MODELS[model]
     slot = frequent_token(recording)
@@ -86,18 +134,7 @@ def replay(model: str, kind: str, noise_runs: int, folder: Path, judging: bool =
                    capture_output=True, timeout=3600)
     took = time.monotonic() - start
     report = json.loads((folder / "report.json").read_text())
-    found = set()
-    for f in report["findings"]:
-        if f["severity"] not in ("regression", "breaking"):
-            continue
-        if f["category"] == "behaviour":
-            found.add(f.get("tier") if f.get("tier") in TIERS else "other behaviour")
-        else:
-            found.add(f["category"])
-    if report["exit_code"]:
-        found.add("gate")
-    if any(f["code"] == "timing_not_judged" and "other processes" in f["message"] for f in report["findings"]):
-        found.add(UNTIMED)
+    found = found_in(report["findings"], report["exit_code"])
     (folder / "found.json").write_text(json.dumps(sorted(found)))
     return found, took
 
@@ -110,7 +147,18 @@ def main() -> None:
     parser.add_argument("--noise-runs", type=int, default=1)
     parser.add_argument("--beside", action="store_true", help="two replays at a time on the same cores")
     parser.add_argument("--cost", action="store_true", help="only the wall time with and without judging")
+    parser.add_argument("--judge-again", type=Path, metavar="FOLDER", help="judge an earlier run's replays again")
+    parser.add_argument("--unseeded", action="store_true", help="with --judge-again: the unseeded requests alone")
     args = parser.parse_args()
+    if args.judge_again:
+        counts, runs = collections.defaultdict(collections.Counter), collections.Counter()
+        for replayed in sorted(args.judge_again.glob("*/replay.db")):
+            model, kind = replayed.parent.name.split("-", 1)[0], replayed.parent.name.split("-", 1)[1].rsplit("-", 1)[0]
+            counts[model, kind].update(judge_again(replayed, model, args.unseeded))
+            runs[model, kind] += 1
+        alone = ", unseeded requests alone" if args.unseeded else ""
+        print_table(counts, runs, f"{args.judge_again} judged again{alone}")
+        return
     for model in args.models:
         if not (MODELS[model][0] / ".complete").exists():
             sys.exit(f"the {model} tiny model is missing: run scripts/setup-vllm.sh first")
@@ -136,12 +184,16 @@ def main() -> None:
                     counts[model, kind].update(found)
                     print(f"{model} {kind} run {futures[future] + 1}: {', '.join(sorted(found)) or 'nothing'} "
                           f"({took:.0f} s)", flush=True)
-    print(f"\nshare of {args.runs} replay(s) per model and kind in which each tier reported a regression "
-          f"(--noise-runs {args.noise_runs}{', two at a time' if args.beside else ''}):")
+    print_table(counts, collections.Counter({key: args.runs for key in counts}),
+                f"--noise-runs {args.noise_runs}{', two at a time' if args.beside else ''}")
+
+
+def print_table(counts: dict[tuple[str, str], collections.Counter], runs: collections.Counter, how: str) -> None:
+    print(f"\nshare of replays per model and kind in which each tier reported a regression ({how}):")
     width = max(map(len, TIERS)) + 1
     print("model".ljust(8) + "kind".ljust(20) + "".join(t.rjust(width) for t in (*TIERS, UNTIMED)))
     for (model, kind), found in counts.items():
-        print(model.ljust(8) + kind.ljust(20) + "".join(f"{found[t]}/{args.runs}".rjust(width)
+        print(model.ljust(8) + kind.ljust(20) + "".join(f"{found[t]}/{runs[model, kind]}".rjust(width)
                                                          for t in (*TIERS, UNTIMED)))
     print(f"({UNTIMED}: timing not judged, another process having taken more than max_other_cpu of a run)")
 
