@@ -126,12 +126,10 @@ def context_shift_findings(pairs: list[tuple[Request, Request]], repeats: list[M
     repeat_means = [sum(each) / len(each) for repeat in repeats
                     if (each := [s for a, b in repeat.pairs if (s := _top_shift(a, b)) is not None])]
     shift = paired_shift(shifts, repeat_means)
-    return [Finding(
-        "behaviour", Severity.REGRESSION if shift.beyond else Severity.INFO,
-        "context_shift" if shift.beyond else "context_same",
+    return [shift.finding(
+        ("context_shift", "context_same"),
         f"where both builds saw the same context ({len(shifts)} requests), the logprob of the token the baseline "
-        f"found most likely moved by {shift.said('nats')}" + (
-            f": the candidate's distributions are {'sharper' if shift.mean > 0 else 'flatter'} than the "
-            "baseline's everywhere (a scaled logit, a temperature applied twice, a numerics change)"
-            if shift.beyond else ""),
+        f"found most likely moved by {shift.said('nats')}",
+        f"the candidate's distributions are {'sharper' if shift.mean > 0 else 'flatter'} than the baseline's "
+        "everywhere (a scaled logit, a temperature applied twice, a numerics change)",
         tier=SAME_CONTEXT, field="same_context", baseline=0.0, candidate=round(shift.mean, 6))]

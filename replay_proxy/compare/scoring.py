@@ -162,13 +162,12 @@ def sampled_findings(baseline: list[Session], pairs: list[tuple[Request, Request
             repeats.append(sum(diffs) / len(diffs))
     shift = paired_shift([_mean(b) - _mean(a) for a, b in sampled], repeats)
     ranks = sum(_rank(b) for _, b in sampled) / len(sampled), sum(_rank(a) for a, _ in sampled) / len(sampled)
-    return [Finding(
-        "behaviour", Severity.REGRESSION if shift.beyond else Severity.INFO,
-        "sampled_shift" if shift.beyond else "sampled_same",
+    return [shift.finding(
+        ("sampled_shift", "sampled_same"),
         f"the tokens sampled in {len(sampled)} sampled requests: mean raw logprob {shift.said('nats/token')} "
-        f"against the baseline's; mean rank {ranks[1]:.2f} -> {ranks[0]:.2f}" + (
-            f": {'more' if shift.mean > 0 else 'less'} likely tokens are sampled than the baseline samples: a "
-            "temperature, penalty or cut applied otherwise" if shift.beyond else ""),
+        f"against the baseline's; mean rank {ranks[1]:.2f} -> {ranks[0]:.2f}",
+        f"{'more' if shift.mean > 0 else 'less'} likely tokens are sampled than the baseline samples: a "
+        "temperature, penalty or cut applied otherwise",
         tier=SAMPLED, field="sampled_distribution", baseline=round(ranks[1], 3), candidate=round(ranks[0], 3))]
 
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
+from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.compare.tokens import LOGPROB_SLACK
 
 RESAMPLES = 1000
@@ -42,6 +45,13 @@ class Shift(msgspec.Struct, frozen=True):
                   else "every request shifted alike")
         widened = f", widened by {self.repeats} repeat run(s)" if self.repeats else ""
         return f"{self.mean:+.3f} {unit} (99.9% CI {self.low:+.3f} to {self.high:+.3f}{widened}; {effect})"
+
+    def finding(self, codes: tuple[str, str], said: str, meaning: str, **where: Any) -> Finding:
+        """The session's behaviour finding: a regression with the first of ``codes`` and ``meaning`` said
+        after ``said`` where the shift is beyond the noise, else information with the second."""
+        if self.beyond:
+            return Finding("behaviour", Severity.REGRESSION, codes[0], f"{said}: {meaning}", **where)
+        return Finding("behaviour", Severity.INFO, codes[1], said, **where)
 
 
 def paired_shift(shifts: list[float], repeat_means: list[float]) -> Shift:
