@@ -24,10 +24,10 @@ def pytest_addoption(parser):
                      help="also run the tests of every release (release_matrix), installing each on demand")
 
 
-# The test files whose real peers take the longest (in this order, about 10, 5, 4, 5, 4, 3 and 3 minutes of one
+# The test files whose real peers take the longest (in this order, about 10, 8, 5, 4, 5, 3 and 3 minutes of one
 # worker), run first so that both workers stay busy to the end (scripts/test.sh: xdist, a file a worker).
-LONGEST_FIRST = ("test_matrix_vllm.py", "test_dp_vllm.py", "test_record_vllm.py", "test_replay_engine_vllm.py",
-                 "test_verdicts_vllm.py", "test_lora_vllm.py", "test_shrink_vllm.py")
+LONGEST_FIRST = ("test_matrix_vllm.py", "test_verdicts_vllm.py", "test_dp_vllm.py", "test_record_vllm.py",
+                 "test_replay_engine_vllm.py", "test_lora_vllm.py", "test_shrink_vllm.py")
 
 
 def pytest_collection_modifyitems(config, items):
