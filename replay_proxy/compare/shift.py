@@ -14,7 +14,6 @@ the same build gives the same numbers, and the interval is a point.
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import msgspec
