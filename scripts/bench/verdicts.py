@@ -17,6 +17,9 @@ non-zero exit code). ``--beside`` runs a second replay of the same kind at
 the same time on the same cores (a shared, noisy CI runner). ``--cost``
 replays the same build with and without judging (no logprobs and no
 scoring, ``rules: judging.top_logprobs 0``) and prints the wall times.
+``--into FOLDER`` keeps the replays there
+and counts those it already holds instead of replaying them again, so that a
+long measurement (20 replays a kind) can be made a few hours at a time.
 ``--judge-again FOLDER`` replays nothing: it judges the replays an earlier
 run kept in FOLDER again, with whatever ``replay_proxy`` is first on the
 path (``PYTHONPATH=OLD_CHECKOUT`` for an older build's verdicts on the very
@@ -24,7 +27,7 @@ same replays), ``--unseeded`` on the requests without a seed alone (what
 OpenAI-style clients send).
 
     .venv/bin/python scripts/bench/verdicts.py [--runs 3] [--models trained flat] [--kinds same stop-ignored]
-        [--noise-runs 1] [--beside] [--cost] [--judge-again FOLDER [--unseeded]]
+        [--noise-runs 1] [--beside] [--cost] [--into FOLDER] [--judge-again FOLDER [--unseeded]]
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def replay(model: str, kind: str, noise_runs: int, folder: Path, judging: bool =
     a regression, and its wall time."""
     from tests.real.peers import injected_engine_command
 
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)  # (a replay stopped half-way is made again)
     model_dir, recording = MODELS[model]
     slot = frequent_token(recording)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -147,6 +150,7 @@ def main() -> None:
     parser.add_argument("--noise-runs", type=int, default=1)
     parser.add_argument("--beside", action="store_true", help="two replays at a time on the same cores")
     parser.add_argument("--cost", action="store_true", help="only the wall time with and without judging")
+    parser.add_argument("--into", type=Path, metavar="FOLDER", help="keep the replays here; count those it holds")
     parser.add_argument("--judge-again", type=Path, metavar="FOLDER", help="judge an earlier run's replays again")
     parser.add_argument("--unseeded", action="store_true", help="with --judge-again: the unseeded requests alone")
     args = parser.parse_args()
@@ -162,7 +166,12 @@ def main() -> None:
     for model in args.models:
         if not (MODELS[model][0] / ".complete").exists():
             sys.exit(f"the {model} tiny model is missing: run scripts/setup-vllm.sh first")
-    folder = Path(tempfile.mkdtemp(prefix="bench-verdicts-"))
+    folder = args.into or Path(tempfile.mkdtemp(prefix="bench-verdicts-"))
+    how = {"noise_runs": args.noise_runs, "beside": args.beside}
+    if (folder / "bench.json").exists() and json.loads((folder / "bench.json").read_text()) != how:
+        sys.exit(f"{folder} holds replays made with {(folder / 'bench.json').read_text()}, not {json.dumps(how)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench.json").write_text(json.dumps(how))
     print(f"replays in {folder}", flush=True)
     if args.cost:
         for model in args.models:
@@ -176,9 +185,13 @@ def main() -> None:
     for model in args.models:
         for kind in args.kinds:
             counts[model, kind] = collections.Counter()
+            runs = {run: folder / f"{model}-{kind}-{run}" for run in range(args.runs)}
+            for run, kept in runs.items():
+                if (kept / "found.json").exists():
+                    counts[model, kind].update(json.loads((kept / "found.json").read_text()))
             with concurrent.futures.ThreadPoolExecutor(2 if args.beside else 1) as pool:
-                futures = {pool.submit(replay, model, kind, args.noise_runs, folder / f"{model}-{kind}-{run}"): run
-                           for run in range(args.runs)}
+                futures = {pool.submit(replay, model, kind, args.noise_runs, kept): run
+                           for run, kept in runs.items() if not (kept / "found.json").exists()}
                 for future in concurrent.futures.as_completed(futures):
                     found, took = future.result()
                     counts[model, kind].update(found)
