@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 # The helper modules' asserts say what they compared, as a test module's do (named before they are imported).
@@ -10,6 +12,14 @@ from tests.helpers import RecordedSession  # noqa: E402
 @pytest.fixture
 def db_path(tmp_path):
     return tmp_path / "recording.db"
+
+
+@pytest.fixture
+def recording_copy(tmp_path):
+    """A copy of the committed demo recording, to be changed (or shown not to be)."""
+    import shutil
+
+    return Path(shutil.copy(Path(__file__).parents[1] / "recordings" / "demo.db", tmp_path / "demo.db"))
 
 
 @pytest.fixture

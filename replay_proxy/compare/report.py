@@ -17,7 +17,7 @@ from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
-from replay_proxy.store.session import Request, Session, decode_and_load, match_requests
+from replay_proxy.store.session import Request, Session, load_session, match_requests
 from replay_proxy.wire.rust import RustSchema, pair_structs
 from replay_proxy.wire.schema import Schema, schema_lines
 
@@ -114,16 +114,15 @@ def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidat
     """``replay-proxy diff``: two recorded sessions, and ``noise``, more runs of the baseline build (sessions
     of the baseline's database). A candidate cut from the baseline (``replay-proxy cut``) is compared over
     the requests it keeps: the others were left out, not lost."""
-    after = decode_and_load(candidate_db, candidate)
+    after = load_session(candidate_db, candidate)
     source = after.cut_from or {}
-    # The digest before the baseline is opened (opening an older file adds the columns a newer proxy records).
     digest = source_digest(baseline_db) if source.get("file") == baseline_db.name else None
-    before = decode_and_load(baseline_db, baseline)
+    before = load_session(baseline_db, baseline)
     cut = digest is not None and source.get("source") == digest and source.get("session_id") == before.id
     if cut:
         kept = {r.request_id for r in after.requests}
         before = msgspec.structs.replace(before, requests=[r for r in before.requests if r.request_id in kept])
-    report = build_report("diff", before, after, rules, [decode_and_load(baseline_db, n) for n in noise])
+    report = build_report("diff", before, after, rules, [load_session(baseline_db, n) for n in noise])
     if cut:
         how = ", ".join(f"{k} {v}" for k, v in (source.get("selection") or {}).items()) or "all requests"
         report.findings.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (

@@ -20,9 +20,9 @@ import msgspec
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.queries import QueryError, find_session, require_recording
+from replay_proxy.store.queries import QueryError, find_session
 from replay_proxy.redact.settings import Redaction
-from replay_proxy.store.tables import TABLES, open_database
+from replay_proxy.store.tables import TABLES, open_database, read_recording
 from replay_proxy.store.writer import DECODE_FRAMES, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Channel, Direction
@@ -44,8 +44,7 @@ def redact_database(source: Path, out: Path, redaction: Redaction, sessions: lis
     (name, id in ``out``, frames) of each."""
     if out.exists() and out.stat().st_size:
         raise CopyError(f"{out} exists: redact writes a new file (never over one, so nothing unredacted stays)")
-    require_recording(source)
-    with contextlib.closing(sqlite3.connect(source)) as db:
+    with contextlib.closing(read_recording(source)) as db:
         db.row_factory = sqlite3.Row
         rows = [dict(r) for r in db.execute("SELECT * FROM sessions ORDER BY id")]
         if sessions:
@@ -64,15 +63,13 @@ def copy_session(source: Path, session: str, out: Path) -> str:
     """Session ``session`` (name or id) of ``source`` into ``out`` as recorded, so that what is done with it
     there (a replay recorded beside it) leaves ``source`` as it was: its name. ``out`` may be new, or hold
     that very session already (an earlier replay's file), never another of its name."""
-    require_recording(source)
-    with contextlib.closing(sqlite3.connect(f"file:{source.resolve()}?mode=ro", uri=True)) as db:
+    with contextlib.closing(read_recording(source)) as db:
         try:
             row = find_session(sqlite_utils.Database(db), session)
         except QueryError as exc:
             raise CopyError(f"{source}: {exc}") from None
         if out.exists() and out.stat().st_size:
-            require_recording(out)
-            with contextlib.closing(sqlite3.connect(f"file:{out.resolve()}?mode=ro", uri=True)) as there:
+            with contextlib.closing(read_recording(out)) as there:
                 held = [started for (started,) in there.execute(
                     "SELECT started_at FROM sessions WHERE name = ? AND mode = ?", [row["name"], row["mode"]])]
             if row["started_at"] in held:

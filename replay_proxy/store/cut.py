@@ -26,7 +26,7 @@ import msgspec
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.copy import CopyError, recorded_frames, session_row, write_session
-from replay_proxy.store.queries import require_recording
+from replay_proxy.store.tables import read_recording
 from replay_proxy.store.subset import Cutter, Edit
 
 
@@ -158,9 +158,8 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
     """The cut of ``session`` (a name or an id) into the new file ``out``: (its id there, requests, frames)."""
     if out.exists() and out.stat().st_size:
         raise CopyError(f"{out} exists: cut writes a new file")
-    require_recording(source)
-    digest = source_digest(source)
-    with contextlib.closing(sqlite3.connect(source)) as db:
+    with contextlib.closing(read_recording(source)) as db:
+        digest = source_digest(source)
         db.row_factory = sqlite3.Row
         row = db.execute("SELECT * FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",
                          [session, session]).fetchone()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from replay_proxy.store.queries import find_session, open_existing
+from replay_proxy.store.queries import find_session, open_recording
 from replay_proxy.store.tables import TABLES
 
 BATCH_ROWS = 50_000  # rows read and written at once: memory stays bounded whatever the session's size
@@ -35,7 +35,7 @@ LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns
 
 def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> list[Path]:
     """Write every exported table of every session (or of ``session``) under ``folder``; return the files."""
-    db = open_existing(db_path)
+    db = open_recording(db_path)
     sessions = [find_session(db, session)] if session is not None else list(db.query("SELECT * FROM sessions"))
     written = []
     for row in sessions:

@@ -10,7 +10,7 @@ from typing import Any
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.tables import ensure_schema
+from replay_proxy.store.tables import open_database, read_recording
 
 
 class QueryError(ReplayProxyError):
@@ -64,55 +64,52 @@ SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vl
                    "schema_release", "frames_seen", "frames_recorded", "frames_dropped", "frames_undecoded")
 
 
-def open_existing(path: str | Path) -> sqlite_utils.Database:
-    """An existing recording, brought up to this version's tables and views (adds what is missing)."""
-    path = Path(path)
-    require_recording(path)
-    db = sqlite_utils.Database(path)
-    if db["sessions"].exists():
-        ensure_schema(db)
-    return db
-
-
-def require_recording(path: Path) -> None:
-    """That ``path`` is a SQLite file, else the one-line reason it is no recording. Asked of SQLite itself: a
-    file of this process's SQLite connections opened and closed by other means loses their locks."""
-    if not path.exists():
-        raise QueryError(f"no recording at {path}: record one with `replay-proxy record --db {path} ...`")
-    if path.is_dir():
-        raise QueryError(f"{path} is a folder, not a recording (a SQLite file that `replay-proxy record` wrote)")
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)) as connection:
-            connection.execute("PRAGMA schema_version")
-    except sqlite3.DatabaseError as exc:
-        raise QueryError(f"{path} is not a recording: " + (
-            "not a SQLite file" if "not a database" in str(exc) else str(exc))) from None
+def open_recording(path: str | Path) -> sqlite_utils.Database:
+    """The recording at ``path``, to read (``read_recording``)."""
+    return sqlite_utils.Database(read_recording(Path(path)))
 
 
 def list_sessions(path: str | Path) -> list[dict[str, Any]]:
-    db = open_existing(path)
-    if not db["sessions"].exists():
-        raise QueryError(f"{path} is not a replay-proxy recording (it has no sessions table)")
-    columns = ", ".join(SESSION_COLUMNS)
-    return list(db.query(f"SELECT {columns} FROM sessions ORDER BY id"))
+    with contextlib.closing(read_recording(Path(path))) as connection:
+        return list(sqlite_utils.Database(connection).query(f"SELECT {', '.join(SESSION_COLUMNS)} FROM sessions "
+                                                            "ORDER BY id"))
 
 
 def run_query(path: str | Path, sql: str, params: dict | None = None, *, write: bool = False) -> list[dict[str, Any]]:
     """The rows ``sql`` gives, run on a read-only connection unless ``write``: a query never changes a
-    recording by mistake (``UPDATE ... RETURNING`` returns rows too)."""
-    db = open_existing(path)  # (an older file's layout brought up to this version's first)
-    connection = db.conn if write else sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+    recording by mistake (``UPDATE ... RETURNING`` returns rows too). ``write`` brings an older file's
+    layout up to this version's first (``tables.ensure_schema``), as every command that writes does."""
+    connection = read_recording(Path(path))
+    if write:
+        connection.close()
+        connection = open_database(path).conn
+    else:
+        connection.set_authorizer(_reading)
     try:
         with connection if write else contextlib.nullcontext():
             cursor = connection.execute(sql, params or {})
             names = [d[0] for d in cursor.description or ()]
             return [dict(zip(names, row)) for row in cursor]
     except sqlite3.Error as exc:
-        hint = "; queries are read-only: give --write to change the recording" if "readonly" in str(exc) else ""
+        hint = ("; queries are read-only: give --write to change the recording"
+                if "readonly" in str(exc) or "not authorized" in str(exc) else "")
         raise QueryError(f"{exc} (in: {' '.join(sql.split())[:120]}){hint}") from None
     finally:
-        if not write:
-            connection.close()
+        connection.close()
+
+
+# PRAGMAs whose argument only names what to read; any other given a value sets something.
+_READING_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_info", "index_xinfo", "index_list",
+                    "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check"}
+
+
+def _reading(action: int, name: str | None, value: str | None, *_: object) -> int:
+    """A read-only query's authorizer: no ATTACH (SQLite would create the file it names) and no PRAGMA that
+    sets something (journal_mode would answer as if it had)."""
+    if action == sqlite3.SQLITE_ATTACH or (action == sqlite3.SQLITE_PRAGMA and value is not None
+                                           and name not in _READING_PRAGMAS):
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
 
 
 def find_session(db: sqlite_utils.Database, session: str) -> dict[str, Any]:

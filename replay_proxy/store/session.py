@@ -20,7 +20,7 @@ import msgspec
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.queries import find_session, list_sessions, open_existing
+from replay_proxy.store.queries import find_session, list_sessions, open_recording
 from replay_proxy.store.writer import finish_decoding
 from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, schema_for
@@ -136,29 +136,27 @@ class Session(msgspec.Struct):
 def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, int | None]]:
     """``replay-proxy decode``: decode what each session (or ``session``) kept undecoded. For each session
     that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them)."""
-    rows = [find_session(open_existing(db_path), session)] if session is not None else list_sessions(db_path)
+    rows = [find_session(open_recording(db_path), session)] if session is not None else list_sessions(db_path)
     return [(row["name"], None if row["status"] == "recording" else finish_decoding(str(db_path), row["id"]))
             for row in rows if row["frames_undecoded"]]
 
 
 def decode_and_load(db_path: Path, session: str) -> Session:
     """Decode what ``session`` kept undecoded (a writer that had to stop keeps frames as they came), once,
-    into its database, then load it: what replay and diff read."""
-    db = open_existing(db_path)
-    row = find_session(db, session)
+    into its database, then load it: what a replay reads of the file it wrote itself."""
+    row = find_session(open_recording(db_path), session)
     if row["frames_undecoded"]:
         if row["status"] == "recording":
             raise SessionError(f"session {row['name']!r} is still recording and {row['frames_undecoded']:,} of "
                                "its frames are not decoded yet: wait for it to end")
-        finish_decoding(str(db_path), row["id"])
-        row = db["sessions"].get(row["id"])  # (decoding may have found the release it was recorded with)
-    return _load(Path(db_path), db, row)
+        finish_decoding(str(db_path), row["id"])  # (decoding may find the release it was recorded with)
+    return load_session(db_path, str(row["id"]))
 
 
 def load_session(db_path: Path, session: str) -> Session:
     """Session ``session`` (name or id) of the recording at ``db_path``, read as it is: one whose frames are
     not all decoded yet is refused (``decode_and_load`` decodes them first)."""
-    db = open_existing(db_path)
+    db = open_recording(db_path)
     row = find_session(db, session)
     if row["frames_undecoded"]:
         raise SessionError(f"{row['frames_undecoded']:,} frames of session {row['name']!r} are not decoded yet: "

@@ -21,6 +21,7 @@ import sqlite_utils
 from replay_proxy.clock import utc_now
 from replay_proxy.store import reserve
 from replay_proxy.store.counts import FrameCounts
+from replay_proxy.store.files import NotReadable, open_read_only
 from replay_proxy.wire.schema import load_schema, shipped_releases
 
 SCALAR_KINDS = {"nil", "bool", "int", "float", "str"}
@@ -203,9 +204,12 @@ PAGE_BYTES = 16384
 
 
 def open_database(path: str | Path) -> sqlite_utils.Database:
-    """Open (creating with mode 0600 if new) a recording database with its schema."""
+    """Open (creating with mode 0600 if new) a recording database to write, migrated to this version's layout
+    (``ensure_schema``); a file that is neither new, nor empty, nor a recording is refused, not written."""
     path = Path(path)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        read_recording(path).close()
     if new:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
@@ -261,10 +265,51 @@ def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, object],
     return row, requests, alarms
 
 
+def read_recording(path: Path) -> sqlite3.Connection:
+    """The recording at ``path`` to read, never to write (``files.open_read_only``), an older file seen in this
+    version's layout (``view_as_current``)."""
+    connection = open_read_only(path, "recording", "sessions")
+    try:
+        view_as_current(connection)
+    except sqlite3.DatabaseError as exc:
+        connection.close()
+        raise NotReadable(f"{path} is not a recording: {exc}") from None
+    return connection
+
+
+# What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
+# file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
+SCHEMA_VERSION = 1  # PRAGMA user_version of a file laid out as TABLES and VIEWS say (0: an older proxy's file)
+
 # An older file's logprobs and events columns, folded into ``output_rows.other`` (a null patch value
 # removes its key, so an output with neither keeps ``other`` as it was).
 _OTHER_WITH_COLUMNS = """NULLIF(json_patch(COALESCE(other, '{}'), json_object('new_logprobs', json(new_logprobs),
                          'events', json(events))), '{}')"""
+# A file recorded before ``output_rows``: one wide ``outputs`` table, its request ids numbered in order of first
+# sight, and the engine's clock not yet a column of ``frames``.
+_WIDE_REQUEST_IDS = """SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id ORDER BY MIN(seq * 65536 +
+                       position)) AS number, request_id FROM main.outputs GROUP BY session_id, request_id"""
+_WIDE_OUTPUT_ROWS = f"""SELECT o.session_id, r.number AS request, o.seq, o.position, o.new_token_ids,
+                       o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits,
+                       {_OTHER_WITH_COLUMNS} AS other
+                       FROM main.outputs o JOIN request_ids r ON r.session_id = o.session_id
+                       AND r.request_id = o.request_id"""
+_ENGINE_TIME = """CASE WHEN kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0
+                  THEN json_extract(decoded, '$.timestamp') END"""
+
+
+def _select_as_current(table: str, have: set[str]) -> str | None:
+    """A SELECT of ``table``'s rows in this version's columns from a file where it has the columns ``have``
+    (None: it has them all as they are). A missing column is null, or made from what the row holds; a file
+    whose ``output_rows`` had logprobs and events columns of their own has them folded into ``other``."""
+    columns = TABLES[table][0]
+    folded = {"other": _OTHER_WITH_COLUMNS} if table == "output_rows" and "new_logprobs" in have else {}
+    if have >= columns.keys() and not folded:
+        return None
+    made = {"engine_time_s": _ENGINE_TIME} if table == "frames" and "decoded" in have else {}
+    picked = ", ".join(f"{folded[c]} AS [{c}]" if c in folded else f"[{c}]" if c in have
+                       else f"{made.get(c, 'NULL')} AS [{c}]" for c in columns)
+    return f"SELECT {picked} FROM main.[{table}]" if have else f"SELECT {picked} WHERE 0"
 
 
 def _drop_views(db: sqlite_utils.Database) -> None:
@@ -274,33 +319,46 @@ def _drop_views(db: sqlite_utils.Database) -> None:
 
 
 def _move_wide_outputs(db: sqlite_utils.Database) -> None:
-    """A file recorded before ``output_rows``: its one wide ``outputs`` table into the compact layout."""
     with db.conn:
-        db.execute("""INSERT INTO request_ids SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id
-                      ORDER BY MIN(seq * 65536 + position)), request_id FROM outputs GROUP BY session_id, request_id""")
-        db.execute(f"""INSERT INTO output_rows SELECT o.session_id, r.number, o.seq, o.position, o.new_token_ids,
-                      o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits, {_OTHER_WITH_COLUMNS}
-                      FROM outputs o JOIN request_ids r
-                      ON r.session_id = o.session_id AND r.request_id = o.request_id""")
-        db.execute("""UPDATE frames SET engine_time_s = json_extract(decoded, '$.timestamp')
-                      WHERE kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0""")
+        db.execute(f"INSERT INTO request_ids {_WIDE_REQUEST_IDS}")
+        db.execute(f"INSERT INTO output_rows {_WIDE_OUTPUT_ROWS}")
+        db.execute(f"UPDATE frames SET engine_time_s = {_ENGINE_TIME} WHERE kind IN ('OUTPUTS', 'UTILITY_OUTPUT')")
         db.execute("DROP TABLE outputs")
         _drop_views(db)
 
 
 def _fold_output_columns(db: sqlite_utils.Database) -> None:
-    """A file whose ``output_rows`` had logprobs and events columns: those into ``other``."""
     with db.conn:
         _drop_views(db)
         db["output_rows_folded"].create(TABLES["output_rows"][0])
-        db.execute(f"""INSERT INTO output_rows_folded SELECT session_id, request, seq, position, new_token_ids,
-                      num_new_tokens, finish_reason, stop_reason, num_nans_in_logits, {_OTHER_WITH_COLUMNS}
-                      FROM output_rows""")
+        folded = _select_as_current("output_rows", set(db["output_rows"].columns_dict))
+        db.execute(f"INSERT INTO output_rows_folded {folded}")
         db.execute("DROP TABLE output_rows")
         db.execute("ALTER TABLE output_rows_folded RENAME TO output_rows")
 
 
+def view_as_current(connection: sqlite3.Connection) -> None:
+    """An older file read as this version lays a recording out, without a byte written to it: each table that
+    differs, and every view, is shadowed by a TEMP view of its name (the connection's own schema, which SQLite
+    searches before the file's), made from the SELECTs that ``ensure_schema`` migrates with."""
+    if connection.execute("PRAGMA main.user_version").fetchone()[0] >= SCHEMA_VERSION:
+        return
+    tables = {name for (name,) in connection.execute("SELECT name FROM main.sqlite_master WHERE type = 'table'")}
+    wide = "outputs" in tables
+    for name in TABLES:
+        have = {row[1] for row in connection.execute(f"PRAGMA main.table_info([{name}])")}
+        if wide and name in ("request_ids", "output_rows"):
+            body = _WIDE_REQUEST_IDS if name == "request_ids" else _WIDE_OUTPUT_ROWS
+        else:
+            body = _select_as_current(name, have)
+        if body is not None:
+            connection.execute(f"CREATE TEMP VIEW [{name}] AS {body}")
+    for name, sql in VIEWS.items():
+        connection.execute(f"CREATE TEMP VIEW [{name}] AS {sql}")
+
+
 def ensure_schema(db: sqlite_utils.Database) -> None:
+    """A file this proxy writes, migrated to this version's layout (the one place a recording changes shape)."""
     for name, (columns, pk) in TABLES.items():
         table = db[name]
         if name == "undecoded" and table.exists() and table.columns_dict != columns and not table.count:
@@ -323,4 +381,6 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     for name, sql in VIEWS.items():
         stored = " ".join(existing.get(name, "").replace('"', "").split())
         if stored != " ".join(f"CREATE VIEW {name} AS {sql}".split()):
-            db.create_view(name, sql, replace=True)  # only when missing or changed: opening must not write
+            db.create_view(name, sql, replace=True)  # only when missing or changed
+    if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

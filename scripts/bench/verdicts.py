@@ -35,8 +35,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import json
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -49,6 +49,7 @@ sys.path.append(str(ROOT))  # after PYTHONPATH: --judge-again judges with the re
 
 from replay_proxy.peers import cache_dir  # noqa: E402
 from replay_proxy.processes import free_port  # noqa: E402
+from replay_proxy.store.tables import read_recording  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "inject"))
 from replay_proxy_inject import KINDS  # noqa: E402
@@ -64,9 +65,9 @@ UNTIMED = "untimed"  # a replay whose timing was not judged: a run the machine d
 def frequent_token(db: Path) -> int:
     """The token the recorded session generated most often: the vocabulary slot ``vocab-slot`` breaks."""
     counts = collections.Counter()
-    for (tokens,) in sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute(
-            "SELECT new_token_ids FROM outputs WHERE new_token_ids IS NOT NULL"):
-        counts.update(json.loads(tokens))
+    with contextlib.closing(read_recording(db)) as connection:
+        for (tokens,) in connection.execute("SELECT new_token_ids FROM outputs WHERE new_token_ids IS NOT NULL"):
+            counts.update(json.loads(tokens))
     return counts.most_common(1)[0][0]
 
 
