@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 
 from replay_proxy import releases
-from replay_proxy.processes import Child, ChildError
+from replay_proxy.processes import Child, ChildError, last_line, run_group
 from replay_proxy.releases import ReleaseError, cache_dir
 
 INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
@@ -126,12 +126,12 @@ def _built_once(folder: Path, *args: str) -> None:
         install_engine(MODEL_BUILDER)
         shutil.rmtree(folder, ignore_errors=True)
         try:
-            result = subprocess.run([str(venv(MODEL_BUILDER) / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"),
-                                     str(folder), *args], capture_output=True, text=True, timeout=MODEL_S)
+            result = run_group([str(venv(MODEL_BUILDER) / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"),
+                                str(folder), *args], MODEL_S)
         except subprocess.TimeoutExpired:
             raise ReleaseError(f"building {folder.name} took over {MODEL_S} s") from None
         if result.returncode != 0:
-            raise ReleaseError(f"{folder.name} did not build: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+            raise ReleaseError(f"{folder.name} did not build: {last_line(result.stderr)}")
         (folder / ".complete").touch()
 
     _installed_once(folder.name, folder / ".complete", build)
@@ -161,13 +161,12 @@ def install_engine(release: str) -> None:
             raise ReleaseError(f"vLLM {release} is not installed and {SETUP} is missing: install it with the "
                                "project's scripts/setup-vllm.sh")
         try:
-            result = subprocess.run(["bash", str(SETUP), "--engines-only", release], capture_output=True, text=True,
-                                    timeout=INSTALL_S, env={**os.environ, "REPLAY_PROXY_CACHE": str(cache_dir())})
+            result = run_group(["bash", str(SETUP), "--engines-only", release], INSTALL_S,
+                               env={**os.environ, "REPLAY_PROXY_CACHE": str(cache_dir())})
         except subprocess.TimeoutExpired:
             raise ReleaseError(f"installing vLLM {release} took over {INSTALL_S} s") from None
         if result.returncode != 0 or not engine_installed(release):
-            raise ReleaseError(f"vLLM {release} did not install: "
-                               f"{(result.stderr.strip().splitlines() or ['?'])[-1]}")
+            raise ReleaseError(f"vLLM {release} did not install: {last_line(result.stderr)}")
 
     _installed_once(release, venv(release) / ".complete", install)
 

@@ -26,6 +26,53 @@ class ChildError(ReplayProxyError):
     """A child process failed to start, exited early or did not become ready."""
 
 
+def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess[bytes]:
+    """``subprocess.run(argv, capture_output=True)`` in a process group of its own, it and every process it
+    started killed if it outlives ``timeout`` or its caller is stopped (SIGINT, or SIGTERM, which ``cli.run``
+    turns into it): an install's pip stops with it, and never goes on writing into the cache that the next
+    run removes and installs again. Each process by its PID as well as the group: GNU ``timeout``, which the
+    set-up runs pip under, puts itself and pip in a group of their own."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:
+            started = descendants(process.pid)  # (before any dies: its children would be orphans, out of reach)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, sig)
+                for pid in started:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(5)
+            raise
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes ``pid`` started, and those they started, now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # (gone meanwhile)
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def last_line(output: bytes, default: str = "no output") -> str:
+    """What a failed command said last: the line that names why."""
+    return (output.decode(errors="replace").strip().splitlines() or [default])[-1]
+
+
 class Child:
     def __init__(self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
                  name: str | None = None, cwd: Path | None = None, owns: Path | None = None):

@@ -32,6 +32,7 @@ from email.parser import Parser
 from pathlib import Path
 
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.processes import last_line, run_group
 
 DOWNLOAD_S = 900  # a pip download, at most
 EXTRACT_S = 300  # importing the classes and walking them, at most
@@ -47,12 +48,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("REPLAY_PROXY_CACHE", Path.home() / ".cache" / "replay-proxy"))
 
 
-def _pip(*args: str) -> subprocess.CompletedProcess:
+def _pip(*args: str) -> subprocess.CompletedProcess[bytes]:
     """pip of the project's own interpreter: a download or a --target install needs no vLLM venv, so the
     set-up fetches wheels while the venvs install."""
     try:
-        return subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--no-deps",
-                               "--disable-pip-version-check"], capture_output=True, text=True, timeout=DOWNLOAD_S)
+        return run_group([sys.executable, "-m", "pip", *args, "--quiet", "--no-deps", "--disable-pip-version-check"],
+                         DOWNLOAD_S)
     except subprocess.TimeoutExpired:
         raise ReleaseError(f"pip {' '.join(args)} took over {DOWNLOAD_S} s") from None
 
@@ -74,7 +75,7 @@ def download_wheel(release: str, folder: Path, packages: tuple[str, ...] = ("vll
         wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{release}-*.whl"))
         if result.returncode == 0 and wheels:
             return wheels[0]
-        errors.append(f"{package}: " + (result.stderr.strip().splitlines() or ["no wheel"])[-1])
+        errors.append(f"{package}: " + last_line(result.stderr, "no wheel"))
     raise ReleaseError(f"no wheel of vLLM {release} from pip ({'; '.join(errors)})")
 
 
@@ -176,12 +177,11 @@ def extract_schema(python: Path, vllm_src: Path | None = None, deps: Path | None
     path = [str(p) for p in (vllm_src, deps) if p is not None]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)} if path else None
     try:
-        result = subprocess.run([str(python), extract.__file__], capture_output=True, env=env, timeout=EXTRACT_S)
+        result = run_group([str(python), extract.__file__], EXTRACT_S, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ReleaseError(f"could not run {python}: {exc}") from None
     if result.returncode != 0:
-        last = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        raise ReleaseError(f"schema extraction failed under {python}: {last[0]}")
+        raise ReleaseError(f"schema extraction failed under {python}: {last_line(result.stderr)}")
     return result.stdout
 
 
@@ -213,5 +213,5 @@ def extract_release(release: str) -> bytes:
         result = _pip("install", "--target", str(deps), requirement)
         if result.returncode != 0:
             raise ReleaseError(f"vLLM {release} needs {requirement}, which pip could not install: "
-                               + (result.stderr.strip().splitlines() or ["no output"])[-1])
+                               + last_line(result.stderr))
     raise ReleaseError(f"vLLM {release} still misses packages after {MISSING_IMPORTS} installs")
