@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -125,7 +126,7 @@ def replay(
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     if out_db is None:
-        out_db = report_dir / "replay.db" if report_dir else Path(f"replay-{session.replace('/', '_')}.db")
+        out_db = report_dir / "replay.db" if report_dir else Path("replay-" + re.sub(r"[^\w.-]", "_", session) + ".db")
     if out_db.resolve() != db.resolve():
         session = copy_session(db, session, out_db)
     if not quiet:
@@ -167,7 +168,6 @@ def shrink(
     """
     from replay_proxy.replay.player import pace_factor
     from replay_proxy.replay.shrink import Peer, shrink as shrink_session
-    from replay_proxy.store.queries import require_recording
 
     command = engine_cmd if against is Side.ENGINE else frontend_cmd
     holes = ("{port}",) if against is Side.ENGINE else ("{http}", "{rpc}")
@@ -178,7 +178,6 @@ def shrink(
         pace_factor(pace)
     except ReplayProxyError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    require_recording(db)
     peer = Peer(against=against, command=command, pace=pace, ready_timeout_s=ready_timeout,
                 finish_timeout_s=finish_timeout)
     summary = shrink_session(db, session, out, peer, finding=finding, max_replays=max_replays, jobs=jobs,

@@ -182,8 +182,6 @@ def bisect(
         releases_in(releases)
     except MatrixError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    if not db.is_file():
-        raise fail(f"no recording database at {db}")
     first, tried = search(db, session, against, releases, frontend_kind=frontend_kind, ready_s=ready_timeout,
                           progress=lambda line: err.print(line, highlight=False))
     tried_text = ", ".join(t.release for t in tried)

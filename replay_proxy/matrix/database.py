@@ -10,6 +10,7 @@ and keeps the others, so several runs build one matrix.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import msgspec
@@ -17,12 +18,16 @@ import sqlite_utils
 
 from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell
+from replay_proxy.store.files import open_read_only
 
 CELLS = "matrix_cells"
 RUNS = "matrix_runs"
 
 
 def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
+    """Keep ``cells`` in the matrix database at ``path``: new, empty, or one already (never another file)."""
+    if path.exists() and path.stat().st_size:
+        load(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite_utils.Database(path)
     db[RUNS].insert({"started_at": utc_now("seconds"),
@@ -46,12 +51,9 @@ def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
 
 
 def load(path: Path) -> list[Cell]:
-    if not path.exists():
-        return []
-    db = sqlite_utils.Database(path)
-    cells = [msgspec.json.decode(r["cell"], type=Cell) for r in db[CELLS].rows] if CELLS in db.table_names() else []
-    db.close()
-    return cells
+    """The cells kept in the matrix database at ``path``, read only (``NotReadable``: it is none)."""
+    with contextlib.closing(open_read_only(path, "matrix database", CELLS)) as connection:
+        return [msgspec.json.decode(cell, type=Cell) for (cell,) in connection.execute(f"SELECT cell FROM {CELLS}")]
 
 
 def _row_cell(db: sqlite_utils.Database, frontend: str, engine: str) -> Cell | None:

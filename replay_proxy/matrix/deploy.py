@@ -30,6 +30,7 @@ from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.run import build
 from replay_proxy.peers import READY_S
 from replay_proxy.releases import ReleaseError
+from replay_proxy.store.queries import find_session, open_recording
 from replay_proxy.wire.messages import Side
 from replay_proxy.wire.schema import release_key, shipped_releases
 
@@ -99,6 +100,8 @@ def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, uses: list
     """Whether ``frontend`` works with ``engine`` for the kinds of request in ``uses`` (default: every kind
     judged), and the upgrade order from ``current`` (default: both sides at the older of the two releases)
     that keeps every step working for them."""
+    if db is not None and (db.exists() or not verify):  # before anything runs (--verify makes a new one)
+        database.load(db)
     cell, source = cell_of(frontend, engine, db, verify=verify, uses=uses, recordings=recordings, report_dir=report_dir,
                            ready_s=ready_s)
     uses = uses or cell.kinds
@@ -157,7 +160,9 @@ def bisect(db: Path, session: str, against: Side, releases: str, *, frontend_kin
            workdir: Path | None = None, ready_s: float = READY_S,
            progress=lambda line: None) -> tuple[str | None, list[Tried]]:
     """The first release of ``releases`` on side ``against`` whose replay of ``session`` regresses (None:
-    none does), and the releases tried, in the order tried; each replay waits ``ready_s`` for its peer."""
+    none does), and the releases tried, in the order tried; each replay waits ``ready_s`` for its peer. The
+    session is read first: a recording that cannot be replayed installs nothing."""
+    find_session(open_recording(db), session)
     if workdir is None:  # the replays' files, not kept
         with tempfile.TemporaryDirectory(prefix="replay-proxy-bisect-") as scratch:
             return bisect(db, session, against, releases, frontend_kind=frontend_kind, workdir=Path(scratch),

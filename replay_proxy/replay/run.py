@@ -21,7 +21,6 @@ import collections
 import datetime
 import re
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -93,15 +92,12 @@ def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayO
     twice), and every request asks for the judging's logprobs. A ``console`` is told each run as it starts and
     ends; on a terminal, a progress bar shows while it runs. With ``kept`` (against an engine), the engine it holds
     is used if it can be for the candidate's first run, and that engine is kept there if the run ended clean (every
-    other run starts an engine of its own). The peers' logs go to ``options.report_dir``; without one, to a folder
-    removed at the end (what a finding needs of them, it quotes)."""
+    other run starts an engine of its own). The peers' logs go to ``options.report_dir``; without one, to the
+    folder ``<db>-logs`` beside the replay's database, kept as the findings that name them are."""
     if kept is not None and peer.side is not Side.ENGINE:
         raise ReplayError("only an engine under test can be kept for the next replay")
-    if options.report_dir is not None or kept is not None:  # (a kept engine's log outlives this replay)
-        return _replay(db, session, peer, options, options.report_dir or Path(tempfile.mkdtemp(
-            prefix="replay-proxy-replay-")), console, kept)
-    with tempfile.TemporaryDirectory(prefix="replay-proxy-replay-") as logs:
-        return _replay(db, session, peer, options, Path(logs), console, kept)
+    logs = options.report_dir or db.with_name(f"{db.stem}-logs")
+    return _replay(db, session, peer, options, logs, console, kept)
 
 
 def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, logs: Path,

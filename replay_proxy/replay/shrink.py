@@ -20,10 +20,10 @@ result does not depend on which finished first).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import shlex
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -36,6 +36,7 @@ from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.processes import free_port
 from replay_proxy.store.cut import Selection, cut_database
+from replay_proxy.store.tables import read_recording
 from replay_proxy.store.subset import Edit
 from replay_proxy.wire.messages import Side
 
@@ -87,6 +88,19 @@ def wanted(findings: list[dict], spec: str | None) -> dict | None:
     return max(serious, key=lambda f: _SEVERITY[f["severity"]], default=None)
 
 
+def session_requests(db: Path, session: str) -> tuple[int, list[str]]:
+    """Session ``session`` (name or id) of the recording ``db``: its id and its request ids in the order they were
+    added (ShrinkError if it has none)."""
+    with contextlib.closing(read_recording(db)) as connection:
+        found = connection.execute("SELECT id FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",
+                                   [session, session]).fetchone()
+        requests = [] if found is None else list(dict.fromkeys(r for (r,) in connection.execute(
+            "SELECT request_id FROM requests WHERE session_id = ? ORDER BY seq", [found[0]])))
+    if not requests:
+        raise ShrinkError(f"no session {session} with requests in {db}")
+    return found[0], requests
+
+
 class Shrinker:
     """ddmin over one session's requests (see the module's docstring)."""
 
@@ -107,14 +121,7 @@ class Shrinker:
 
     def start(self, spec: str | None) -> dict:
         """Replay the whole session; the finding to chase (ShrinkError if there is none)."""
-        with sqlite3.connect(self.db) as db:
-            found = db.execute("SELECT id FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",
-                               [self.session, self.session]).fetchone()
-            self.session_id = found[0] if found else None
-            self.smallest = list(dict.fromkeys(r for (r,) in db.execute(
-                "SELECT request_id FROM requests WHERE session_id = ? ORDER BY seq", [self.session_id])))
-        if not self.smallest:
-            raise ShrinkError(f"no session {self.session} with requests in {self.db}")
+        self.session_id, self.smallest = session_requests(self.db, self.session)
         copy = self.workdir / "whole" / "session.db"
         copy.parent.mkdir(parents=True)
         shutil.copy(self.db, copy)
@@ -156,7 +163,7 @@ class Shrinker:
         """Request by request: each sampling value back to its default (logprobs off among them), then the
         prompt halved and max_tokens halved for as long as the finding holds."""
         edits: dict[str, Edit] = {}
-        with sqlite3.connect(self.db) as db:
+        with contextlib.closing(read_recording(self.db)) as db:
             recorded = {rid: (json.loads(params or "{}"), json.loads(prompt or "[]")) for rid, params, prompt in
                         db.execute("SELECT request_id, sampling_params, prompt_token_ids FROM requests WHERE "
                                    "session_id = ? ORDER BY seq", [self.session_id])}
@@ -228,9 +235,21 @@ def shrink(db: Path, session: str, out: Path, peer: Peer, *, finding: str | None
            jobs: int = 1, progress: Callable[[str], None] = lambda line: None) -> dict:
     """Shrink ``session`` to the requests its finding needs: ``out``/shrunk.db (that session, cut) and
     ``out``/shrink.json (what it took); returns shrink.json's contents."""
-    out.mkdir(parents=True, exist_ok=True)
     if (out / "shrunk.db").exists():
         raise ShrinkError(f"{out / 'shrunk.db'} exists: shrink writes a new file")
+    session_requests(db, session)  # (before the folder is made: a shrink that cannot start leaves none)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _shrink(db, session, out, peer, finding, max_replays, jobs, progress)
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _shrink(db: Path, session: str, out: Path, peer: Peer, finding: str | None, max_replays: int, jobs: int,
+            progress: Callable[[str], None]) -> dict:
     with tempfile.TemporaryDirectory(prefix="shrink-", dir=out) as workdir:
         shrinker = Shrinker(db, session, peer, Path(workdir), max_replays=max_replays, jobs=jobs, progress=progress)
         chased = shrinker.start(finding)
