@@ -10,13 +10,17 @@ differ and exits 1 if any does; a cell in only one of them is listed too.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sqlite3
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from replay_proxy.store.files import open_read_only
 
 
 def cells(path: str) -> dict[tuple[str, str], tuple]:
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+    with contextlib.closing(open_read_only(Path(path), "matrix database", "matrix_cells")) as db:
         rows = db.execute("SELECT frontend, engine, verdict, by_kind, cell FROM matrix_cells").fetchall()
     found = {}
     for frontend, engine, verdict, by_kind, cell in rows:

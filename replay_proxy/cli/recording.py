@@ -17,6 +17,7 @@ from replay_proxy.errors import ExitCode
 from replay_proxy.store import queries
 from replay_proxy.record.status import LogFormat
 from replay_proxy.store.recorder import OnFull
+from replay_proxy.store.tables import read_recording
 
 if TYPE_CHECKING:  # (the commands import what they use when they run: -h stays quick)
     from replay_proxy.redact.settings import RedactionSettings
@@ -320,4 +321,6 @@ def datasette_metadata(
     Example: replay-proxy datasette-metadata recordings/*.db > metadata.json && datasette recordings/*.db
     -m metadata.json
     """
+    for database in databases:  # (each one Datasette will open)
+        read_recording(database).close()
     sys.stdout.write(json.dumps(queries.datasette_metadata(databases), indent=1) + "\n")

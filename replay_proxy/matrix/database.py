@@ -25,9 +25,8 @@ RUNS = "matrix_runs"
 
 
 def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
-    """Keep ``cells`` in the matrix database at ``path``: new, empty, or one already (never another file)."""
-    if path.exists() and path.stat().st_size:
-        load(path)
+    """Keep ``cells`` in the matrix database at ``path`` (``writable``)."""
+    writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite_utils.Database(path)
     db[RUNS].insert({"started_at": utc_now("seconds"),
@@ -48,6 +47,13 @@ def save(path: Path, cells: list[Cell], command: str, seconds: float) -> None:
     db[CELLS].upsert_all(rows, pk=("frontend", "engine"), column_order=("frontend", "engine", "verdict"),
                          alter=True)  # (a database made before a column was added gains it)
     db.close()
+
+
+def writable(path: Path) -> None:
+    """That cells can be kept at ``path``: a new or empty file, or a matrix database already (never another
+    file); what saves there checks it before it starts work."""
+    if path.exists() and (path.is_dir() or path.stat().st_size):
+        load(path)
 
 
 def load(path: Path) -> list[Cell]:

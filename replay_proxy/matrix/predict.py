@@ -20,7 +20,6 @@ ignores it was observed to give the same tokens as one that honours it.
 from __future__ import annotations
 
 import functools
-import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, e
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.rust import load_rust_schema
 from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
+from replay_proxy.store.tables import read_recording
 from replay_proxy.wire.values import decode_msgpack
 
 RULE_OF_FLAG = {"extra_position": "extra_trailing_elements", "missing_required": "missing_required_key",
@@ -111,7 +111,7 @@ def _may_leave_out(change: Finding, writer: Schema, reader_schema: Schema) -> bo
 
 def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:
     """The frames one side sent in ``session`` of the recording at ``db``, in recorded order."""
-    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    connection = read_recording(db)
     try:
         rows = connection.execute(
             "SELECT f.channel, f.raw FROM frames f JOIN sessions s ON s.id = f.session_id "

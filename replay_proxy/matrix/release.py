@@ -23,7 +23,6 @@ Every process is started and stopped by its PID; every wait is bounded.
 from __future__ import annotations
 
 import json
-import sqlite3
 import sys
 import tempfile
 import time
@@ -41,6 +40,8 @@ from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.matrix import Cell, Frontend, added_recording
+from replay_proxy.matrix import database
+from replay_proxy.store.tables import read_recording
 from replay_proxy.matrix.run import run
 from replay_proxy.processes import Child, ChildError, free_port
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
@@ -81,6 +82,8 @@ def add_release(release: str, *, engines: list[str] | None = None, db: Path | No
                 workdir: Path | None = None, ready_s: float = peers.READY_S,
                 say: Callable[[str], None] = lambda line: None) -> AddedRelease:
     """The module's docstring, for ``release`` (one pip has: ``releases.ReleaseError`` otherwise)."""
+    if db is not None:
+        database.writable(db)
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"replay-proxy-release-{release}-"))
     seconds: dict[str, float] = {}
     clock = time.monotonic()
@@ -212,7 +215,7 @@ def _ask(port: int, path: str, body: dict) -> str:
 def unread_messages(db: Path, schema: Schema) -> list[str]:
     """What of the frontend's messages in the recording ``schema``'s release does not read (its frames named
     with it, held fixed): a line per way, with how many messages."""
-    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    connection = read_recording(db)
     try:
         rows = connection.execute("SELECT channel, raw FROM frames WHERE direction = ? ORDER BY seq",
                                   (str(Direction.TO_ENGINE),)).fetchall()

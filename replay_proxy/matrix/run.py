@@ -93,6 +93,8 @@ def run(frontends: str, engines: str, *, predict_only: bool = False, observe: li
     ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept under
     ``report_dir``/replays/ (default: not kept); the cells kept in ``db`` if given. Bad specs raise ``MatrixError``."""
     started = time.monotonic()
+    if db is not None:
+        database.writable(db)
     builds, releases = frontends_in(frontends), releases_in(engines)
     chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
     wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \

@@ -3,13 +3,13 @@ Python frontend and engine, made with our recorder) decodes under its own schema
 recordings of the shapes of request that are not matrix kinds (-varied.db, -fan-out.db:
 scripts/make_recordings.py --shapes), each holding every shape its workload sends."""
 
-import sqlite3
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from replay_proxy.store.session import load_session
+from replay_proxy.store.tables import read_recording
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from tests.real import workload
 
@@ -28,7 +28,7 @@ def test_every_installable_engine_release_has_a_recording_of_each_shape():
 
 def adds_of(recording: Path) -> list[dict]:
     """Its ADDs' named fields, after checking that no frame of it has a flag or a decode error."""
-    db = sqlite3.connect(f"file:{recording}?mode=ro", uri=True)
+    db = read_recording(recording)
     assert db.execute("SELECT COUNT(*) FROM frames WHERE flags IS NOT NULL OR decode_error IS NOT NULL").fetchone() \
         == (0,)
     db.close()
@@ -69,7 +69,7 @@ def test_each_releases_fan_out_session_holds_beams_children_and_drafts(recording
 @pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.name)
 def test_a_release_recording_decodes_under_its_own_schema_without_flags(recording):
     release = recording.name.split("-")[1]
-    db = sqlite3.connect(f"file:{recording}?mode=ro", uri=True)
+    db = read_recording(recording)
     decoder = WireDecoder()
     kinds = set()
     for channel, direction, raw in db.execute("SELECT channel, direction, raw FROM frames ORDER BY session_id, seq"):
