@@ -170,11 +170,12 @@ def redact(
     db: Annotated[Path, typer.Option(help="The recording to redact (it is only read).")],
     out: Annotated[Path, typer.Option(help="The new SQLite file for the redacted copies (must not exist).")],
     key_file: Annotated[Path, typer.Option(help="The redaction key: a file of 16 bytes or more.")],
+    vocab_size: Annotated[int, typer.Option(
+        min=2, help="The model's vocabulary size (vocab_size in its config.json): a recording with a token id "
+                    "this large or larger is refused.")],
     session: Annotated[list[str] | None, typer.Option(help="A session to redact: name or id (repeatable; "
                                                            "default: every session).")] = None,
     policy: Annotated[Path | None, typer.Option(help="A JSON redaction policy laid over the shipped one.")] = None,
-    vocab_size: Annotated[int | None, typer.Option(
-        min=2, help="The model's vocabulary size (vocab_size in its config.json).")] = None,
 ) -> None:
     """Write redacted copies of a recording's sessions into a new file, safe to hand to CI.
 
@@ -232,7 +233,8 @@ def cut(
         session_id, kept, frames = cut_database(db, out, session, selection, name)
     except CutError as exc:  # the selection options themselves
         raise fail(str(exc), ExitCode.USAGE) from None
-    err.print(f"session {session!r}: {kept:,} requests, {frames:,} frames -> {out} (id {session_id})")
+    made = next(s["name"] for s in queries.list_sessions(out) if s["id"] == session_id)
+    err.print(f"session {made!r}: {kept:,} requests of {session!r}, {frames:,} frames -> {out} (id {session_id})")
 
 
 @app.command()

@@ -55,8 +55,31 @@ def redact_database(source: Path, out: Path, redaction: Redaction, sessions: lis
                 raise CopyError(f"no session {', '.join(sorted(missing))} in {source}")
         if not rows:
             raise CopyError(f"{source} holds no session")
+        _check_vocabulary(db, [row["id"] for row in rows], redaction.vocab_size)
         new_ids: dict[int, int] = {}  # a source session's id -> its copy's: a replay's baseline follows its copy
-        return [_copy(db, row, out, redaction, new_ids) for row in rows]
+        copied = [_copy(db, row, out, redaction, new_ids) for row in rows]
+        had = dict(db.execute("SELECT session_id, COUNT(*) FROM requests GROUP BY session_id").fetchall())
+    with contextlib.closing(read_recording(out)) as there:
+        kept = dict(there.execute("SELECT session_id, COUNT(*) FROM requests GROUP BY session_id").fetchall())
+    lost = [f"{row['name']!r} ({had[row['id']]:,})" for row, (_, new_id, _) in zip(rows, copied)
+            if had.get(row["id"]) and not kept.get(new_id)]
+    if lost:  # (a backstop: nothing reported done that kept nothing)
+        raise CopyError(f"the redacted copy in {out} keeps no request of session {', '.join(lost)}: every ADD was "
+                        "blanked (README: Redaction)")
+    return copied
+
+
+def _check_vocabulary(db: sqlite3.Connection, session_ids: list[int], vocab_size: int) -> None:
+    """Token ids the pseudonymization cannot map (``vocab_size`` or more) blank each frame that has one: a
+    mistyped size would give a copy that replays nothing, so it is refused before anything is written."""
+    held = ",".join(map(str, session_ids))
+    largest = db.execute(f"""SELECT MAX(id) FROM (
+        SELECT MAX(t.value) AS id FROM requests r, json_each(r.prompt_token_ids) t WHERE r.session_id IN ({held})
+        UNION ALL SELECT MAX(t.value) FROM output_rows o, json_each(o.new_token_ids) t
+        WHERE o.session_id IN ({held}))""").fetchone()[0]
+    if largest is not None and largest >= vocab_size:
+        raise CopyError(f"--vocab-size {vocab_size:,} is too small for this recording: it holds token id {largest:,}"
+                        " (vocab_size in the model's config.json)")
 
 
 def copy_session(source: Path, session: str, out: Path) -> str:

@@ -63,3 +63,37 @@ def test_a_copy_or_a_cut_of_a_redacted_session_says_it_is_redacted(tmp_path):
     first = rows(redacted, "SELECT request_id FROM requests ORDER BY seq LIMIT 1")[0][0]
     cut_database(redacted, tmp_path / "cut.db", "python-frontend", Selection(requests=[first]))
     assert rows(tmp_path / "cut.db", "SELECT redaction_policy, redaction_key FROM sessions") == [(policy, fingerprint)]
+
+
+def largest_token_id(db):
+    return rows(db, """SELECT MAX(id) FROM (SELECT MAX(t.value) AS id FROM requests, json_each(prompt_token_ids) t
+                       UNION ALL SELECT MAX(t.value) FROM output_rows, json_each(new_token_ids) t)""")[0][0]
+
+
+def test_a_vocabulary_smaller_than_the_recordings_token_ids_is_refused_before_anything_is_written(tmp_path):
+    """A mistyped --vocab-size (3200 for 32000) blanks every frame holding a larger id: a copy that replays
+    nothing, once reported as done."""
+    from replay_proxy.redact.settings import Redaction, RedactionSettings
+
+    source = RECORDINGS / "vllm-0.32.0-python.db"
+    largest = largest_token_id(source)
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    with pytest.raises(CopyError, match=f"--vocab-size {largest} is too small .* token id {largest}"):
+        redact_database(source, tmp_path / "small.db", Redaction(RedactionSettings(str(key), largest)))
+    assert not (tmp_path / "small.db").exists()
+    redact_database(source, tmp_path / "fits.db", Redaction(RedactionSettings(str(key), largest + 1)))
+    assert rows(tmp_path / "fits.db", "SELECT COUNT(*) FROM requests") == rows(source, "SELECT COUNT(*) FROM requests")
+
+
+def test_a_redacted_copy_that_keeps_no_request_of_a_session_that_had_some_is_an_error(tmp_path, monkeypatch):
+    """The backstop behind the vocabulary check: whatever blanked every ADD, nothing is reported done."""
+    from replay_proxy.redact.settings import Redaction, RedactionSettings
+    from replay_proxy.store import copy
+
+    monkeypatch.setattr(copy, "_check_vocabulary", lambda *args: None)
+    key = tmp_path / "key"
+    key.write_bytes(bytes(range(32)))
+    with pytest.raises(CopyError, match="keeps no request of session 'python-frontend' \\(6\\)"):
+        redact_database(RECORDINGS / "vllm-0.32.0-python.db", tmp_path / "r.db",
+                        Redaction(RedactionSettings(str(key), 5)))
