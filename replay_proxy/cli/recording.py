@@ -271,7 +271,8 @@ def decode(
 @app.command()
 def export(
     db: Annotated[Path, typer.Option(help="Recording database.")],
-    parquet: Annotated[Path, typer.Option(help="Folder to write into: DIR/TABLE/session=NAME/FILE-ID.parquet.")],
+    parquet: Annotated[Path, typer.Option(
+        help="Folder to write into: DIR/TABLE/day=DAY/session=NAME/RECORDING.parquet (docs/database.md).")],
     session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
 ) -> None:
     """Write each table of each session as Parquet, partitioned by session, for DuckDB, Spark or pandas.

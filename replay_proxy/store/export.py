@@ -2,9 +2,15 @@
 
 Each table a user queries (the ``outputs`` view included, not its storage
 tables or the writer's scratch) becomes, per session,
-``DIR/<table>/session=<name>/<file>-<id>.parquet``: Hive partitioning, so
-DuckDB, Spark or pandas read one table of many recordings (from several
-proxies, exported into one folder) as one, and filter on the session. The
+``DIR/<table>/day=<day>/session=<name>/<recording>.parquet``: Hive
+partitioning (the session's name as it is, percent-encoded in the path as
+Hive does and its readers decode), so DuckDB, Spark or pandas read one table
+of many recordings (a fleet's proxies, day after day, exported into one
+folder) as one, and filter on the day and the session. ``<recording>``,
+also a column of every row, is ``<file>-<id>-<digest>``: the digest of the
+session's name, start and addresses, so two proxies' ``staging.db`` with a
+session of the same name land side by side (nothing is overwritten, but
+the same session exported again) and join on it. The
 columns are typed from the recording's layout (``tables.py``), so every
 file of a table has the same schema whatever its session held; a column
 that holds anything but integers in a session where the layout says
@@ -13,8 +19,9 @@ integer (a u64 utility call id) is text in that file.
 
 from __future__ import annotations
 
-import re
+import hashlib
 from pathlib import Path
+from urllib.parse import quote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,7 +46,8 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
     sessions = [find_session(db, session)] if session is not None else list(db.query("SELECT * FROM sessions"))
     written = []
     for row in sessions:
-        partition = "session=" + re.sub(r"[^\w.-]", "_", row["name"])
+        recording = recording_of(Path(db_path), row)
+        partition = Path(f"day={(row['started_at'] or 'unknown')[:10]}", f"session={quote(row['name'], safe='')}")
         for table in EXPORTED:
             key = "id" if table == "sessions" else "session_id"
             where = f"FROM [{table}] WHERE [{key}] = ?"
@@ -50,16 +58,23 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
                                for n in names)
             text = db.execute(f"SELECT {checks} {where}", [row["id"]]).fetchone()
             schema = pa.schema([(n, pa.string() if is_text else _ARROW[LAYOUT.get(n, str)])
-                                for n, is_text in zip(names, text)])
-            path = folder / table / partition / f"{Path(db_path).stem}-{row['id']}.parquet"
+                                for n, is_text in zip(names, text)] + [("recording", pa.string())])
+            path = folder / table / partition / f"{recording}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
             with pq.ParquetWriter(path, schema) as out:
                 while batch := cursor.fetchmany(BATCH_ROWS):
-                    out.write_table(pa.table([_array(values, field.type) for values, field in zip(zip(*batch), schema)],
+                    columns = [_array(values, field.type) for values, field in zip(zip(*batch), schema)]
+                    out.write_table(pa.table([*columns, pa.array([recording] * len(batch), pa.string())],
                                              schema=schema))
             written.append(path)
     db.close()
     return written
+
+
+def recording_of(db_path: Path, row: dict) -> str:
+    """``<file>-<id>-<digest>``: a session of one proxy's file among a fleet's (see the module's docstring)."""
+    identity = "\0".join(str(row.get(k)) for k in ("name", "started_at", "listen", "upstream", "proxy_version"))
+    return f"{db_path.stem}-{row['id']}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
 
 
 def _array(values: tuple, arrow_type: pa.DataType) -> pa.Array:

@@ -19,8 +19,8 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     # docs/database.md's query: outputs and tokens per session, with each session's release.
     rows = duckdb.sql(f"""
         SELECT s.session, s.vllm_version, COUNT(*) AS outputs, SUM(o.num_new_tokens) AS tokens
-        FROM read_parquet('{lake}/outputs/*/*.parquet', hive_partitioning = true) o
-        JOIN read_parquet('{lake}/sessions/*/*.parquet', hive_partitioning = true) s USING (session)
+        FROM read_parquet('{lake}/outputs/**/*.parquet', hive_partitioning = true) o
+        JOIN read_parquet('{lake}/sessions/**/*.parquet', hive_partitioning = true) s USING (recording)
         GROUP BY ALL ORDER BY s.session""").fetchall()
     expected = []
     for db in RECORDINGS:
@@ -30,7 +30,7 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
                                           GROUP BY s.id""").fetchall()
     assert rows == sorted(expected) and len(rows) == 2
     # Every column keeps its type, bytes included: the raw frames are the recorded bytes.
-    [(raw,)] = duckdb.sql(f"SELECT raw FROM read_parquet('{lake}/frames/session=demo/*.parquet') ORDER BY seq "
+    [(raw,)] = duckdb.sql(f"SELECT raw FROM read_parquet('{lake}/frames/*/session=demo/*.parquet') ORDER BY seq "
                           "LIMIT 1").fetchall()
     first = sqlite3.connect(RECORDINGS[0]).execute("SELECT raw FROM frames ORDER BY session_id, seq LIMIT 1")
     assert raw == first.fetchone()[0]
@@ -39,3 +39,25 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
 def test_a_bad_session_is_one_line(tmp_path):
     result = cli("export", "--db", str(RECORDINGS[0]), "--parquet", str(tmp_path), "--session", "nope")
     assert result.returncode == 1 and "no session 'nope'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_two_proxies_files_of_one_name_with_sessions_of_one_name_land_side_by_side(tmp_path):
+    """Monday's staging.db of two proxies, each with a session 'staging-monday (cut)': every request of both is in
+    the dataset, and the partition values are what the tables say."""
+    lake, files = tmp_path / "lake", []
+    for proxy, source in (("a", RECORDINGS[1]), ("b", ROOT / "recordings" / "vllm-0.32.0-vllm-rs.db")):
+        (tmp_path / proxy).mkdir()
+        files.append(tmp_path / proxy / "staging.db")
+        files[-1].write_bytes(source.read_bytes())
+        with sqlite3.connect(files[-1]) as db:
+            db.execute("UPDATE sessions SET name = 'staging-monday (cut)'")
+        db.close()
+        assert cli("export", "--db", str(files[-1]), "--parquet", str(lake)).returncode == 0
+    [(requests, recordings, sessions)] = duckdb.sql(f"""
+        SELECT COUNT(*), COUNT(DISTINCT recording), list(DISTINCT session)
+        FROM read_parquet('{lake}/requests/**/*.parquet', hive_partitioning = true)""").fetchall()
+    expected = sum(sqlite3.connect(f).execute("SELECT COUNT(*) FROM requests").fetchone()[0] for f in files)
+    assert (requests, recordings, sessions) == (expected, 2, ["staging-monday (cut)"])
+    days = duckdb.sql(f"""SELECT DISTINCT day::VARCHAR = left(started_at, 10)
+                          FROM read_parquet('{lake}/sessions/**/*.parquet', hive_partitioning = true)""").fetchall()
+    assert days == [(True,)]
