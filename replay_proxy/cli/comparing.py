@@ -29,6 +29,9 @@ def diff(
     noise: Annotated[list[str] | None, typer.Option(
         help="Another run of the baseline build (repeatable): what varies between them is noise, not regression.")]
         = None,
+    candidate_noise: Annotated[list[str] | None, typer.Option(
+        help="Another run of the candidate build, in --db (repeatable): timing is judged with two runs or more a "
+             "side, none of them a recording, as replay judges it.")] = None,
     rules: Annotated[Path | None, typer.Option(help="JSON noise rules and thresholds to apply over the defaults.")]
         = None,
     vocab_size: Annotated[int | None, typer.Option(min=2, help=VOCAB_SIZE_HELP)] = None,
@@ -47,7 +50,7 @@ def diff(
     from replay_proxy.compare.report import diff_sessions
 
     noise_rules = rules_option(rules, vocab_size)
-    report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [])
+    report = diff_sessions(baseline_db or db, baseline, db, candidate, noise_rules, noise or [], candidate_noise or [])
     finish_report(report, report_dir, show_info, as_json)
 
 

@@ -73,12 +73,25 @@ def latency_samples(session: Session) -> dict[str, list[float]]:
 def timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: list[Session],
                     candidate_runs: list[Session], replayed_noise: bool, keys: list[str], rules: Rules,
                     other_cpu: dict[str, float]) -> list[Finding]:
-    """Latency and throughput, or why they are not judged. A diff's are the candidate's against the recording
-    (``matching``: their requests); a replay's against the baseline build's runs (``noise``), pooled, each side's
-    runs interleaved with the other's (A B A B), so a replay needs two of them. ``other_cpu``: by run, the share
-    of the machine's CPU that other processes took: above ``max_other_cpu`` a busy neighbour, not a build, would
-    be measured."""
+    """Latency and throughput, or why they are not judged: each build's runs, pooled, against the other's, so each
+    side needs two runs or more, none of them a recording (its peers shared the machine with the live side). A
+    replay's sides are the baseline build's runs (``noise``) and the candidate's (``candidate`` and
+    ``candidate_runs``), interleaved (A B A B); a diff's, ``baseline`` with ``noise`` and the candidate's.
+    ``other_cpu``: by run, the share of the machine's CPU that other processes took: above ``max_other_cpu`` a
+    busy neighbour, not a build, would be measured."""
     busy = {run: share for run, share in other_cpu.items() if share > rules.performance.max_other_cpu}
+    if not replayed_noise:
+        noise = [baseline, *noise]
+    sides = noise, [candidate, *candidate_runs]
+    recorded = [run.label for side in sides for run in side if not run.replayed]
+    if not replayed_noise and (recorded or min(map(len, sides)) < 2):
+        why = (f"{', '.join(recorded)}: {'a recording' if len(recorded) == 1 else 'recordings'}, whose peers shared "
+               "the machine with the live side" if recorded else
+               "one run a side does not say how much runs of one build differ")
+        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+            f"timing not judged: {why}"
+            + "; diff two or more replays of each build (--noise, --candidate-noise), or replay with --baseline-cmd "
+            "and --noise-runs 2 or more"), field="timing")]
     if replayed_noise and len(noise) < 2:
         return [Finding("performance", Severity.INFO, "timing_not_judged", (
             "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
@@ -92,11 +105,11 @@ def timing_findings(baseline: Session, candidate: Session, matching: Matching, n
                                                                    for run, share in busy.items())
             + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
             "measured; replay on a quieter machine"), field="timing", candidate=busy)]
+    before, after = _pooled(sides[0]), _pooled(sides[1])
+    findings = performance_findings(before, after, match_requests(before, after, keys), rules,
+                                    runs=(list(sides[0]), sides[1]))
     if not replayed_noise:
-        return performance_findings(baseline, candidate, matching, rules, noise)
-    before, after = _pooled(noise), _pooled([candidate, *candidate_runs])
-    findings = performance_findings(before, after, match_requests(before, after, keys), rules, noise[1:],
-                                    runs=(list(noise), [candidate, *candidate_runs]))
+        return findings
     findings.append(Finding("performance", Severity.INFO, "timing_baseline", (
         f"latency is compared with {len(noise)} run(s) of the baseline build, replayed as the candidate was and "
         f"interleaved with its {1 + len(candidate_runs)} run(s), not with the recording"), field="timing_baseline"))

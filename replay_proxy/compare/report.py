@@ -110,10 +110,11 @@ def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], 
 
 
 def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidate: str, rules: Rules,
-                  noise: list[str] = ()) -> Report:
+                  noise: list[str] = (), candidate_noise: list[str] = ()) -> Report:
     """``replay-proxy diff``: two recorded sessions, and ``noise``, more runs of the baseline build (sessions
-    of the baseline's database). A candidate cut from the baseline (``replay-proxy cut``) is compared over
-    the requests it keeps: the others were left out, not lost."""
+    of the baseline's database), and ``candidate_noise``, of the candidate's (of its database). A candidate cut
+    from the baseline (``replay-proxy cut``) is compared over the requests it keeps: the others were left out,
+    not lost."""
     after = load_session(candidate_db, candidate)
     source = after.cut_from or {}
     digest = source_digest(baseline_db) if source.get("file") == baseline_db.name else None
@@ -122,7 +123,8 @@ def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidat
     if cut:
         kept = {r.request_id for r in after.requests}
         before = msgspec.structs.replace(before, requests=[r for r in before.requests if r.request_id in kept])
-    report = build_report("diff", before, after, rules, [load_session(baseline_db, n) for n in noise])
+    report = build_report("diff", before, after, rules, [load_session(baseline_db, n) for n in noise],
+                          candidate_runs=[load_session(candidate_db, n) for n in candidate_noise])
     if cut:
         how = ", ".join(f"{k} {v}" for k, v in (source.get("selection") or {}).items()) or "all requests"
         report.findings.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (

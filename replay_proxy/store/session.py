@@ -102,6 +102,7 @@ class Session(msgspec.Struct):
     utility: list[dict[str, Any]]  # calls beside their results, in call order
     redacted: bool = False  # its tokens are pseudonyms (``replay-proxy redact``, ``record --redact-key``)
     cut_from: dict[str, Any] | None = None  # what it was cut from (``replay-proxy cut``): source digest, session
+    replayed: bool = False  # a replay's session; else a recording (its peers shared the machine with the live side)
     # Its requests were sent by a replay against an engine (the proxy as the frontend): as recorded, but for
     # what the replay asks of every request (the judging's logprobs; --hold-lengths)
     sent_by_replay: bool = False
@@ -206,7 +207,7 @@ def _load(db_path: Path, db: sqlite_utils.Database, row: dict[str, Any]) -> Sess
         utility=list(db.query("SELECT method, args, failure_message, result FROM utility_calls "
                               "WHERE session_id = ? ORDER BY called_ns", [sid])),
         redacted=row.get("redaction_key") is not None, cut_from=json.loads(row["cut_from"] or "null"),
-        sent_by_replay=row["mode"] == "replay" and not row["upstream"])
+        replayed=row["mode"] == "replay", sent_by_replay=row["mode"] == "replay" and not row["upstream"])
 
 
 def _outputs(db, sid: int) -> dict[str, list[dict]]:

@@ -162,3 +162,24 @@ def test_a_run_the_machine_did_not_give_whole_is_not_timed():
                         other_cpu={"c1 (#43)": 0.6, "b1 (#41)": 0.02})
     [said] = [f for f in busy.findings if f.category == "performance"]
     assert said.code == "timing_not_judged" and "60% of the machine's CPU during c1 (#43)" in said.message
+
+
+def replayed(run: Session) -> Session:
+    return msgspec.structs.replace(run, replayed=True)
+
+
+def test_a_diff_judges_timing_as_a_replay_does_with_two_replays_a_side_and_never_against_a_recording():
+    def diff(baseline, candidate, noise=(), candidate_runs=()):
+        return {f.field: f for f in timing_findings(baseline, candidate, match_requests(
+            baseline, candidate, RULES.match_sampling_keys), list(noise), list(candidate_runs), False,
+            RULES.match_sampling_keys, RULES, {})}
+
+    slower = session(2, factor=1.3, name="c")
+    against_recording = diff(session(1), replayed(slower))  # once 7 regressions, one interval degenerate
+    assert list(against_recording) == ["timing"] and "s (#1): a recording" in against_recording["timing"].message
+    one_run_a_side = diff(replayed(session(1)), replayed(slower))
+    assert list(one_run_a_side) == ["timing"] and "one run a side" in one_run_a_side["timing"].message
+    judged = diff(replayed(session(1)), replayed(slower), [replayed(session(3, name="b2"))],
+                  [replayed(session(4, factor=1.3, name="c2"))])
+    assert judged["itl_ms.p50"].code == "itl_regression"
+    assert judged["itl_ms.p50"].change.low < judged["itl_ms.p50"].change.high  # (not a degenerate interval)
