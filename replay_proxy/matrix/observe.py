@@ -14,9 +14,9 @@ Each kind of request recorded on both sides gets its own two replays, of its
 own workload's recordings, the peer serving that kind (``peers.SERVING``).
 Each replay is the project's own ``replay`` command in a process of its own,
 on a copy of the recording, bounded by its ready and finish timeouts and by
-``leg_s``; its peer is started and stopped by PID there. The replay of F's
-requests depends only on what F sent, so frontends whose recordings send the
-same messages (request ids, timestamps and addresses aside) share it.
+``leg_s``; its peer is started and stopped by PID there. Every cell replays
+its own frontend's recording, never another release's that sends the same:
+the evidence of a cell is of its own release.
 
 An engine takes 15-40 s to start here, longer than most replays take. So the
 replays of one kind to one engine release (``EngineBatch``) run one after
@@ -28,7 +28,6 @@ started again only after a replay that did not end clean (not for LoRA:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -47,16 +46,13 @@ from replay_proxy.compare.findings import exit_code, report_json
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
-from replay_proxy.matrix.predict import frames
 from replay_proxy.processes import free_port
 from replay_proxy.releases import ReleaseError
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import KeptEngine, replay_session
 from replay_proxy.store.copy import copy_session
 from replay_proxy.store.session import decode_and_load, load_session, match_requests
-from replay_proxy.wire.messages import Direction, Side, WireDecoder
-from replay_proxy.wire.schema import load_schema
-from replay_proxy.wire.values import to_json
+from replay_proxy.wire.messages import Direction, Side
 
 # A replay's wait for its peer to finish, and what it may take beyond its waits (set-up, comparison).
 FINISH_S, SLACK_S = 60, 120
@@ -263,26 +259,13 @@ def replay_on_kept(recording: tuple[Path, str], listen: str, command: str, scrat
     return int(exit_code(report.findings)), json.loads(path.read_bytes()), str(path)
 
 
-def sends(recording: tuple[Path, str], release: str) -> str:
-    """A digest of what a frontend sent in ``recording``, request ids, timestamps and addresses aside."""
-    decoder = WireDecoder(load_schema(release), fixed=True)
-    digest = hashlib.sha256()
-    for channel, direction, parts in frames(*recording, Direction.TO_ENGINE):
-        message = decoder.decode(channel, direction, parts)
-        fields = message.fields if isinstance(message.fields, dict) else {"value": message.fields}
-        kept = {k: v for k, v in fields.items() if k not in ("request_id", "arrival_time", "call_id", "addresses",
-                                                            "request_ids", "external_req_id")}
-        digest.update(f"{message.kind}:{to_json(kept)}\n".encode())
-    return digest.hexdigest()[:16]
-
-
 Legs = dict[str, tuple[Leg, Leg]]  # a cell's two legs for each kind of request recorded on both sides
 
 
 def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, folder: Path, ready_s: float = peers.READY_S,
             kinds: list[str] | None = None, *, keep: bool = True) -> dict[tuple[Frontend, str], Legs | None]:
     """The two legs of each kind (of ``kinds``, default all) of each cell (None: a recording of the first kind
-    is missing), engine legs shared between frontends that send the same; each waits ``ready_s`` for its peer,
+    is missing), an engine leg shared only by the cells of one recording; each waits ``ready_s`` for its peer,
     and works in a folder of its own under ``folder``/replays/ (named from ``folder`` in its evidence when it
     is ``keep``-t there)."""
     kinds = kinds or list(KINDS)
@@ -300,7 +283,7 @@ def legs_of(cells: list[tuple[Frontend, str]], recordings: Path, folder: Path, r
             sent, got = recording_of(frontend, recordings, kind), engine_recording(engine, recordings, kind)
             if sent is None or got is None:
                 continue
-            key = (sends(sent, frontend.release), engine, kind)
+            key = (sent[0], engine, kind)
             if key not in engine_legs:
                 engine_legs[key] = leg(Direction.TO_ENGINE, sent, f"{frontend}{suffix}-to-engine-{engine}",
                                        engine=engine, kind=kind)

@@ -47,3 +47,30 @@ def test_a_cell_whose_evidence_or_verdict_changed_is_named_and_fails(tmp_path):
     assert done.returncode == 1
     assert done.stdout.count("\n  before ") == 2 and "vllm-rs:0.30.0 x engine 0.32.0:" in done.stdout
     assert done.stdout.splitlines()[-1] == "225 cells in both, 2 differ"
+
+
+def test_each_observed_cell_of_the_committed_matrix_comes_from_recordings_of_its_own_releases():
+    """vllm:0.32.0's pooling cells once came from the 0.31.0 frontend's recording (it sent the same): evidence of
+    another release, though 0.32.0's own was committed."""
+    others = []
+    for row in sqlite_utils.Database(COMMITTED).query("SELECT frontend, engine, cell FROM matrix_cells"):
+        frontend = row["frontend"].replace(":", "-")
+        for evidence in (json.loads(row["cell"]).get("observed") or {}).get("evidence", []):
+            source = evidence.get("source") or ""
+            leg = source.removeprefix("replays/").split("/")[0]
+            own = (leg.startswith(f"{frontend}-") and leg.endswith(f"-to-engine-{row['engine']}")
+                   if evidence["direction"] == "to_engine" else
+                   leg.startswith(f"engine-{row['engine']}-") and leg.endswith(f"-to-{frontend}"))
+            if source and not own:
+                others.append((row["frontend"], row["engine"], source))
+    assert others == []
+
+
+def test_cells_whose_frontends_send_the_same_each_replay_their_own_recording(tmp_path):
+    from replay_proxy.matrix import Frontend, recording_of
+    from replay_proxy.matrix.observe import legs_of
+
+    cells = [(Frontend("vllm-rs", "0.22.0"), "0.32.0"), (Frontend("vllm-rs", "0.22.1"), "0.32.0")]
+    legs = legs_of(cells, ROOT / "recordings", tmp_path)
+    assert [legs[cell]["completion"][0].recording for cell in cells] == [recording_of(f, ROOT / "recordings")
+                                                                          for f, _ in cells]
