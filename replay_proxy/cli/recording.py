@@ -305,6 +305,8 @@ def query(
 
     if (sql is None) == (preset is None):
         raise fail("give either SQL or --preset NAME", ExitCode.USAGE)
+    if as_json and as_csv:
+        raise fail("--json or --csv, not both", ExitCode.USAGE)
     if preset is not None and preset not in queries.PRESETS:
         raise fail(f"no preset {preset!r}; presets: {', '.join(queries.PRESETS)}", ExitCode.USAGE)
     rows = queries.run_query(db, queries.PRESETS[preset] if preset else sql, write=write)

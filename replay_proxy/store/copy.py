@@ -23,7 +23,7 @@ from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import QueryError, find_session
 from replay_proxy.redact.settings import Redaction
 from replay_proxy.store.tables import TABLES, open_database, read_recording
-from replay_proxy.store.writer import DECODE_FRAMES, Writer
+from replay_proxy.store.writer import DECODE_FRAMES, Copies, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Channel, Direction
 
@@ -101,7 +101,7 @@ def copy_session(source: Path, session: str, out: Path) -> str:
                 raise CopyError(f"{out} holds another session named {row['name']!r}: give another --out")
         values = session_row(row)
         values["baseline_session_id"] = None
-        write_session(out, values, recorded_frames(db, row["id"]))
+        write_session(out, values, recorded_frames(db, row["id"]), copied_seqs(db, row["id"]))
     return row["name"]
 
 
@@ -111,25 +111,33 @@ def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, ne
     values = session_row(row)
     values["baseline_session_id"] = new_ids.get(row["baseline_session_id"])
     session_id, frames = write_session(out, redaction.session_row(values), recorded_frames(db, row["id"]),
-                                       redaction)
+                                       copied_seqs(db, row["id"]), redaction)
     new_ids[row["id"]] = session_id
     return row["name"], session_id, frames
 
 
-def write_session(out: Path, row: dict, frames: Iterable[CapturedFrame | EngineLoss],
+def write_session(out: Path, row: dict, frames: Iterable[CapturedFrame | EngineLoss], copies: dict[int, Copies],
                   redaction: Redaction | None = None) -> tuple[int, int]:
     """A new session ``row`` in ``out``, its tables made from ``frames`` by the recorder's own writer
-    (redacting them first, with ``redaction``): (its id, the frames written)."""
+    (redacting them first, with ``redaction``), the frames numbered in ``copies`` written as the copies they
+    were in their rotated file (``copied_seqs``): (its id, the frames written)."""
     with contextlib.closing(open_database(out)) as target:
         session_id = target["sessions"].insert(row).last_pk
     writer = Writer(str(out), session_id, redaction=redaction)
+
+    def write(chunk: list[CapturedFrame | EngineLoss]) -> None:
+        writer.write_frames([item for item in chunk if item.seq not in copies])
+        for how in (Copies.WHOLE, Copies.FRAME):
+            if copied := [item for item in chunk if copies.get(item.seq) is how]:
+                writer.write_copies(copied, how)
+
     chunk: list[CapturedFrame | EngineLoss] = []
     for item in frames:
         chunk.append(item)
         if len(chunk) >= DECODE_FRAMES:
-            writer.write_frames(chunk)
+            write(chunk)
             chunk = []
-    writer.write_frames(chunk)
+    write(chunk)
     writer.finish()  # (and the outputs a redactor still held for their ADD)
     return session_id, writer.frames_written
 
@@ -139,6 +147,18 @@ def session_row(row: dict) -> dict:
     values = {k: v for k, v in row.items() if k in TABLES["sessions"][0] and k not in _RECOMPUTED}
     values["vllm_version"] = row["vllm_version"]  # the writer names the frames with it from the start
     return values
+
+
+def copied_seqs(db: sqlite3.Connection, session_id: int) -> dict[int, Copies]:
+    """The frames of a rotated file's session that are copies of frames another of its files counts, and how
+    (a split frame's part has outputs or results of its own: rows not marked copied)."""
+    copied = [seq for (seq,) in db.execute("SELECT seq FROM frames WHERE session_id = ? AND copied = 1", [session_id])]
+    if not copied:
+        return {}
+    among = f"session_id = :s AND copied IS NULL AND seq IN ({','.join(map(str, copied))})"
+    own = {seq for (seq,) in db.execute(f"SELECT seq FROM output_rows WHERE {among} UNION "
+                                        f"SELECT seq FROM utility_results WHERE {among}", {"s": session_id})}
+    return {seq: Copies.FRAME if seq in own else Copies.WHOLE for seq in copied}
 
 
 def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = None

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.copy import CopyError, recorded_frames, session_row, write_session
+from replay_proxy.store.copy import CopyError, copied_seqs, recorded_frames, session_row, write_session
 from replay_proxy.store.tables import read_recording
 from replay_proxy.store.subset import Cutter, Edit
 
@@ -179,5 +179,5 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
                                                   "selection": selection, "requests": len(chosen)}).decode()
         kept = (cut for cut in map(cutter.frame, recorded_frames(db, row["id"], _frames_needed(db, row["id"], chosen)))
                 if cut is not None)
-        session_id, frames = write_session(out, values, kept)
+        session_id, frames = write_session(out, values, kept, copied_seqs(db, row["id"]))
     return session_id, len(chosen), frames

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.store.tables import TABLES, sampling_columns
+from replay_proxy.store.tables import sampling_columns, written
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import (
     ENGINE_CORE_DEAD, HANDSHAKE_KINDS, Channel, Direction, Kind, Message, WireDecoder)
@@ -30,8 +30,8 @@ REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids"
 # Rows are built as tuples in their table's column order (no dict a row: ADDs are a busy frontend's traffic).
 _REQUEST_HEAD = ("session_id", "seq", "ts_ns", "engine_index", "client_index", "request_id", "external_req_id",
                  "prompt_len", "prompt_token_ids", "arrival_time", "data_parallel_rank", "priority")
-assert [*TABLES["requests"][0]] == [*_REQUEST_HEAD, *sampling_columns(), "sampling_params"]
-assert [*TABLES["frames"][0]] == ["session_id", "seq", "ts_ns", "channel", "direction", "engine_index", "client_index",
+assert written("requests") == [*_REQUEST_HEAD, *sampling_columns(), "sampling_params"]
+assert written("frames") == ["session_id", "seq", "ts_ns", "channel", "direction", "engine_index", "client_index",
                                   "kind", "n_parts", "nbytes", "raw", "forwarded_raw", "decoded", "decode_error",
                                   "flags", "engine_time_s"]
 _SQLITE_AS_IS = frozenset({str, float, bool, bytes, type(None)})
@@ -92,7 +92,7 @@ class Rows:
         self._defaults: dict[int, tuple[list[Any], dict[str, int]]] = {}  # by id(schema): they outlive a batch
 
     def _add(self, table: str, **row: Any) -> None:
-        self.tables[table].append(_sqlite_row(map(row.get, TABLES[table][0])))
+        self.tables[table].append(_sqlite_row(map(row.get, written(table))))
 
     def add(self, session_id: int, frame: CapturedFrame, decoder: WireDecoder) -> Kind:
         """Decode a captured frame and add its rows; return its kind."""

@@ -67,10 +67,12 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "engine_index": int, "client_index": int, "kind": str, "n_parts": int, "nbytes": int,
         "raw": bytes, "forwarded_raw": bytes, "decoded": str, "decode_error": str, "flags": str,
         "engine_time_s": float,
+        "copied": int,
     }, ["session_id", "seq"]),
     "handshakes": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
         "kind": str, "payload": str, "rewritten": str, "vllm_version": str,
+        "copied": int,
     }, ["session_id", "seq"]),
     "requests": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
@@ -78,6 +80,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "arrival_time": float, "data_parallel_rank": int, "priority": int,
         **sampling_columns(),
         "sampling_params": str,
+        "copied": int,
     }, ["session_id", "seq"]),
     # One row per per-request output, the bulk of a recording: kept small (the view ``outputs`` adds
     # what its frame and its request id say). request: the request's number in ``request_ids``;
@@ -90,6 +93,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         # stop_reason: a stop token (integer) or a stop string (text), as the wire has it. Declared BLOB, which
         # converts nothing, so each keeps its own type (typeof() tells token 852 from the string "852").
         "num_new_tokens": int, "finish_reason": str, "stop_reason": bytes, "num_nans_in_logits": int, "other": str,
+        "copied": int,
     }, None),
     # Each request id a session's outputs name, numbered in order of first sight.
     "request_ids": ({
@@ -98,16 +102,19 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     "aborts": ({
         "session_id": int, "seq": int, "position": int, "ts_ns": int, "engine_index": int,
         "client_index": int, "request_id": str,
+        "copied": int,
     }, ["session_id", "seq", "position"]),
     # call_id: Python's frontend draws u64 ids, half of them past SQLite's integers: those are text. Declared
     # BLOB, as stop_reason is: an INTEGER column turned such text into a REAL, losing the id's last digits.
     "utility_requests": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
         "call_id": bytes, "method": str, "args": str,
+        "copied": int,
     }, ["session_id", "seq"]),
     "utility_results": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
         "call_id": bytes, "failure_message": str, "result": str,
+        "copied": int,
     }, ["session_id", "seq"]),
     "findings": ({
         "session_id": int, "baseline_session_id": int, "category": str, "severity": str, "code": str,
@@ -118,6 +125,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
     # evidence that judged a request's behaviour (exact, first_divergence, scored, invariants, sampled)
     "engine_events": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "event": str, "detail": str,
+        "copied": int,
     }, ["session_id", "seq"]),
     # The first frame of each way a session's traffic disagreed with the schema of the release its
     # engine announced (struct, issue, field or position): the live drift alarm. message: as the
@@ -126,6 +134,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int, "kind": str,
         "struct": str, "issue": str, "field": str, "position": int, "path": str, "expected": str, "got": str,
         "schema_release": str, "announced": str, "message": str,
+        "copied": int,
     }, None),
     # What the recorder has kept but not yet decoded: the tap's messages as they came, numbered
     # in arrival order. Emptied as the writer catches up; empty once a session is finished.
@@ -133,6 +142,17 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "session_id": int, "number": int, "frames": int, "batch": bytes,
     }, ["session_id", "number"]),
 }
+
+
+# A row a rotating recording copied into a file from frames another of its files counts (store/rotation/: the
+# session's start in each new file, the other part of a split frame): 1 there, else null; the last column of
+# every table of frames' rows. A series' totals are its rows where it is null.
+COPIED = "copied"
+
+
+def written(table: str) -> list[str]:
+    """The columns a writer gives a row of ``table`` (``copied`` is said by the statement)."""
+    return [c for c in TABLES[table][0] if c != COPIED]
 
 
 INDEXES = {
@@ -148,7 +168,7 @@ VIEWS = {
                r.request_id, o.new_token_ids, o.num_new_tokens, o.finish_reason, o.stop_reason,
                o.num_nans_in_logits, json_extract(o.other, '$.new_logprobs') AS new_logprobs,
                json_extract(o.other, '$.events') AS events,
-               NULLIF(json_remove(o.other, '$.new_logprobs', '$.events'), '{}') AS other
+               NULLIF(json_remove(o.other, '$.new_logprobs', '$.events'), '{}') AS other, o.copied
         FROM output_rows o
         JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
         LEFT JOIN request_ids r ON r.session_id = o.session_id AND r.number = o.request""",
@@ -279,7 +299,8 @@ def read_recording(path: Path) -> sqlite3.Connection:
 
 # What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
 # file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
-SCHEMA_VERSION = 1  # PRAGMA user_version of a file laid out as TABLES and VIEWS say (0: an older proxy's file)
+# PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied.
+SCHEMA_VERSION = 2
 
 # An older file's logprobs and events columns, folded into ``output_rows.other`` (a null patch value
 # removes its key, so an output with neither keeps ``other`` as it was).
@@ -291,7 +312,7 @@ _WIDE_REQUEST_IDS = """SELECT session_id, ROW_NUMBER() OVER (PARTITION BY sessio
                        position)) AS number, request_id FROM main.outputs GROUP BY session_id, request_id"""
 _WIDE_OUTPUT_ROWS = f"""SELECT o.session_id, r.number AS request, o.seq, o.position, o.new_token_ids,
                        o.num_new_tokens, o.finish_reason, o.stop_reason, o.num_nans_in_logits,
-                       {_OTHER_WITH_COLUMNS} AS other
+                       {_OTHER_WITH_COLUMNS} AS other, NULL AS copied
                        FROM main.outputs o JOIN request_ids r ON r.session_id = o.session_id
                        AND r.request_id = o.request_id"""
 _ENGINE_TIME = """CASE WHEN kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extract(decoded, '$.timestamp') > 0

@@ -35,6 +35,7 @@ recording's idle round-trip p99 from 5x the minimal recorder's to 1.3x to
 
 from __future__ import annotations
 
+import enum
 import os
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -45,7 +46,7 @@ from replay_proxy.store.counts import FrameCounts
 from replay_proxy.store.protocol import Progress, Stop
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.sample import RequestSample, Sampler
-from replay_proxy.store.tables import TABLES, end_session
+from replay_proxy.store.tables import COPIED, TABLES, end_session, written
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Kind, WireDecoder
 from replay_proxy.wire.schema import release_key
@@ -57,6 +58,16 @@ DECODED_PER_YIELD = 32  # frames unpacked from the tap's messages (about 2 us ea
 
 T = TypeVar("T")
 Entries = tuple[int, bytes]  # a tap message's frames, and its entries (wire/capture.py) as sent
+
+
+class Copies(enum.Enum):
+    """What of a frame that another file of a rotating recording counts is a copy here: nothing; the whole of
+    it, every row (the session's start, which each file begins with); or its ``frames`` row alone (a split
+    frame's other part: the outputs and results it carries here are this file's own)."""
+
+    NONE = "none"
+    WHOLE = "whole"
+    FRAME = "frame"
 
 
 class Writer:
@@ -78,11 +89,12 @@ class Writer:
         if max_bytes:  # the file's own page size: an older file may have another
             page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]
             self.connection.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_bytes)}")
-        self.statements = {
-            table: f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in columns)}) "
-                   f"VALUES ({', '.join('?' for _ in columns)})"
-            for table, (columns, _) in TABLES.items()
-        }
+        # A row as written, and as a copy (``write_copies``): its ``copied`` column 1, said by the statement.
+        self.statements, self.copy_statements = ({
+            table: f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in [*written(table), *copy])}) "
+                   f"VALUES ({', '.join(['?'] * len(written(table)) + ['1'] * len(copy))})"
+            for table, (columns, _) in TABLES.items() for copy in [[COPIED] if how and COPIED in columns else []]
+        } for how in (False, True))
         version, recorded, frontend_release, frontend_source = self.connection.execute(
             "SELECT vllm_version, COALESCE(frames_recorded, 0), frontend_release, frontend_source FROM sessions "
             "WHERE id = ?", (session_id,)).fetchone()
@@ -139,12 +151,14 @@ class Writer:
                     flag.struct, flag.issue, flag.field, flag.position, flag.path, flag.expected, flag.got,
                     schema.release, announced, self.last_alarm))
 
-    def _commit(self, rows: Rows, *, done: tuple[int, int] | None = None) -> bool:
-        """Write the rows in one transaction; ``done``: the kept messages they replace (a number range)."""
+    def _commit(self, rows: Rows, *, done: tuple[int, int] | None = None, copies: Copies = Copies.NONE) -> bool:
+        """Write the rows in one transaction; ``done``: the kept messages they replace (a number range);
+        ``copies``: which of them are marked as copies of rows another file counts."""
         try:
             with self.connection:
                 for table, values in rows.tables.items():
-                    self.connection.executemany(self.statements[table], values)
+                    copy = copies is Copies.WHOLE or (copies is Copies.FRAME and table == "frames")
+                    self.connection.executemany((self.copy_statements if copy else self.statements)[table], values)
                 if done is not None:
                     self.connection.execute("DELETE FROM undecoded WHERE session_id = ? AND number BETWEEN ? AND ?",
                                             (self.session_id, *done))
@@ -205,13 +219,13 @@ class Writer:
         else:
             self.frames_failed += frames
 
-    def write_copies(self, captured: list[CapturedFrame | EngineLoss]) -> None:
+    def write_copies(self, captured: list[CapturedFrame | EngineLoss], copies: Copies) -> None:
         """Rows of frames that another file of a rotating recording counts (``rotation/``), in one transaction:
-        counted here only as copied. What the sample leaves out of them, or a write that fails, is counted
-        where the frames are."""
+        counted here only as copied, and marked so (``Copies``). What the sample leaves out of them, or a write
+        that fails, is counted where the frames are."""
         captured, _, _ = self._sample(captured)
         rows, _ = self._tabulate(captured)
-        if self._commit(rows):
+        if self._commit(rows, copies=copies):
             self.frames_copied += sum(type(item) is CapturedFrame for item in captured)
 
     def _sample(self, captured: list[CapturedFrame | EngineLoss]) -> tuple[list, int, int]:

@@ -65,12 +65,3 @@ def test_each_observed_cell_of_the_committed_matrix_comes_from_recordings_of_its
                 others.append((row["frontend"], row["engine"], source))
     assert others == []
 
-
-def test_cells_whose_frontends_send_the_same_each_replay_their_own_recording(tmp_path):
-    from replay_proxy.matrix import Frontend, recording_of
-    from replay_proxy.matrix.observe import legs_of
-
-    cells = [(Frontend("vllm-rs", "0.22.0"), "0.32.0"), (Frontend("vllm-rs", "0.22.1"), "0.32.0")]
-    legs = legs_of(cells, ROOT / "recordings", tmp_path)
-    assert [legs[cell]["completion"][0].recording for cell in cells] == [recording_of(f, ROOT / "recordings")
-                                                                          for f, _ in cells]

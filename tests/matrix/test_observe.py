@@ -2,29 +2,27 @@
 
 import json
 import shlex
-import shutil
 import sqlite3
 from pathlib import Path
 
-import msgspec
 
 from replay_proxy import peers
 from replay_proxy.matrix import RECORDINGS, Frontend, Verdict, frontends_in, recording_of
-from replay_proxy.matrix.observe import failure_evidence, legs_of, sends
+from replay_proxy.matrix.observe import failure_evidence, legs_of
 from replay_proxy.matrix.run import build
 from replay_proxy.wire.messages import Direction
 
 
-def test_frontends_share_an_engine_replay_exactly_when_they_send_the_same(tmp_path):
+def test_each_cell_replays_its_own_frontends_recording_even_where_another_sends_the_same(tmp_path):
+    """vllm-rs 0.22.0 to 0.25.1 send the same messages: each of their cells is still observed with its own
+    release's recording (docs/compatibility.db's evidence, once 0.22.0's for them all)."""
     frontends = frontends_in("vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0")
     cells = [(f, e) for f in frontends for e in ("0.30.0", "0.31.0")]
     legs = legs_of(cells, RECORDINGS, tmp_path)
     for f, e in cells:
-        for g, d in cells:
-            same = sends(recording_of(f), f.release) == sends(recording_of(g), g.release) and e == d
-            assert (legs[(f, e)]["completion"][0] is legs[(g, d)]["completion"][0]) == same, (f, e, g, d)
+        assert legs[(f, e)]["completion"][0].recording == recording_of(f), (f, e)
     engine_legs = {id(by_kind["completion"][0]) for by_kind in legs.values()}
-    assert 2 <= len(engine_legs) < len(cells)  # some frontends do send the same: fewer replays than cells
+    assert len(engine_legs) == len(cells)
     to_frontend = legs[(Frontend("vllm", "0.27.0"), "0.30.0")]["completion"][1]
     assert (to_frontend.direction, to_frontend.frontend) == (Direction.TO_FRONTEND, Frontend("vllm", "0.27.0"))
     assert to_frontend.recording == recording_of(Frontend("vllm", "0.30.0"))  # what engine 0.30.0 sent
@@ -42,35 +40,6 @@ def test_each_kind_recorded_on_both_sides_gets_its_own_two_replays_of_its_own_re
     # can-i-deploy --verify --uses observes only the kinds asked.
     asked = legs_of([(new, "0.31.0")], RECORDINGS, tmp_path, kinds=["lora"])
     assert list(asked[(new, "0.31.0")]) == ["lora"]
-
-
-def edited(tmp_path, change) -> tuple:
-    """A copy of the 0.31.0 Python recording with ``change(request)`` applied to every ADD's array."""
-    path, session = recording_of(Frontend("vllm", "0.31.0"))
-    copy = tmp_path / f"{change.__name__}.db"
-    shutil.copy(path, copy)
-    db = sqlite3.connect(copy)
-    for seq, raw in db.execute("SELECT seq, raw FROM frames WHERE kind = 'ADD'").fetchall():
-        parts = msgspec.msgpack.decode(raw)
-        request = msgspec.msgpack.decode(parts[1])
-        change(request)
-        parts[1] = msgspec.msgpack.encode(request)
-        db.execute("UPDATE frames SET raw = ? WHERE seq = ?", (msgspec.msgpack.encode(parts), seq))
-    db.commit()
-    db.close()
-    return copy, session
-
-
-def test_what_a_frontend_sends_leaves_out_ids_and_times_but_not_a_sampling_value(tmp_path):
-    def new_ids_and_times(request):
-        request[0], request[5] = "cmpl-another-0", request[5] + 100.0
-
-    def another_temperature(request):
-        request[3]["temperature"] = 0.5
-
-    original = sends(recording_of(Frontend("vllm", "0.31.0")), "0.31.0")
-    assert sends(edited(tmp_path, new_ids_and_times), "0.31.0") == original
-    assert sends(edited(tmp_path, another_temperature), "0.31.0") != original
 
 
 def test_a_cell_without_a_recording_is_not_observed_and_its_prediction_says_why(tmp_path):

@@ -100,9 +100,19 @@ def test_rotations_count_every_frame_once_keep_every_request_whole_and_each_file
     assert sum(s["recorded"] for s in sessions) == stats.frames_recorded and stats.frames_dropped == 0
     assert stats.frames().balanced()
     assert all(s["seen"] == s["recorded"] and s["dropped"] == 0 for s in sessions)
-    for path, s in zip(files, sessions):  # what is not counted there is a copy
+    for path, s in zip(files, sessions):  # what is not counted there is a copy, and marked as one
         assert rows(path, "SELECT COUNT(*) FROM frames")[0][0] == s["recorded"] + (s["copied"] or 0)
+        assert rows(path, "SELECT COUNT(*) FROM frames WHERE copied = 1")[0][0] == (s["copied"] or 0)
     assert all(s["copied"] for s in sessions[1:])  # each later file begins with the session's start
+    # Summed where not copied, the series holds each frame, handshake and output once (docs/database.md).
+    for table, key in (("frames", "seq"), ("handshakes", "seq"), ("outputs", "seq, request_id"),
+                       ("utility_calls", "call_id")):
+        held = [r for f in files for r in rows(f, f"SELECT {key} FROM {table} WHERE copied IS NULL"
+                                               if table != "utility_calls" else
+                                               "SELECT q.call_id FROM utility_requests q WHERE copied IS NULL")]
+        assert len(held) == len(set(held)) > 0, table
+    assert len([r for f in files for r in rows(f, "SELECT seq FROM frames WHERE copied IS NULL")]) == \
+        stats.frames_recorded
     # Every request is whole in the file of its ADD: its tokens there are all the frontend got.
     where = {}
     for path in files:

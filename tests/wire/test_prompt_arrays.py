@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from replay_proxy.store.rows import Rows
-from replay_proxy.store.tables import TABLES
+from replay_proxy.store.tables import written
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value, token_ids
 from replay_proxy.wire.messages import Channel, Direction, FrontendSource, Kind, WireDecoder
@@ -18,7 +18,7 @@ from replay_proxy.wire.values import RAW_VIEW, Tensor, resolve_tensor
 from replay_proxy.wire.values import token_ids as read_token_ids
 
 TO_ENGINE = Direction.TO_ENGINE
-REQUEST_COLUMNS = list(TABLES["requests"][0])
+REQUEST_COLUMNS = written("requests")
 
 
 def add(release: str, tokens: list[int], dtype: str = "<i4", **more) -> list[bytes]:

@@ -20,7 +20,7 @@ from replay_proxy.store.rotation.files import database_bytes, holds_data, remove
 from replay_proxy.store.rotation.rotator import (
     FINISHING_FILES, ROTATE_RETRY_S, Finishing, Others, Rotator, requests_of)
 from replay_proxy.store.tables import begin_session
-from replay_proxy.store.writer import Writer
+from replay_proxy.store.writer import Copies, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 
 
@@ -97,9 +97,9 @@ class Series:
             if counted[id(part)]:
                 part.writer.write_frames(counted[id(part)])
             if copies[id(part)]:
-                part.writer.write_copies(copies[id(part)])
+                part.writer.write_copies(copies[id(part)], Copies.FRAME)
         if current_copies:
-            self.current.writer.write_copies(current_copies)
+            self.current.writer.write_copies(current_copies, Copies.FRAME)
         for part, finishing in list(self.finishing):
             if finishing.over(time.monotonic(), database_bytes(part.path)):
                 self._close(part)
@@ -118,7 +118,7 @@ class Series:
             if not held:  # a file whose end could not be written is no file to begin
                 raise OSError("no room for the reserve its session's end needs")
             writer = Writer(str(path), session_id, **self.options)
-            writer.write_copies(list(self.rotator.start))
+            writer.write_copies(list(self.rotator.start), Copies.WHOLE)
             if writer.frames_copied < sum(type(item) is CapturedFrame for item in self.rotator.start):
                 writer.connection.close()
                 raise OSError(f"no room for the session's start ({writer.write_error})")
