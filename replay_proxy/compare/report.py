@@ -20,6 +20,7 @@ from replay_proxy.store.cut import source_digest
 from replay_proxy.store.session import Request, Session, load_session, match_requests
 from replay_proxy.wire.rust import RustSchema, pair_structs
 from replay_proxy.wire.schema import Schema, schema_lines
+from replay_proxy.wire.values import to_json
 
 HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-lengths`` sets in every ADD
 ASKED_KEYS = frozenset({"logprobs"})  # what a replay against an engine asks of every ADD (the judging's logprobs)
@@ -89,7 +90,9 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     return Report(
         title=title, baseline=baseline.label, candidate=candidate.label, findings=findings, verdicts=verdicts,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
-        schemas=_side_by_side(baseline.schema, candidate.schema, findings), noise=[n.label for n in noise],
+        schemas=_side_by_side(baseline.schema, candidate.schema, findings, (baseline.registrations,
+                                                                            candidate.registrations)),
+        noise=[n.label for n in noise],
         performance_threshold=rules.performance.min_relative_change,
         kl={"noise floor": [s.kl for s in scoring.noise.values()],
             "candidate": [s.kl for s in scoring.candidate.values()]} if scoring else {},
@@ -148,9 +151,18 @@ def drift_report(python: Schema, rust: RustSchema, rules: Rules) -> Report:
                   findings=findings, checks=[f"schema:{n}" for n in sorted(pair_structs(python, rust))])
 
 
-def _side_by_side(a: Schema, b: Schema, findings) -> dict[str, dict[str, list[str]]]:
-    """The structs that findings name, as field lines of each side."""
+def _side_by_side(a: Schema, b: Schema, findings, registrations: tuple[list[dict], list[dict]] = ([], [])
+                  ) -> dict[str, dict[str, list[str]]]:
+    """The structs that findings name, as field lines of each side; the registration, a map on the wire, as the
+    keys each side's sent, aligned, one it lacks shown as missing."""
     structs = sorted({f.struct for f in findings if f.category == "schema" and f.struct in a.structs
                       and f.struct in b.structs})
-    return {s: {"baseline": schema_lines(a.structs[s].fields), "candidate": schema_lines(b.structs[s].fields)}
-            for s in structs}
+    shown = {s: {"baseline": schema_lines(a.structs[s].fields), "candidate": schema_lines(b.structs[s].fields)}
+             for s in structs}
+    if "EngineCoreReadyResponse" in shown and all(registrations):
+        sent = [side[0] for side in registrations]
+        keys = sorted(set(sent[0]) | set(sent[1]))
+        shown["EngineCoreReadyResponse"] = {
+            side: [f"{k}: {to_json(held[k])}" if k in held else f"{k}: (missing)" for k in keys]
+            for side, held in zip(("baseline", "candidate"), sent)}
+    return shown

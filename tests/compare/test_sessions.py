@@ -34,13 +34,14 @@ async def diff(db, overlapping_in_candidate=(), **drift):
         baseline = await record(nursery, db, "baseline")
         candidate = await record(nursery, db, "candidate", overlapping_in_candidate, **drift)
         nursery.cancel_scope.cancel()
-    findings = build_report("diff", baseline, candidate, RULES).findings
-    return [f for f in findings if f.severity >= Severity.WARNING and f.category != "performance"], findings
+    report = build_report("diff", baseline, candidate, RULES)
+    return [f for f in report.findings if f.severity >= Severity.WARNING and f.category != "performance"], report
 
 
 async def test_same_build_gives_no_findings(db_path):
     with trio.fail_after(30):
-        significant, findings = await diff(db_path)
+        significant, report = await diff(db_path)
+    findings = report.findings
     assert significant == []
     assert exit_code([f for f in findings if f.category != "performance"]) is ExitCode.OK
 
@@ -74,7 +75,8 @@ async def test_an_inserted_output_field_is_misread_downstream(db_path):
 
 async def test_changed_tokens_are_a_behaviour_regression_with_the_divergence_point(db_path):
     with trio.fail_after(30):
-        significant, findings = await diff(db_path, engine_drift=EngineDrift(token_offset=1))
+        significant, report = await diff(db_path, engine_drift=EngineDrift(token_offset=1))
+        findings = report.findings
     mismatches = [f for f in significant if f.code == "token_mismatch"]
     assert len(mismatches) == 6 and all(f.position == 0 and f.severity == Severity.REGRESSION for f in mismatches)
     assert exit_code(findings) is ExitCode.BEHAVIOUR
@@ -91,7 +93,8 @@ async def test_changed_tokens_of_requests_the_candidate_ran_batched_are_only_war
 async def test_a_renamed_sampling_key_shows_both_sides(db_path):
     with trio.fail_after(30):
         renamed = FrontendDrift(rename_sampling_key=("max_tokens", "max_tokenz"))
-        _, findings = await diff(db_path, frontend_drift=renamed)
+        _, report = await diff(db_path, frontend_drift=renamed)
+        findings = report.findings
     codes = {(f.code, f.field) for f in findings}
     assert ("sampling_key_unknown", "max_tokenz") in codes
     # the engine no longer sees max_tokens: every request runs to its default length instead,
@@ -113,6 +116,10 @@ async def test_an_inserted_request_field_is_found_and_its_requests_never_run(db_
 async def test_a_missing_registration_key_breaks_the_frontends_whose_own_layout_requires_it(db_path, key, breaks):
     """Both of 0.32.0's frontends require block_size; vllm-rs 0.32.0 declares dp_stats_address an Option."""
     with trio.fail_after(30):
-        significant, _ = await diff(db_path, engine_drift=EngineDrift(drop_registration_key=key))
+        significant, report = await diff(db_path, engine_drift=EngineDrift(drop_registration_key=key))
     [missing] = [f for f in significant if f.code == "registration_key_missing"]
     assert (missing.field, missing.severity, missing.breaks) == (key, Severity.BREAKING, breaks)
+    # Side by side, the registrations as sent: the key the candidate lacks is shown missing, beside the baseline's.
+    sides = report.schemas["EngineCoreReadyResponse"]
+    [(had, lacks)] = [(a, b) for a, b in zip(sides["baseline"], sides["candidate"]) if a != b]
+    assert had.startswith(f"{key}: ") and lacks == f"{key}: (missing)"
