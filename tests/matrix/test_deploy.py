@@ -146,3 +146,15 @@ def test_verify_runs_nothing_and_says_so_where_no_recording_can_be_replayed():
     cell, source = cell_of(Frontend("vllm", "0.34.0"), "0.32.0", None, verify=True)
     assert cell.observed is None and source == "predicted: not verifiable here, no recording of what one side sends"
     assert cell.verdict_for(["completion"]) is Verdict.BREAKS  # the schemas' prompt break
+
+
+def test_a_kind_asked_about_and_not_recorded_breaks_where_the_schemas_show_its_own_structs_breaking():
+    """vllm-rs 0.32.0 records no LoRA request, but its Rust LoRARequest puts another field at position 4 than the
+    Python engine's (what `schema drift` says): asked about lora, the cell breaks; not asked, lora is not judged."""
+    build = Frontend("vllm-rs", "0.32.0")
+    lora = can_i_deploy(build, "0.32.0", None, uses=["lora"])
+    assert lora.verdict is Verdict.BREAKS
+    assert {(e.kind, e.struct, e.field) for e in lora.cell.predicted.evidence if e.verdict is Verdict.BREAKS} == {
+        ("lora", "LoRARequest", "load_inplace")}
+    assert "lora" not in can_i_deploy(build, "0.32.0", None).cell.kinds
+    assert can_i_deploy(build, "0.32.0", None, uses=["pooling"]).verdict is Verdict.UNKNOWN  # nothing shown breaking
