@@ -26,29 +26,46 @@ class ChildError(ReplayProxyError):
     """A child process failed to start, exited early or did not become ready."""
 
 
-def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess[bytes]:
+_RUNNING: set[subprocess.Popen] = set()  # run_group's children now: what stop_groups stops
+
+
+def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = None, text: bool = False
+              ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True)`` in a process group of its own, it and every process it
     started killed if it outlives ``timeout`` or its caller is stopped (SIGINT, or SIGTERM, which ``cli.run``
     turns into it): an install's pip stops with it, and never goes on writing into the cache that the next
     run removes and installs again. Each process by its PID as well as the group: GNU ``timeout``, which the
-    set-up runs pip under, puts itself and pip in a group of their own."""
+    set-up runs pip under, puts itself and pip in a group of their own. ``text``: its output as text."""
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
-                          start_new_session=True) as process:
+                          start_new_session=True, text=text) as process:
+        _RUNNING.add(process)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except BaseException:
-            started = descendants(process.pid)  # (before any dies: its children would be orphans, out of reach)
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, sig)
-                for pid in started:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(5)
+            _kill(process)
             raise
+        finally:
+            _RUNNING.discard(process)
     return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def stop_groups() -> None:
+    """Every ``run_group`` child now, and what it started, killed: what ``cli.run`` does first on SIGTERM, so that
+    a command whose threads wait on replays (matrix, shrink) stops at once, not when they end."""
+    for process in list(_RUNNING):
+        _kill(process)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    started = descendants(process.pid)  # (before any dies: its children would be orphans, out of reach)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5)
 
 
 def descendants(pid: int) -> set[int]:

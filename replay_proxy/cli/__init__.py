@@ -19,6 +19,7 @@ from replay_proxy import __version__
 from replay_proxy.cli import recording, comparing, matrix, peers  # noqa: F401
 from replay_proxy.cli.common import app, err, out
 from replay_proxy.errors import ExitCode, ReplayProxyError, leaf
+from replay_proxy.processes import stop_groups
 
 
 def _version(value: bool) -> None:
@@ -39,10 +40,12 @@ def run() -> None:
     """The console script: click's errors as one line, Ctrl-C and SIGTERM as exit code 130.
 
     SIGTERM is turned into SIGINT so that it unwinds like Ctrl-C (trio raises it at a
-    safe point): cleanup runs, a replay's peer under test is stopped. `record` handles
-    both signals itself and exits 0 once its recording is complete.
+    safe point): cleanup runs, a replay's peer under test is stopped; what runs in a group
+    of its own (``processes.run_group``: installs, the replays of matrix and shrink) is
+    stopped first. `record` handles both signals itself and exits 0 once its recording
+    is complete.
     """
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    signal.signal(signal.SIGTERM, lambda *_: (stop_groups(), signal.raise_signal(signal.SIGINT)))
     try:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort):

@@ -46,7 +46,7 @@ from replay_proxy.compare.findings import exit_code, report_json
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
-from replay_proxy.processes import free_port
+from replay_proxy.processes import free_port, run_group
 from replay_proxy.releases import ReleaseError
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import KeptEngine, replay_session
@@ -222,7 +222,7 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
             *target, "--ready-timeout", str(ready_s), "--finish-timeout", str(FINISH_S), "--report-dir", str(workdir)]
     leg_s = ready_s + FINISH_S + SLACK_S
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=leg_s)
+        done = run_group(argv, leg_s, text=True)
     except subprocess.TimeoutExpired:
         return -1, None, f"the replay took over {leg_s:g} s"
     finally:

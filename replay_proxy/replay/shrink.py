@@ -34,7 +34,7 @@ import msgspec
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.processes import free_port
+from replay_proxy.processes import free_port, run_group
 from replay_proxy.store.cut import Selection, cut_database
 from replay_proxy.store.tables import read_recording
 from replay_proxy.store.subset import Edit
@@ -221,7 +221,7 @@ class Shrinker:
         argv = self.peer.replay_argv(db, session, folder)
         limit = self.peer.ready_timeout_s + self.peer.finish_timeout_s + 120
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
+            done = run_group(argv, limit, text=True)
         except subprocess.TimeoutExpired:
             raise ShrinkError(f"a replay took over {limit:g} s: {shlex.join(argv)}") from None
         report = folder / "report.json"

@@ -15,6 +15,13 @@ from replay_proxy.processes import descendants
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def command_of(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""  # (gone meanwhile)
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -62,3 +69,30 @@ def test_a_bisect_stopped_during_its_install_leaves_no_process_and_the_next_one_
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_shrink_stopped_while_its_replay_waits_for_a_peer_stops_the_replay_and_the_peer_at_once(tmp_path):
+    """shrink (as matrix) runs each replay as a process of its own group: SIGTERM stops them first, not after
+    the peer's ready timeout."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replay_proxy", "shrink", "--db", str(ROOT / "recordings" / "demo.db"), "--session",
+         "demo", "--out", str(tmp_path / "shrunk"), "--against", "engine", "--engine-cmd", "sleep 600 # {port}",
+         "--ready-timeout", "600"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(b"sleep" in command_of(pid) for pid in descendants(process.pid)):
+            assert time.monotonic() < deadline and process.poll() is None, "the peer never started"
+            time.sleep(0.5)
+        started = descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        time.sleep(1)
+        assert not [pid for pid in started if alive(pid)], "a replay or its peer is still running"
+        assert not (tmp_path / "shrunk").exists()  # (the folder it made, removed)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
