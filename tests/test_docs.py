@@ -89,6 +89,7 @@ def test_each_walk_runs_as_the_page_says_and_prints_what_it_shows(name, tmp_path
         (tmp_path / folder).symlink_to(ROOT / folder)
     port = str(free_port())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "200"}
+    committed = {p: p.stat().st_mtime_ns for folder in ("recordings", "docs") for p in (ROOT / folder).iterdir()}
 
     def run(script: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(TOUR_PORT, port)], cwd=tmp_path,
@@ -112,6 +113,10 @@ def test_each_walk_runs_as_the_page_says_and_prints_what_it_shows(name, tmp_path
         else:
             lacks = holds([line.replace(TOUR_PORT, port) for line in block.splitlines()], printed)
             assert lacks is None, f"{walk.page}: the page shows {lacks}; what ran printed:\n{printed}"
+    # Reading never writes: the committed recordings and docs it read are as they were, nothing made beside them
+    # (a tour once left 46 to 58 -wal and -shm files in recordings/).
+    assert {p: p.stat().st_mtime_ns for folder in ("recordings", "docs") for p in (ROOT / folder).iterdir()} == \
+        committed
 
 
 def test_every_link_between_the_pages_leads_somewhere():

@@ -1,14 +1,20 @@
 """A session's shift between two builds, paired by request, judged against the same build's own spread.
 
 Each request gives one number (how far the candidate moved it from the
-baseline run); the session's shift is their mean, with a bootstrap interval
+baseline run); the session's shift is their mean, with a sign-flip interval
 over requests at the two-sided 99.9% level, widened by how far the baseline
 build's own interleaved runs move the same mean (their root mean square),
-where there are several. No threshold of its own: a shift is a regression
-when that interval excludes no shift (beyond float32's ``LOGPROB_SLACK``).
-One such test a session flags a build whose runs differ at random (batched
-sampling on a GPU) in about one replay of a thousand; on vLLM's CPU build
-the same build gives the same numbers, and the interval is a point.
+where there are several. Sign flips, since of one build's two runs neither
+is the baseline: a request moves either way alike, whatever its magnitude.
+The interval is the mean give or take the 99.9% quantile of the mean of the
+requests' deviations from it, each given a random sign: it is the inversion
+of the sign-flip test, exact for exchangeable runs, and a few requests that
+sampled a very unlikely token (a peaked model's long tail) widen it as they
+should. A bootstrap of the mean, skewed by them, flagged the same build in
+1 of 20 replays of the trained model's traffic. No threshold of its own: a
+shift is a regression when that interval excludes no shift (beyond
+float32's ``LOGPROB_SLACK``). On vLLM's CPU build the same build gives the
+same numbers, and the interval is a point.
 """
 
 from __future__ import annotations
@@ -56,10 +62,23 @@ class Shift(msgspec.Struct, frozen=True):
 def paired_shift(shifts: list[float], repeat_means: list[float]) -> Shift:
     """``shifts``: each request's, candidate against the baseline run; ``repeat_means``: the same mean between
     the baseline run and each further run of the baseline build."""
-    mean, low, high = mean_interval(shifts, SHIFT_Z)
+    mean, low, high = sign_flip_interval(shifts, SHIFT_Z)
     run_to_run = math.sqrt(sum(d * d for d in repeat_means) / len(repeat_means)) if repeat_means else 0.0
     spread = float(np.std(shifts, ddof=1)) if len(shifts) > 1 else 0.0
     return Shift(mean, low - SHIFT_Z * run_to_run, high + SHIFT_Z * run_to_run, len(repeat_means), spread)
+
+
+def sign_flip_interval(values: list[float], z: float) -> tuple[float, float, float]:
+    """The mean and the interval that inverts the sign-flip test at the two-sided level of ``z`` (the module's
+    docstring): the mean give or take that quantile of the mean of the deviations, each signed at random."""
+    data = np.asarray(values, dtype=float)
+    mean = float(data.mean())
+    if len(data) < 2:
+        return mean, mean, mean
+    tail = math.erfc(z / math.sqrt(2))  # (two-sided: |mean| against one quantile)
+    signs = np.random.default_rng(SEED).choice([-1.0, 1.0], size=(max(RESAMPLES, int(20 / tail)), len(data)))
+    half = float(np.quantile(np.abs(signs @ (data - mean)) / len(data), 1 - tail))
+    return mean, mean - half, mean + half
 
 
 def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
