@@ -1,6 +1,11 @@
+import os
 from pathlib import Path
 
 import pytest
+
+# GNU readline, loaded into this process, exports COLUMNS=80 (and LINES) to every child it starts, and piped output
+# is as wide as COLUMNS says: the suite's children print as to a program reading a pipe with no COLUMNS, 200 wide.
+os.environ["COLUMNS"] = "200"
 
 # The helper modules' asserts say what they compared, as a test module's do (named before they are imported).
 pytest.register_assert_rewrite("tests.helpers", "tests.real.vllm_reads", "tests.replay.sim_sessions",

@@ -210,8 +210,10 @@ def test_every_help_is_readable_at_80_columns_with_every_option_name_whole(path,
 def test_the_main_tables_read_whole_at_80_columns():
     """A diff's findings and performance estimates, and the sessions table: every metric, column and code whole,
     no line past 80 columns."""
+    from replay_proxy.compare.performance import performance_findings
     from replay_proxy.compare.report import diff_sessions
     from replay_proxy.compare.rules import load_rules
+    from replay_proxy.store.session import load_session, match_requests
     from replay_proxy.report.render import print_summary
     from replay_proxy.report.tables import print_rows
     from replay_proxy.store.queries import list_sessions
@@ -219,6 +221,10 @@ def test_the_main_tables_read_whole_at_80_columns():
     recordings = ROOT / "recordings"
     report = diff_sessions(recordings / "vllm-0.32.0-python.db", "python-frontend",
                            recordings / "vllm-0.32.0-vllm-rs.db", "vllm-rs-frontend", load_rules())
+    # (two recordings: their timing is not judged, so the estimates of the same two sessions are added to show)
+    before, after = (load_session(recordings / f"vllm-0.32.0-{name}.db", f"{name}-frontend")
+                     for name in ("python", "vllm-rs"))
+    report.findings += performance_findings(before, after, match_requests(before, after, []), load_rules())
     console = Console(width=80, record=True, file=io.StringIO())
     print_summary(report, console)
     sessions = list_sessions(recordings / "demo.db")

@@ -78,11 +78,16 @@ def test_can_i_deploy_answers_for_the_kinds_a_deployment_uses():
     assert ("vllm:0.32.0 with engine 0.31.0: breaks (works for completion; breaks for lora; works for pooling)"
             in both.stdout)
     assert "  for lora: breaks (predicted: not observed yet)" in both.stdout
-    # A kind not recorded for the cell is unknown (exit 6), and says why (no script a user lacks).
+    # A kind not recorded for the cell is judged from the schemas where its own structs break (vllm-rs 0.32.0's
+    # LoRARequest), else unknown (exit 6), saying why (no script a user lacks).
     rust = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm-rs==0.32.0", "--engine", "0.31.0", "--uses",
                            "lora"], capture_output=True, text=True, timeout=60)
-    assert rust.returncode == 6 and "not judged: no recording of lora requests on both sides" in rust.stdout, \
-        rust.stdout
+    assert rust.returncode == 3 and "(from the schemas: no recording of lora requests between vllm-rs:0.32.0 and " \
+        "engine 0.31.0)" in rust.stdout, rust.stdout
+    pooling = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm-rs==0.32.0", "--engine", "0.31.0", "--uses",
+                              "pooling"], capture_output=True, text=True, timeout=60)
+    assert pooling.returncode == 6 and "not judged: no recording of pooling requests on both sides" in \
+        pooling.stdout, pooling.stdout
     bad = subprocess.run([*CLI, "can-i-deploy", "--frontend", "vllm==0.32.0", "--engine", "0.31.0", "--uses",
                           "images"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "kinds of request are completion, lora, pooling" in bad.stderr

@@ -18,14 +18,18 @@ RECORDINGS = sorted((Path(__file__).parents[2] / "recordings").glob("vllm-*.db")
 VOCAB, TRAINED_VOCAB = 407, 900
 
 
+def redaction_for(recording: Path, key: Path) -> Redaction:
+    return Redaction(RedactionSettings(str(key), TRAINED_VOCAB if recording.stem == "vllm-0.32.0-bench-serve"
+                                       else VOCAB))
+
+
 @pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.stem)
 def test_a_real_recording_redacts_whole_with_nothing_blanked_and_nothing_left(tmp_path, recording):
     source = tmp_path / recording.name
     shutil.copy(recording, source)
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
-    [(_, session_id, frames)] = redact_database(source, tmp_path / "ci.db", Redaction(RedactionSettings(
-        str(key), TRAINED_VOCAB if recording.stem == "vllm-0.32.0-bench-serve" else VOCAB)))
+    [(_, session_id, frames)] = redact_database(source, tmp_path / "ci.db", redaction_for(recording, key))
     redacted = sqlite_utils.Database(tmp_path / "ci.db")
     row = redacted["sessions"].get(session_id)
     assert frames == row["frames_recorded"] == sqlite_utils.Database(source)["sessions"].get(1)["frames_recorded"]
@@ -45,7 +49,7 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
 
     key = tmp_path / "redaction.key"
     key.write_bytes(b"a key for the recordings' test!!")
-    redaction = Redaction(RedactionSettings(str(key), VOCAB))
+    redaction = redaction_for(RECORDINGS[0], key)
     taken, fast = [], collections.Counter()
     of, really_unchanged = frames.PlainOutput.of, frames.Redactor._unchanged
     step, request = frames.Redactor._plain_step, frames.Redactor._plain_request
@@ -69,11 +73,11 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     monkeypatch.setattr(frames.Redactor, "_plain_step", counted_step)
     monkeypatch.setattr(frames.Redactor, "_plain_request", counted_request)
     for recording in RECORDINGS:
-        redact_database(recording, tmp_path / f"fast-{recording.name}", redaction)
+        redact_database(recording, tmp_path / f"fast-{recording.name}", redaction_for(recording, key))
     monkeypatch.setattr(frames.PlainOutput, "of", lambda schema, policy: None)
     monkeypatch.setattr(frames.Kept, "of", lambda schema, policy, name: None)
     for recording in RECORDINGS:
-        redact_database(recording, tmp_path / f"walked-{recording.name}", redaction)
+        redact_database(recording, tmp_path / f"walked-{recording.name}", redaction_for(recording, key))
         raw = [sqlite_utils.Database(tmp_path / f"{way}-{recording.name}").execute(
             "SELECT seq, raw FROM frames ORDER BY seq").fetchall() for way in ("fast", "walked")]
         assert raw[0] == raw[1], recording.name

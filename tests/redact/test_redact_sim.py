@@ -214,7 +214,7 @@ def test_a_redacted_session_replays_against_an_engine_with_its_lengths_held(tmp_
 
 @pytest.mark.parametrize("arguments, error, code", [  # 1: a key file that cannot be used; 2: the arguments
     (["--vocab-size", "900", "--key-file", "short.key"], "needs 16 or more", 1),
-    (["--key-file", "redaction.key"], "needs --vocab-size", 2),
+    (["--key-file", "redaction.key"], "Missing option '--vocab-size'", 2),
     (["--vocab-size", "900", "--key-file", "redaction.key", "--out", "in.db"], "never in place", 2),
     (["--vocab-size", "900", "--key-file", "missing.key"], "cannot read the redaction key", 1),
 ])

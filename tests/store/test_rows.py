@@ -45,7 +45,7 @@ def test_a_stop_token_and_a_stop_string_keep_their_types(db_path, tmp_path):
                     ("token-2", 852, "integer"), ("string-2", "852", "text")]
     result = cli("export", "--db", str(db_path), "--parquet", str(tmp_path / "lake"))
     assert result.returncode == 0, result.stderr
-    parquet = duckdb.sql(f"SELECT stop_reason FROM read_parquet('{tmp_path}/lake/outputs/*/*.parquet') ORDER BY seq, "
+    parquet = duckdb.sql(f"SELECT stop_reason FROM read_parquet('{tmp_path}/lake/outputs/**/*.parquet') ORDER BY seq, "
                          "position").fetchall()
     assert parquet == [("852",)] * 4
 
@@ -108,7 +108,7 @@ def test_a_u64_call_id_is_kept_exactly_in_sql_and_in_parquet(db_path, tmp_path):
     assert rows == [(str(big), "text", 4), (7, "integer", 3)]
     result = cli("export", "--db", str(db_path), "--parquet", str(tmp_path / "lake"))
     assert result.returncode == 0, result.stderr
-    parquet = duckdb.sql(f"SELECT call_id FROM read_parquet('{tmp_path}/lake/utility_requests/*/*.parquet') "
+    parquet = duckdb.sql(f"SELECT call_id FROM read_parquet('{tmp_path}/lake/utility_requests/**/*.parquet') "
                          "ORDER BY seq").fetchall()
     assert parquet == [(str(big),), ("7",)]
 

@@ -12,7 +12,7 @@ from replay_proxy.store.counts import FrameCounts
 from replay_proxy.store.protocol import Stop
 from replay_proxy.store.sample import InSample, RequestSample
 from replay_proxy.store.tables import open_database
-from replay_proxy.store.writer import Writer
+from replay_proxy.store.writer import Copies, Writer
 from replay_proxy.wire.capture import RELAY, encode_entries, relay_entry
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD
 from replay_proxy.wire.schema import load_schema
@@ -113,7 +113,7 @@ def test_copies_for_another_file_of_a_rotation_count_only_as_copied_however_the_
     sample = RequestSample(0.25)
     writer = Writer(str(db_path), session_id, sample=sample)
     copies = [frame(seq, f"r{seq}") for seq in range(1, 101)]
-    writer.write_copies(copies)
+    writer.write_copies(copies, Copies.FRAME)
     chosen = sum(f"r{seq}" in InSample(sample) for seq in range(1, 101))
     assert (writer.frames_copied, writer.frames_written, writer.frames_sampled_out) == (chosen, 0, 0)
     assert writer.outputs_sampled_out == 0 and 0 < chosen < 100
