@@ -297,11 +297,11 @@ def read_recording(path: Path) -> sqlite3.Connection:
     return connection
 
 
-# What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
-# file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
 # PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied.
 SCHEMA_VERSION = 2
 
+# What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
+# file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
 # An older file's logprobs and events columns, folded into ``output_rows.other`` (a null patch value
 # removes its key, so an output with neither keeps ``other`` as it was).
 _OTHER_WITH_COLUMNS = """NULLIF(json_patch(COALESCE(other, '{}'), json_object('new_logprobs', json(new_logprobs),
