@@ -21,6 +21,7 @@ import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, list_sessions, open_recording
+from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import finish_decoding
 from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema, schema_for
@@ -136,8 +137,11 @@ class Session(msgspec.Struct):
 
 def decode_kept(db_path: Path, session: str | None = None) -> list[tuple[str, int | None]]:
     """``replay-proxy decode``: decode what each session (or ``session``) kept undecoded. For each session
-    that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them)."""
+    that had some: its name, and the frames decoded (None: it is still recording, its writer decodes them). It
+    writes: an older file is brought to this version's layout first (``open_database``)."""
     rows = [find_session(open_recording(db_path), session)] if session is not None else list_sessions(db_path)
+    if any(row["frames_undecoded"] and row["status"] != "recording" for row in rows):
+        open_database(db_path).close()
     return [(row["name"], None if row["status"] == "recording" else finish_decoding(str(db_path), row["id"]))
             for row in rows if row["frames_undecoded"]]
 
