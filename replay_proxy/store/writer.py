@@ -70,6 +70,14 @@ class Copies(enum.Enum):
     FRAME = "frame"
 
 
+def _insert(table: str, copy: bool) -> str:
+    """The INSERT of a row of ``table`` as written; ``copy``: as a copy (``write_copies``), its ``copied`` column 1,
+    said by the statement."""
+    columns, marked = written(table), copy and COPIED in TABLES[table][0]
+    return (f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in columns)}{', [copied]' if marked else ''}) "
+            f"VALUES ({', '.join('?' * len(columns))}{', 1' if marked else ''})")
+
+
 class Writer:
     """One session's writer: decodes, or keeps and later decodes, the tap's messages.
 
@@ -89,12 +97,8 @@ class Writer:
         if max_bytes:  # the file's own page size: an older file may have another
             page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]
             self.connection.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_bytes)}")
-        # A row as written, and as a copy (``write_copies``): its ``copied`` column 1, said by the statement.
-        self.statements, self.copy_statements = ({
-            table: f"INSERT INTO [{table}] ({', '.join(f'[{c}]' for c in [*written(table), *copy])}) "
-                   f"VALUES ({', '.join(['?'] * len(written(table)) + ['1'] * len(copy))})"
-            for table, (columns, _) in TABLES.items() for copy in [[COPIED] if how and COPIED in columns else []]
-        } for how in (False, True))
+        self.statements = {table: _insert(table, copy=False) for table in TABLES}
+        self.copy_statements = {table: _insert(table, copy=True) for table in TABLES}
         version, recorded, frontend_release, frontend_source = self.connection.execute(
             "SELECT vllm_version, COALESCE(frames_recorded, 0), frontend_release, frontend_source FROM sessions "
             "WHERE id = ?", (session_id,)).fetchone()
