@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ class ChildError(ReplayProxyError):
 
 
 _RUNNING: set[subprocess.Popen] = set()  # run_group's children now: what stop_groups stops
+_STOPPED = threading.Event()  # set by stop_groups: no run_group starts after it (a worker thread's next replay)
 
 
 def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = None, text: bool = False
@@ -36,6 +38,8 @@ def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = N
     turns into it): an install's pip stops with it, and never goes on writing into the cache that the next
     run removes and installs again. Each process by its PID as well as the group: GNU ``timeout``, which the
     set-up runs pip under, puts itself and pip in a group of their own. ``text``: its output as text."""
+    if _STOPPED.is_set():
+        raise ChildError(f"not started, the command is stopping: {argv[0]}")
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
                           start_new_session=True, text=text) as process:
         _RUNNING.add(process)
@@ -51,7 +55,9 @@ def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = N
 
 def stop_groups() -> None:
     """Every ``run_group`` child now, and what it started, killed: what ``cli.run`` does first on SIGTERM, so that
-    a command whose threads wait on replays (matrix, shrink) stops at once, not when they end."""
+    a command whose threads wait on replays (matrix, shrink) stops at once, not when they end, and none of them
+    starts another."""
+    _STOPPED.set()
     for process in list(_RUNNING):
         _kill(process)
 

@@ -63,3 +63,28 @@ def test_a_free_port_is_bindable_and_never_one_the_kernel_hands_out_for_port_0()
     assert len(set(ports)) > 150  # spread out: two callers at once rarely pick the same
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_once_stopping_no_group_starts_and_those_running_stop_with_what_they_started():
+    """What cli.run does on SIGTERM, in a process of its own (it stops that process's groups for good): the running
+    group and its child go at once, and a worker thread's next run_group is refused, not started."""
+    import subprocess
+
+    script = """
+import threading, time
+from replay_proxy.processes import ChildError, descendants, run_group, stop_groups
+done = []
+worker = threading.Thread(target=lambda: done.append(run_group(["sh", "-c", "sleep 600 & wait"], 600)))
+worker.start()
+time.sleep(1)
+stop_groups()
+worker.join(30)
+try:
+    run_group(["true"], 10)
+except ChildError as exc:
+    print("refused:", exc)
+print("joined:", not worker.is_alive(), done[0].returncode if done else None)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert "refused: not started, the command is stopping: true" in ran.stdout, ran.stdout + ran.stderr
+    assert "joined: True -15" in ran.stdout or "joined: True -9" in ran.stdout, ran.stdout + ran.stderr
