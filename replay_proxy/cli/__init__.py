@@ -45,6 +45,9 @@ def run() -> None:
     stopped first. `record` handles both signals itself and exits 0 once its recording
     is complete.
     """
+    # SIGINT as Python handles it, even where it was ignored (a job a shell started in the background, as CI
+    # runners do): SIGTERM is turned into it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (stop_groups(), signal.raise_signal(signal.SIGINT)))
     try:
         code = app(standalone_mode=False)

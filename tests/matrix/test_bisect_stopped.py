@@ -15,6 +15,12 @@ from replay_proxy.processes import descendants
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def ignoring_sigint() -> None:
+    """As a job a shell started in the background runs (a CI runner's step): SIGINT ignored, which its children
+    inherit, so the command must not count on it to unwind from SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def command_of(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -37,7 +43,8 @@ def bisect_until_installing(cache: Path, index: socket.socket) -> subprocess.Pop
     process = subprocess.Popen(
         [sys.executable, "-m", "replay_proxy", "bisect", "--db", str(ROOT / "recordings" / "vllm-0.31.0-python.db"),
          "--session", "python-frontend", "--against", "engine", "--releases", "0.30.0..0.31.0"],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=ignoring_sigint)
     index.settimeout(240)
     try:
         index.accept()  # (held open, unanswered, until the test ends)
@@ -78,7 +85,7 @@ def test_a_shrink_stopped_while_its_replay_waits_for_a_peer_stops_the_replay_and
         [sys.executable, "-m", "replay_proxy", "shrink", "--db", str(ROOT / "recordings" / "demo.db"), "--session",
          "demo", "--out", str(tmp_path / "shrunk"), "--against", "engine", "--engine-cmd", "sleep 600 # {port}",
          "--ready-timeout", "600"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=ignoring_sigint)
     try:
         deadline = time.monotonic() + 120
         while not any(b"sleep" in command_of(pid) for pid in descendants(process.pid)):
