@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,11 +86,13 @@ def holds(shown: list[str], printed: str) -> str | None:
 @pytest.mark.parametrize("name", sorted(WALKS))
 def test_each_walk_runs_as_the_page_says_and_prints_what_it_shows(name, tmp_path):
     walk = WALKS[name]
-    for folder in ("recordings", "docs", "scripts"):  # the project, as a clone has it; what the walk writes is new
-        (tmp_path / folder).symlink_to(ROOT / folder)
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the project, as a clone has it; what the walk writes is new
+    for folder in ("recordings", "docs"):  # copies, which no other test touches while the walk reads them
+        shutil.copytree(ROOT / folder, tmp_path / folder)
     port = str(free_port())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "COLUMNS": "200"}
-    committed = {p: p.stat().st_mtime_ns for folder in ("recordings", "docs") for p in (ROOT / folder).iterdir()}
+    committed = {p: p.read_bytes() for folder in ("recordings", "docs") for p in (tmp_path / folder).rglob("*")
+                 if p.is_file()}
 
     def run(script: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-euo", "pipefail", "-c", script.replace(TOUR_PORT, port)], cwd=tmp_path,
@@ -115,8 +118,8 @@ def test_each_walk_runs_as_the_page_says_and_prints_what_it_shows(name, tmp_path
             assert lacks is None, f"{walk.page}: the page shows {lacks}; what ran printed:\n{printed}"
     # Reading never writes: the committed recordings and docs it read are as they were, nothing made beside them
     # (a tour once left 46 to 58 -wal and -shm files in recordings/).
-    assert {p: p.stat().st_mtime_ns for folder in ("recordings", "docs") for p in (ROOT / folder).iterdir()} == \
-        committed
+    assert {p: p.read_bytes() for folder in ("recordings", "docs") for p in (tmp_path / folder).rglob("*")
+            if p.is_file()} == committed
 
 
 def test_every_link_between_the_pages_leads_somewhere():
