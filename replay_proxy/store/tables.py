@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import sqlite3
+import urllib.parse
 from pathlib import Path
 
 import sqlite_utils
@@ -262,14 +263,24 @@ def end_session(path: str | Path, session_id: int, *, status: str | None = None,
     if counts is not None:
         values.update(frames_seen=counts.seen, frames_recorded=counts.recorded, frames_dropped=counts.dropped)
     assignments = "".join(f"{column} = ?, " for column in values)
-    with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection, connection:
+    if not Path(path).exists():
+        return  # (a rotating recording's retention deleted it: there is no row to end)
+    with contextlib.closing(_existing(path)) as connection, connection:
         connection.execute(f"UPDATE sessions SET {assignments}error = COALESCE(?, error) WHERE id = ?",
                            (*values.values(), error, session_id))
 
 
+def _existing(path: str | Path) -> sqlite3.Connection:
+    """A connection that writes into the file at ``path`` and never makes one there (``mode=rw``): a file deleted
+    meanwhile is an error, not an empty database left behind for readers to trip on."""
+    return sqlite3.connect(f"file:{urllib.parse.quote(str(Path(path).resolve()))}?mode=rw", uri=True, timeout=30)
+
+
 def frames_kept(path: str | Path, session_id: int) -> int:
-    """A session's frames in its file: decoded, or kept to decode later."""
-    with contextlib.closing(sqlite3.connect(path, timeout=30)) as connection:
+    """A session's frames in its file: decoded, or kept to decode later (none in a file deleted meanwhile)."""
+    if not Path(path).exists():
+        return 0
+    with contextlib.closing(_existing(path)) as connection:
         return connection.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
                                   "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
                                   {"s": session_id}).fetchone()[0]
