@@ -7,6 +7,7 @@ processes). Output goes to a log file kept for the report.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -15,11 +16,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 from pathlib import Path
 
 from replay_proxy.errors import ReplayProxyError
 
+T, R = TypeVar("T"), TypeVar("R")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes, as vLLM and vllm-rs write to a terminal-less log
 
 
@@ -60,6 +63,18 @@ def stop_groups() -> None:
     _STOPPED.set()
     for process in list(_RUNNING):
         _kill(process)
+
+
+def threaded(work: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """``work`` over ``items`` on ``workers`` threads, its results in order. Interrupted (Ctrl-C), it stops the
+    groups the threads run (``stop_groups``), so that they end at once and the interrupt goes on: a pool waits
+    for its threads, which would otherwise wait for their replays."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        try:
+            return list(pool.map(work, items))
+        except BaseException:
+            stop_groups()
+            raise
 
 
 def _kill(process: subprocess.Popen) -> None:

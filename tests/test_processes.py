@@ -88,3 +88,35 @@ print("joined:", not worker.is_alive(), done[0].returncode if done else None)
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
     assert "refused: not started, the command is stopping: true" in ran.stdout, ran.stdout + ran.stderr
     assert "joined: True -15" in ran.stdout or "joined: True -9" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_ctrl_c_stops_the_groups_a_pool_of_threads_runs_at_once():
+    """matrix and shrink --jobs wait on replays in threads: Ctrl-C stops those replays (and what they started), so
+    the pool ends at once and the interrupt goes on, instead of waiting for every replay to end."""
+    import signal
+    import subprocess
+
+    from replay_proxy.processes import descendants
+
+    script = """
+from replay_proxy.processes import run_group, threaded
+try:
+    threaded(lambda _: run_group(["sleep", "600"], 600), [1, 2], 2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 30
+        while len(descendants(process.pid)) < 2:
+            assert time.monotonic() < deadline, "the two groups never started"
+            time.sleep(0.1)
+        sleeps = descendants(process.pid)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+        assert out == "interrupted\n"
+        assert not [pid for pid in sleeps if os.path.exists(f"/proc/{pid}") and
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    finally:
+        process.kill()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_
 from replay_proxy.matrix.observe import EngineBatch, Leg, batched_legs, judge, legs_of
 from replay_proxy.matrix.predict import predict
 from replay_proxy.peers import READY_S
+from replay_proxy.processes import threaded
 
 # Replays at once. Most of a replay is waiting at the recorded pace (a Rust frontend's: about 1 s of CPU in
 # 12), so four keep two cores busy; an engine's start (15-40 s, most of it CPU) is once per batch.
@@ -63,8 +63,7 @@ def _observe(cells: list[Cell], wanted: list[tuple[Frontend, str]], recordings: 
             unit.run()
             show(unit)
 
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(run, work))
+    threaded(run, work, workers)
     by_cell = {(c.frontend, c.engine): c for c in cells}
     now = utc_now("seconds")
     for (frontend, engine), pair in legs.items():

@@ -19,7 +19,6 @@ result does not depend on which finished first).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import shlex
@@ -34,7 +33,7 @@ import msgspec
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.processes import free_port, run_group
+from replay_proxy.processes import free_port, run_group, threaded
 from replay_proxy.store.cut import Selection, cut_database
 from replay_proxy.store.tables import read_recording
 from replay_proxy.store.subset import Edit
@@ -200,10 +199,9 @@ class Shrinker:
         fresh = fresh[:max(0, self.max_replays - self.replays)]
         for start in range(0, len(fresh), self.jobs):
             batch = fresh[start:start + self.jobs]
-            with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
-                for candidate, fails in zip(batch, pool.map(self._fails, batch)):
-                    self.tried[frozenset(candidate)] = fails
-                    self.candidates.append({"requests": len(candidate), "finding": fails})
+            for candidate, fails in zip(batch, threaded(self._fails, batch, self.jobs)):
+                self.tried[frozenset(candidate)] = fails
+                self.candidates.append({"requests": len(candidate), "finding": fails})
             self.progress(f"{self.replays} replays, {len(self.smallest)} requests")
             if any(self.tried[frozenset(c)] for c in batch):
                 break
