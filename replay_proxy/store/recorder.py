@@ -180,10 +180,12 @@ class Recorder:
         writer is still at it when the wait ends, the counts returned are not final (``final``): what
         it has not written yet is queued, not dropped.
         """
-        if self._tap.stop(status, error):  # the tap's sockets, and the writer's progress, are this thread's now
-            self.writer.final_report(writer_wait_s, FINAL_REPORT_WAIT_MS)
-            self._tap.close()
+        # The exit code that goes with the report last read: a writer that exits after its report was given up
+        # on is still writing as far as this close knows (its report would name a file retention deleted since).
         code = self.writer.process.poll()
+        if self._tap.stop(status, error):  # the tap's sockets, and the writer's progress, are this thread's now
+            code = self.writer.final_report(writer_wait_s, FINAL_REPORT_WAIT_MS)
+            self._tap.close()
         if code is None:
             # The sockets' folder stays for the writer, which removes it when it ends: the tap may not have
             # connected yet (ZMQ reconnects every 100 ms), and it could not once the socket's file was gone.

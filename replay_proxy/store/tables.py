@@ -288,11 +288,12 @@ def frames_kept(path: str | Path, session_id: int) -> int:
 
 def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
     """A session's row as whoever ended it wrote it, its requests counted, and its drift alarms in order."""
-    with contextlib.closing(open_database(path)) as db:
-        row = db["sessions"].get(session_id)
-        requests = db.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [session_id]).fetchone()[0]
-        alarms = [m for (m,) in db.execute("SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid",
-                                           [session_id])]
+    with contextlib.closing(read_recording(Path(path))) as connection:
+        connection.row_factory = sqlite3.Row
+        row = dict(connection.execute("SELECT * FROM sessions WHERE id = ?", [session_id]).fetchone())
+        requests = connection.execute("SELECT COUNT(*) FROM requests WHERE session_id = ?", [session_id]).fetchone()[0]
+        alarms = [m for (m,) in connection.execute(
+            "SELECT message FROM drift_alarms WHERE session_id = ? ORDER BY rowid", [session_id])]
     return row, requests, alarms
 
 

@@ -99,17 +99,20 @@ class WriterProcess:
 
     def final_report(self, wait_s: float, report_wait_ms: int) -> int | None:
         """Wait ``wait_s`` for the writer to end, then ``report_wait_ms`` more for its last report (sent as it
-        ends, with its final counts); its exit code, or None while it still writes."""
+        ends, with its final counts); its exit code, or None while it still writes. The code is taken before
+        the last read, so that the report read is never older than the exit: one that exits later still writes."""
         try:
             self.process.wait(wait_s)
         except subprocess.TimeoutExpired:  # still writing: it ends the session itself, nothing is cut off
             pass
-        self.read_progress()
         deadline = time.monotonic() + report_wait_ms / 1000
+        code = self.process.poll()
+        self.read_progress()
         while not self.progress.last and time.monotonic() < deadline:
+            code = self.process.poll()
             self.read_progress(PROGRESS_WAIT_MS)
         self._progress_socket.close(linger=0)
-        return self.process.poll()
+        return code
 
     def stop_directly(self, stop: Stop) -> None:
         """Past a redactor that is gone: the writer binds the address, so a second sender may connect."""
