@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.matrix import KINDS  # noqa: E402
 from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
 from replay_proxy.matrix.release import reads_requests  # noqa: E402
-from replay_proxy.wire.schema import shipped_releases  # noqa: E402
+from replay_proxy.wire.registry import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
 # A real client's session on each shape of model: the trained one's peaked distributions, the random one's flat.

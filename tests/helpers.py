@@ -15,7 +15,7 @@ from replay_proxy.compare.findings import Change, Finding, Report, Severity
 from replay_proxy.net.relay import Relay
 from replay_proxy.sim.engine import SimEngine
 from replay_proxy.sim.frontend import SimFrontend
-from replay_proxy.store.recorder import Recorder, SessionInfo
+from replay_proxy.recorder import Recorder, SessionInfo
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction

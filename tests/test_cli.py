@@ -9,6 +9,7 @@ import shlex
 import subprocess
 
 import click
+import msgspec
 import pytest
 import sqlite_utils
 import trio
@@ -224,7 +225,8 @@ def test_the_main_tables_read_whole_at_80_columns():
     # (two recordings: their timing is not judged, so the estimates of the same two sessions are added to show)
     before, after = (load_session(recordings / f"vllm-0.32.0-{name}.db", f"{name}-frontend")
                      for name in ("python", "vllm-rs"))
-    report.findings += performance_findings(before, after, match_requests(before, after, []), load_rules())
+    report = msgspec.structs.replace(report, findings=[
+        *report.findings, *performance_findings(before, after, match_requests(before, after, []), load_rules())])
     console = Console(width=80, record=True, file=io.StringIO())
     print_summary(report, console)
     sessions = list_sessions(recordings / "demo.db")

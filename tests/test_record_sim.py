@@ -211,7 +211,7 @@ async def test_the_engine_may_start_before_the_frontend(nursery, db_path):
     from replay_proxy.processes import free_port
     from replay_proxy.sim.engine import SimEngine
     from replay_proxy.sim.frontend import SimFrontend
-    from replay_proxy.store.recorder import Recorder, SessionInfo
+    from replay_proxy.recorder import Recorder, SessionInfo
 
     upstream = f"tcp://127.0.0.1:{free_port()}"
     recorder = Recorder(db_path, SessionInfo(name="engine-first", upstream=upstream))

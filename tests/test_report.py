@@ -36,11 +36,11 @@ def test_junit_has_a_testcase_per_check_and_fails_only_regressions(tmp_path):
 
 
 def test_a_request_s_junit_testcase_lists_every_tier_that_judged_it(tmp_path):
-    from replay_proxy.compare.findings import Judgement, Verdict
+    from replay_proxy.compare.findings import Judgement, RequestVerdict
 
     judged = (Judgement("same_context", True, "moved by up to 0"), Judgement("invariants", True, "4 tokens within"))
     report = Report(title="replay", baseline="a", candidate="b", findings=[], checks=["behaviour:r1"],
-                    verdicts=[Verdict("r1", "same_context", True, "moved by up to 0", judged)])
+                    verdicts=[RequestVerdict("r1", "same_context", True, "moved by up to 0", judged)])
     write_reports(report, tmp_path)
     case = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase")
     assert case.get("name") == "r1" and case.find("failure") is None
@@ -91,13 +91,13 @@ def test_the_failures_a_rejection_caused_are_shown_under_it_in_every_form(tmp_pa
 
 
 def test_the_html_shows_each_request_s_verdict_groups_one_cause_and_plots_the_judging(tmp_path):
-    from replay_proxy.compare.findings import Judgement, Verdict
+    from replay_proxy.compare.findings import Judgement, RequestVerdict
 
     mismatches = [Finding("behaviour", Severity.REGRESSION, "token_mismatch", f"tokens diverge at 0 of 4 ({k})",
                           request_id=f"r{k}", position=0, tier="exact") for k in range(12)]
     report = Report(title="replay", baseline="a", candidate="b", findings=mismatches,
-                    verdicts=[Verdict(f"r{k}", "exact", False, "tokens diverge") for k in range(12)]
-                    + [Verdict("s1", "same_context", True, "moved by up to 0", (
+                    verdicts=[RequestVerdict(f"r{k}", "exact", False, "tokens diverge") for k in range(12)]
+                    + [RequestVerdict("s1", "same_context", True, "moved by up to 0", (
                         Judgement("same_context", True, "moved by up to 0"), Judgement("scored", True, "KL 0.0001")))],
                     kl={"noise floor": [0.0, 0.0001], "candidate": [0.0002, 0.0003]},
                     divergences={"r0": {"position": 0, "baseline": [-0.5, -0.2], "candidate": [-1.5, -0.3]}})

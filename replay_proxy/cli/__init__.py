@@ -1,4 +1,4 @@
-"""The command line: each command parses its options, makes one library call and renders the result.
+"""The command line: each command parses its options, makes the library calls it needs and renders the result.
 
 The commands live by group (``recording``, ``comparing``, ``matrix``, ``peers``); ``common`` holds
 the apps, the consoles and how a command ends; ``run`` is the console script.

@@ -136,7 +136,6 @@ def replay(
         err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
                   highlight=False)
     report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
-    report.recorded_in = str(out_db)
     finish_report(report, report_dir, as_json=as_json)
 
 
@@ -214,8 +213,8 @@ def schema_extract(
     Example: replay-proxy schema extract --python ~/vllm/.venv/bin/python --vllm-src ~/vllm --out -
     """
     from replay_proxy import releases
-    from replay_proxy.wire.rust import encode_rust_schema, read_protocol, rust_schema_path
-    from replay_proxy.wire.schema import shipped_path
+    from replay_proxy.wire.rust import encode_rust_schema, read_protocol
+    from replay_proxy.wire.registry import rust_schema_path, shipped_path
 
     if sum(x is not None for x in (release, python, rust_src)) != 1:
         raise fail("give one of --release, --python, --rust-src", ExitCode.USAGE)
@@ -267,8 +266,9 @@ def schema_drift(
 
     from replay_proxy import releases
     from replay_proxy.compare.report import drift_report
-    from replay_proxy.wire.rust import load_rust_schema, read_protocol
-    from replay_proxy.wire.schema import Schema, load_schema, shipped_releases
+    from replay_proxy.wire.rust import read_protocol
+    from replay_proxy.wire.registry import load_rust_schema, load_schema, shipped_releases
+    from replay_proxy.wire.schema import Schema
 
     if (release is None) == (schema is None) or (schema is not None and rust_src is None):
         raise fail("give --release, or --schema with --rust-src (a checkout's two sides)", ExitCode.USAGE)
@@ -301,7 +301,7 @@ def schema_diff(
     Example: replay-proxy schema diff 0.31.0 0.32.0
     """
     from replay_proxy.compare.report import schema_report
-    from replay_proxy.wire.schema import load_schema, shipped_releases
+    from replay_proxy.wire.registry import load_schema, shipped_releases
 
     for release in (old, new):
         if release not in shipped_releases():
@@ -322,7 +322,7 @@ def schema_history(
     """
     from replay_proxy.compare.schema_history import struct_history
     from replay_proxy.report.tables import print_history
-    from replay_proxy.wire.schema import load_schema, shipped_releases
+    from replay_proxy.wire.registry import load_schema, shipped_releases
 
     schemas = [load_schema(r) for r in shipped_releases()]
     try:

@@ -16,7 +16,7 @@ from replay_proxy.cli.common import app, check_address, check_host_port, err, fa
 from replay_proxy.errors import ExitCode
 from replay_proxy.store import queries
 from replay_proxy.record.status import LogFormat
-from replay_proxy.store.recorder import OnFull
+from replay_proxy.recorder import OnFull
 from replay_proxy.store.tables import read_recording
 
 if TYPE_CHECKING:  # (the commands import what they use when they run: -h stays quick)
@@ -95,9 +95,9 @@ def record(
     """
     from replay_proxy.record import record as run_record
     from replay_proxy.record.status import StatusLog
-    from replay_proxy.store.rotation import RotationSettings, first_file
+    from replay_proxy.recorder.rotation import RotationSettings, first_file
     from replay_proxy.store.sample import RequestSample
-    from replay_proxy.wire.schema import shipped_releases
+    from replay_proxy.wire.registry import shipped_releases
 
     name = session or datetime.datetime.now().strftime("record-%Y%m%d-%H%M%S")
     redaction = redaction_settings(redact_key, redact_policy, vocab_size, "--redact-key") if redact_key else None

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 from replay_proxy.compare.context import context_judgement, context_shift_findings, noise_floor
-from replay_proxy.compare.findings import Finding, Judgement, Severity, Verdict
+from replay_proxy.compare.findings import Finding, Judgement, RequestVerdict, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.tokens import (INVARIANTS, TIERS, UNJUDGED, deterministic, invariant_violations,
                                          token_judgement)
@@ -39,8 +41,8 @@ def batched(session: Session) -> set[str]:
 
 
 def behaviour_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
-                       repeats: list[Matching] = (), frontend_under_test: bool = False,
-                       scored: dict[str, Judgement] | None = None) -> tuple[list[Finding], list[Verdict]]:
+                       repeats: Sequence[Matching] = (), frontend_under_test: bool = False,
+                       scored: dict[str, Judgement] | None = None) -> tuple[list[Finding], list[RequestVerdict]]:
     """The findings, and each baseline request's verdict. ``repeats``: the baseline's requests matched with
     each repeat run of the baseline build's; ``scored``: the teacher-forced judgements, by request."""
     findings, verdicts = [], []
@@ -48,7 +50,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
         findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
                                 f"baseline request with a {len(request.prompt)}-token prompt has no counterpart",
                                 message_kind="ADD", request_id=request.request_id))
-        verdicts.append(Verdict(request.request_id, UNJUDGED, False, "no counterpart in the candidate"))
+        verdicts.append(RequestVerdict(request.request_id, UNJUDGED, False, "no counterpart in the candidate"))
     for request in matching.extra:
         findings.append(Finding("behaviour", Severity.WARNING, "request_extra",
                                 "the candidate has a request the baseline does not", message_kind="ADD",
@@ -74,7 +76,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
                                         " only", request_id=rid))
             else:
                 findings.append(_abort_landing(a, b, rules.abort_progress_tolerance_tokens))
-            verdicts.append(Verdict(rid, UNJUDGED, a.frontend_aborted == b.frontend_aborted,
+            verdicts.append(RequestVerdict(rid, UNJUDGED, a.frontend_aborted == b.frontend_aborted,
                                     "aborted by the frontend: judged by where its ABORT landed"))
             continue
         judged = []
@@ -109,17 +111,17 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
     return findings, verdicts
 
 
-def _verdict(rid: str, judged: list[Judgement]) -> Verdict:
+def _verdict(rid: str, judged: list[Judgement]) -> RequestVerdict:
     """A request's verdict: every tier that judged it, strongest first; decided by the strongest that failed
     it, else the strongest that passed it."""
     judged = sorted(judged, key=lambda j: TIERS.index(j.tier))
     decides = next((j for j in judged if not j.passed), judged[0])
-    return Verdict(rid, decides.tier, decides.passed, decides.why, tuple(judged))
+    return RequestVerdict(rid, decides.tier, decides.passed, decides.why, tuple(judged))
 
 
 def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:
     """Where the ABORT landed in each session: tokens before it, not the total (what was in flight varies)."""
-    off = abs(a.abort_progress - b.abort_progress) > tolerance
+    off = abs((a.abort_progress or 0) - (b.abort_progress or 0)) > tolerance  # (both aborted: neither is None)
     return Finding("behaviour", Severity.WARNING if off else Severity.INFO,
                    "abort_progress" if off else "abort_landed",
                    f"ABORT after {a.abort_progress} tokens in the baseline, {b.abort_progress} in the candidate"
@@ -159,9 +161,9 @@ def _utility_findings(baseline: Session, candidate: Session, frontend_under_test
     return findings
 
 
-def _result(call: dict, unordered: frozenset[str]) -> str | None:
+def _result(call: dict[str, Any], unordered: frozenset[str]) -> str | None:
     """A utility call's result (JSON: [type info, value]); of an ``unordered`` method, its list sorted."""
-    result = call["result"]
+    result: str | None = call["result"]
     if call["method"] not in unordered or result is None:
         return result
     value = json.loads(result)

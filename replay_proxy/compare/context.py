@@ -32,6 +32,8 @@ judged against the same build's own spread (``compare/shift.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from replay_proxy.compare.findings import Finding, Judgement, Severity
@@ -77,7 +79,7 @@ def distance(a: Request, b: Request) -> Distance | None:
     return Distance(each[worst], worst, shared)
 
 
-def noise_floor(repeats: list[Matching]) -> float | None:
+def noise_floor(repeats: Sequence[Matching]) -> float | None:
     """The largest distance between the baseline build's runs, over every request; None without repeat runs."""
     if not repeats:
         return None
@@ -117,7 +119,7 @@ def _top_shift(a: Request, b: Request) -> float | None:
     return sum(moves) / len(moves)
 
 
-def context_shift_findings(pairs: list[tuple[Request, Request]], repeats: list[Matching]) -> list[Finding]:
+def context_shift_findings(pairs: list[tuple[Request, Request]], repeats: Sequence[Matching]) -> list[Finding]:
     """The session's shift where both builds saw the same context (the module's docstring); none where fewer
     than two requests have logprobs on both sides."""
     shifts = [s for a, b in pairs if (s := _top_shift(a, b)) is not None]

@@ -57,7 +57,7 @@ def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset
                                   writers.get(name))
         findings += _enum_drift(name, py.by_name, rs, rust, python, writers.get(name))
     return [_unaskable(f) if f.struct == "SamplingParams" and f.code == "only_in_python" and f.severity is
-            Severity.INFO and f.field not in frontend_handled and not f.field.startswith("_") else f
+            Severity.INFO and f.field not in frontend_handled and not (f.field or "").startswith("_") else f
             for f in findings]
 
 
@@ -114,7 +114,7 @@ def _writers(python: Schema) -> dict[str, str]:
     return writers
 
 
-def _struct_drift(name: str, encoding: str, py_fields: list[Field], rs: RustStruct, rs_fields: list[RustField],
+def _struct_drift(name: str, encoding: str, py_fields: tuple[Field, ...], rs: RustStruct, rs_fields: list[RustField],
                   lenient: bool, writer: str | None) -> list[Finding]:
     findings = []
     if encoding == "array":  # positional: a name counts only where it moved (an element inserted or removed)
@@ -124,7 +124,7 @@ def _struct_drift(name: str, encoding: str, py_fields: list[Field], rs: RustStru
                 return [_finding(name, py.name, py.position, "position_differs", (
                     f"{name} position {py.position} is {py.name} in Python and {rf.name} in Rust ({rs.file}): each "
                     "reads the other's value as its own field from there on"), {"python": True, "rust": True}, writer)]
-        only_python, only_rust = py_fields[len(rs_fields):], rs_fields[len(py_fields):]
+        only_python, only_rust = list(py_fields[len(rs_fields):]), rs_fields[len(py_fields):]
     else:
         only_python = [f for f in py_fields if f.name not in {r.name for r in rs_fields}]
         only_rust = [f for f in rs_fields if f.name not in {p.name for p in py_fields}]
@@ -141,8 +141,8 @@ def _struct_drift(name: str, encoding: str, py_fields: list[Field], rs: RustStru
                                    extra=python_extra, writer=writer))
     py_by_name = {f.name: f for f in py_fields}
     for rf in rs_fields:
-        py = py_by_name.get(rf.name)
-        if py is not None and py.type.split(" | ")[0] == "float" and "f32" in type_names(rf.type):
+        same = py_by_name.get(rf.name)
+        if same is not None and same.type.split(" | ")[0] == "float" and "f32" in type_names(rf.type):
             findings.append(Finding(
                 "schema", Severity.INFO, "float_narrowed",
                 f"{name}.{rf.name}: a Python float (64 bits) is an f32 in Rust ({rs.file}): what the Rust side "
@@ -156,7 +156,10 @@ def _one_sided(struct: str, field: str, position: int, only: str, file: str, mis
     message lacks it; ``extra``: what the other language's reader does when this side's message carries it."""
     other = "rust" if only == "python" else "python"
     rejects = {only: missing == "rejects", other: extra == "rejects"}
-    said = lambda verdict: "rejects the message" if verdict == "rejects" else verdict  # noqa: E731
+
+    def said(verdict: str) -> str:
+        return "rejects the message" if verdict == "rejects" else verdict
+
     message = (f"{struct}.{field} (position {position}) only in {only.capitalize()} ({file}): from a "
                f"{other.capitalize()} writer it is missing, and the {only.capitalize()} reader {said(missing)}; from a "
                f"{only.capitalize()} writer the {other.capitalize()} reader "

@@ -35,7 +35,7 @@ class Judgement(msgspec.Struct, frozen=True):
     why: str
 
 
-class Verdict(msgspec.Struct, frozen=True):
+class RequestVerdict(msgspec.Struct, frozen=True):
     """How one request was judged: every tier that judged it (``judged``, strongest first), and the one that
     decides (``tier``, ``why``): the strongest that failed it, else the strongest that passed it. It fails if
     any tier fails it."""
@@ -77,8 +77,8 @@ class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     tier: str | None = None  # behaviour: the evidence that judged it (compare/tokens.py, compare/scoring.py)
 
 
-class Report(msgspec.Struct, kw_only=True):
-    """Everything one comparison produced."""
+class Report(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one comparison produced, assembled once (``compare.report.build_report``)."""
 
     title: str
     baseline: str
@@ -91,7 +91,7 @@ class Report(msgspec.Struct, kw_only=True):
     noise: list[str] = []  # repeat runs of the baseline build that set the noise floor
     checks: list[str] = []  # what was compared (JUnit testcases that passed are named from these)
     performance_threshold: float | None = None  # the practical threshold a performance change must pass
-    verdicts: list[Verdict] = []  # each baseline request's: the tier that judged it, and why it passed or failed
+    verdicts: list[RequestVerdict] = []  # each baseline request's: the tier that judged it, and why it passed or failed
     # Teacher-forced scoring, per request, mean KL nats/token: {"noise floor": [...], "candidate": [...]}
     kl: dict[str, list[float]] = {}
     # Requests whose tokens diverged: {request id: {"position": i, "baseline": [logprob, ...], "candidate": [...]}}

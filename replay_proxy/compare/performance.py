@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -57,7 +57,9 @@ def _gaps_ms(times_ns: list[int]) -> list[float]:
 
 
 # Per request, the values a metric takes (an empty list: the request has none).
-LATENCIES: dict[str, Callable[[Request], list[float]]] = {
+Values = Callable[[Request], list[float]]  # a latency's values in one request
+Statistic = Callable[[tuple['_Units', np.ndarray]], np.ndarray]  # a side's figure under each row of weights
+LATENCIES: dict[str, Values] = {
     "ttft_ms": lambda r: [(r.first_token_ns - r.added_ns) / 1e6] if r.first_token_ns is not None else [],
     "itl_ms": lambda r: _gaps_ms(r.output_times if r.engine_times_ns is None else r.engine_times_ns),
     "e2e_ms": lambda r: [(r.last_ns - r.added_ns) / 1e6] if r.last_ns is not None and not r.frontend_aborted
@@ -70,8 +72,8 @@ def latency_samples(session: Session) -> dict[str, list[float]]:
     return {metric: [v for r in session.requests for v in values(r)] for metric, values in LATENCIES.items()}
 
 
-def timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: list[Session],
-                    candidate_runs: list[Session], replayed_noise: bool, keys: list[str], rules: Rules,
+def timing_findings(baseline: Session, candidate: Session, matching: Matching, noise: Sequence[Session],
+                    candidate_runs: Sequence[Session], replayed_noise: bool, keys: list[str], rules: Rules,
                     other_cpu: dict[str, float]) -> list[Finding]:
     """Latency and throughput, or why they are not judged: each build's runs, pooled, against the other's, so each
     side needs two runs or more, none of them a recording (its peers shared the machine with the live side). A
@@ -116,14 +118,14 @@ def timing_findings(baseline: Session, candidate: Session, matching: Matching, n
     return findings
 
 
-def _pooled(runs: list[Session]) -> Session:
+def _pooled(runs: Sequence[Session]) -> Session:
     """Several runs of one build as one session of all their requests, in run order."""
     return runs[0] if len(runs) == 1 else msgspec.structs.replace(
         runs[0], requests=[r for run in runs for r in run.requests])
 
 
 def performance_findings(baseline: Session, candidate: Session, matching: Matching, rules: Rules,
-                         noise: list[Session] = (), runs: tuple[list[Session], list[Session]] | None = None
+                         noise: Sequence[Session] = (), runs: tuple[list[Session], list[Session]] | None = None
                          ) -> list[Finding]:
     """``noise``: repeat runs of the baseline build, each compared with ``baseline`` for the run-to-run
     variation. ``runs``: instead, each side is several runs pooled (the baseline build's, the candidate's,
@@ -136,8 +138,10 @@ def performance_findings(baseline: Session, candidate: Session, matching: Matchi
     else:
         noise_pairs = [(baseline, n) for n in noise]
     repeats = [match_requests(x, y, keys).pairs for x, y in noise_pairs]
-    measures = [(f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, p)
-                for metric, values in LATENCIES.items() for p in rules.percentiles]
+    # (field, metric, the statistic of a side's units under its weights, each request's values or None, percentile)
+    measures: list[tuple[str, str, Statistic, Values | None, int]] = [
+        (f"{metric}.p{p}", metric, functools.partial(_quantile, p=p), values, p)
+        for metric, values in LATENCIES.items() for p in rules.percentiles]
     measures.append(("throughput_tokens_s", "throughput_tokens_s", _throughput, None, 50))
     findings = []
     for field, metric, statistic, values, percentile in measures:
@@ -145,11 +149,12 @@ def performance_findings(baseline: Session, candidate: Session, matching: Matchi
         if estimate.usable and min(estimate.samples) >= rules.min_samples.get(percentile, 1):
             noise_changes = [_Estimate(x, y, r, statistic, values).point_change()
                              for (x, y), r in zip(noise_pairs, repeats)]
-            per_run = runs and tuple([_Estimate(run, run, [], statistic, values).base for run in side]
-                                     for side in runs)
+            per_run = None if runs is None else (
+                [_Estimate(run, run, [], statistic, values).base for run in runs[0]],
+                [_Estimate(run, run, [], statistic, values).base for run in runs[1]])
             findings.append(_finding(field, metric, estimate, noise_changes, rules.performance,
                                      higher_is_better=values is None,
-                                     unit="ms" if values else "tokens/s", per_run=per_run or None))
+                                     unit="ms" if values is not None else "tokens/s", per_run=per_run or None))
     return findings
 
 
@@ -182,7 +187,8 @@ def _quantile(units: tuple[_Units, np.ndarray], p: float) -> np.ndarray:
     cumulative = w.cumsum(axis=1)
     target = cumulative[:, -1:] * (p / 100)
     index = np.minimum((cumulative < target).sum(axis=1), len(u.values) - 1)
-    return u.values[index]
+    chosen: np.ndarray = u.values[index]
+    return chosen
 
 
 def _throughput(units: tuple[_Units, np.ndarray]) -> np.ndarray:
@@ -221,7 +227,10 @@ class _Estimate:
 
     def standard_error(self) -> float:
         rng = np.random.default_rng(SEED)
-        draw = lambda n: rng.multinomial(n, np.full(n, 1 / n), size=RESAMPLES).astype(float)  # noqa: E731
+
+        def draw(n: int) -> np.ndarray:
+            return rng.multinomial(n, np.full(n, 1 / n), size=RESAMPLES).astype(float)
+
         wa = draw(len(self.a.requests))
         wb = wa if self.paired else draw(len(self.b.requests))  # a pair is drawn on both sides at once
         with np.errstate(divide="ignore", invalid="ignore"):  # a resample with no values: dropped just below

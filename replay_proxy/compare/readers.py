@@ -17,13 +17,14 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
-from replay_proxy.wire.rust import load_rust_schema, pair_structs, rust_layouts, rust_schema_path
-from replay_proxy.wire.schema import Schema, load_schema, shipped_releases
+from replay_proxy.wire.rust import pair_structs, rust_layouts
+from replay_proxy.wire.registry import load_rust_schema, load_schema, rust_schema_path, shipped_releases
+from replay_proxy.wire.schema import Schema
 
 Rule = Literal["extra_trailing_elements", "missing_trailing_with_default", "unknown_map_key",
                "missing_required_key", "changed_type"]
@@ -31,7 +32,7 @@ READERS = (PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND)
 
 
 @functools.cache
-def reader_rules() -> dict[str, dict]:
+def reader_rules() -> dict[str, dict[str, Any]]:
     data = json.loads((importlib.resources.files("replay_proxy.compare") / "readers.json").read_text())
     return {reader: data[reader] for reader in READERS}
 
@@ -51,8 +52,10 @@ def _release(release: str) -> _Release:
 @functools.cache
 def _read_release(release: str, has_rust: bool) -> _Release:
     python, rust = load_schema(release), load_rust_schema(release) if has_rust else None
-    pairs = pair_structs(python, rust) if rust else {}
-    return _Release(python, rust_layouts(python, rust) if rust else None, {
+    if rust is None:
+        return _Release(python, None, {"read_with_trailing": frozenset(), "deny_unknown_fields": frozenset()})
+    pairs = pair_structs(python, rust)
+    return _Release(python, rust_layouts(python, rust), {
         "read_with_trailing": frozenset(p for p, r in pairs.items() if r in rust.read_with_trailing),
         "deny_unknown_fields": frozenset(p for p, r in pairs.items() if rust.structs[r].deny_unknown_fields)})
 

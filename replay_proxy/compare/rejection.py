@@ -53,7 +53,7 @@ DETAIL = re.compile(r"; value fallback:.*|cmpl-[\w-]+|\"[^\"]{24,}\"")
 def read_as(message: Message) -> str | None:
     """The struct a reader decodes ``message`` as (a utility call: its first argument's), if any."""
     if message.kind is Kind.UTILITY and isinstance(message.fields, dict):
-        return next(iter(UTILITY_ARGUMENTS.get(message.fields.get("method"), ())), None)
+        return next(iter(UTILITY_ARGUMENTS.get(str(message.fields.get("method")), ())), None)
     return STRUCT_OF.get(message.kind)
 
 

@@ -3,21 +3,25 @@ and the report of two release schemas (``schema diff``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from replay_proxy.compare.behaviour import behaviour_findings
-from replay_proxy.compare.findings import Finding, Report, Severity
+from replay_proxy.compare.findings import Finding, Report, RequestVerdict, Severity
 from replay_proxy.compare.performance import LATENCIES, latency_samples, timing_findings
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.sampling import sampling_findings
 from replay_proxy.compare.schema import observed_shapes, schema_findings
 from replay_proxy.compare.drift import drift_findings
+from replay_proxy.compare.rejection import fold_consequences
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.scoring import sampled_findings, scoring_findings, teacher_forced
 from replay_proxy.store.cut import source_digest
 from replay_proxy.store.session import Request, Session, load_session, match_requests
+from replay_proxy.wire.messages import Side
 from replay_proxy.wire.rust import RustSchema, pair_structs
 from replay_proxy.wire.schema import Schema, schema_lines
 from replay_proxy.wire.values import to_json
@@ -26,27 +30,52 @@ HELD_KEYS = frozenset({"max_tokens", "min_tokens"})  # what ``replay --hold-leng
 ASKED_KEYS = frozenset({"logprobs"})  # what a replay against an engine asks of every ADD (the judging's logprobs)
 
 
-def build_report(title: str, baseline: Session, candidate: Session, rules: Rules,
-                 noise: list[Session] = (), frontend_under_test: bool = False, replayed_noise: bool = False,
-                 held_lengths: bool = False, asked_logprobs: bool = False,
-                 candidate_runs: list[Session] = (), other_cpu: dict[str, float] | None = None) -> Report:
-    """The one place where two sessions become a report.
+class Replayed(msgspec.Struct, frozen=True):
+    """How a replay made the candidate's runs and the baseline build's (a ``Comparison``'s ``replayed``)."""
 
-    ``noise``: more runs of the baseline build. ``replayed_noise``: the candidate and those runs are replays,
-    while the baseline is a recording made under other conditions (the real peers sharing the machine):
-    behaviour is then judged against the first run of the baseline build, replayed as the candidate was (the
-    others measure run-to-run variation), and timing against all of them, pooled, if there are two or more
-    (with fewer, how much runs of one build differ is not known: timing is not judged).
-    ``held_lengths``: the candidate's requests (and the noise runs') asked for their recorded lengths
-    (``replay --hold-lengths``), so max_tokens and min_tokens are theirs, not the recording's.
-    ``asked_logprobs``: they asked for the judging's logprobs (a replay against an engine).
-    ``candidate_runs``: more runs of the candidate, interleaved with the baseline's: timing pools them.
-    ``other_cpu``: by run, the share of the machine's CPU that other processes took while it ran: timing is
-    not judged where one took more than ``performance.max_other_cpu`` (a busy neighbour, not this build).
+    against: Side  # the peer under test (the replay played the other side)
+    held_lengths: bool = False  # every request asked for its recorded lengths (replay --hold-lengths)
+    asked_logprobs: bool = False  # every request asked for the judging's logprobs (against an engine)
+
+
+class Comparison(msgspec.Struct, frozen=True, kw_only=True):
+    """What a report compares, and how its sessions came to be.
+
+    ``baseline`` and ``candidate``: the two sessions. ``baseline_runs``: more runs of the baseline build (the
+    noise floor); ``candidate_runs``: more of the candidate's, interleaved with them: timing pools them.
+    ``replayed``: None where both sessions were recorded (``diff``); a replay's (``Replayed``) where the
+    candidate and the baseline build's runs are replays, while the baseline is a recording made under other
+    conditions (the real peers sharing the machine): behaviour is then judged against the first run of the
+    baseline build, replayed as the candidate was (the others measure run-to-run variation), and timing against
+    all of them, pooled, if there are two or more (with fewer, how much runs of one build differ is not known:
+    timing is not judged). ``other_cpu``: by run, the share of the machine's CPU that other processes took while
+    it ran: timing is not judged where one took more than ``performance.max_other_cpu`` (a busy neighbour, not
+    this build). ``recorded_in``: the database the replay's sessions are in.
+    """
+
+    title: str
+    baseline: Session
+    candidate: Session
+    baseline_runs: tuple[Session, ...] = ()
+    candidate_runs: tuple[Session, ...] = ()
+    replayed: Replayed | None = None
+    other_cpu: dict[str, float] = msgspec.field(default_factory=dict)
+    recorded_in: str | None = None
+
+
+def build_report(comparison: Comparison, rules: Rules, added: Sequence[Finding] = ()) -> Report:
+    """The one place where two sessions become a report. ``added``: what was found besides the two sessions (a
+    player's findings, the peer's rejections, what judging cost, a cut's account), folded in with the rest
+    (``fold_consequences``: what a rejection explains is moved under it).
 
     A redacted recording's tokens are pseudonyms an engine never produces: against an engine, behaviour
     is judged against the baseline build's replay of it (the first noise run), or not at all.
     """
+    c, replayed = comparison, comparison.replayed
+    baseline, candidate, noise = c.baseline, c.candidate, c.baseline_runs
+    frontend_under_test = replayed is not None and replayed.against is Side.FRONTEND
+    held_lengths = replayed is not None and replayed.held_lengths
+    asked_logprobs = replayed is not None and replayed.asked_logprobs
     asked = asked_logprobs or baseline.sent_by_replay or candidate.sent_by_replay  # (diff of a replay's session)
     set_by_replay = (HELD_KEYS if held_lengths else frozenset()) | (ASKED_KEYS if asked else frozenset())
     keys = [k for k in rules.match_sampling_keys if k not in set_by_replay]
@@ -54,24 +83,24 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
     # Behaviour is judged against the baseline build's first replay where there is one (above); its other runs
     # (or the baseline's) are repeats, which show the requests of one build that do not reproduce.
     judged, repeat_runs, judged_matching = ((noise[0], noise[1:], match_requests(noise[0], candidate, keys))
-                                            if replayed_noise and noise else (baseline, noise, matching))
+                                            if replayed is not None and noise else (baseline, noise, matching))
     repeats = [match_requests(judged, run, rules.match_sampling_keys) for run in repeat_runs]
     shapes = observed_shapes(baseline), observed_shapes(candidate)
     pseudonyms = baseline.redacted and not frontend_under_test
-    scoring = teacher_forced(baseline, list(noise), candidate) if replayed_noise else None
+    scoring = teacher_forced(baseline, list(noise), candidate) if replayed is not None else None
     scored_findings, scored = scoring_findings(scoring, rules) if asked_logprobs else ([], {})
     findings = [*schema_findings(baseline, candidate, shapes, rules),
                 *sampling_findings(matching.pairs, candidate, rules, set_by_replay)]
-    verdicts = []
+    verdicts: list[RequestVerdict] = []
     if judged is not baseline or not pseudonyms:
         behaviour, verdicts = behaviour_findings(judged, candidate, judged_matching, rules, repeats,
                                                  frontend_under_test, scored)
         findings += behaviour
     findings += scored_findings
-    if asked_logprobs and replayed_noise:
+    if asked_logprobs:
         findings += sampled_findings(list(noise), judged_matching.pairs)
-    findings += timing_findings(baseline, candidate, matching, noise, candidate_runs, replayed_noise, keys, rules,
-                                other_cpu or {})
+    findings += timing_findings(baseline, candidate, matching, noise, c.candidate_runs, replayed is not None, keys,
+                                rules, c.other_cpu)
     if pseudonyms:
         findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
             f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
@@ -84,11 +113,12 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
         findings.append(Finding("behaviour", Severity.INFO, "lengths_held",
                                 "each request asked for its recorded number of tokens (--hold-lengths)",
                                 field="lengths_held"))
-    timing = noise[0] if replayed_noise and noise else baseline
+    timing = noise[0] if replayed is not None and noise else baseline
     a, b = latency_samples(timing), latency_samples(candidate)
     divergences = _divergences(judged_matching.pairs, findings)
     return Report(
-        title=title, baseline=baseline.label, candidate=candidate.label, findings=findings, verdicts=verdicts,
+        title=c.title, baseline=baseline.label, candidate=candidate.label, verdicts=verdicts,
+        findings=fold_consequences([*findings, *added], rules), recorded_in=c.recorded_in,
         samples={m: {"baseline": a[m], "candidate": b[m]} for m in ("ttft_ms", "itl_ms") if a[m] or b[m]},
         schemas=_side_by_side(baseline.schema, candidate.schema, findings, (baseline.registrations,
                                                                             candidate.registrations)),
@@ -103,7 +133,8 @@ def build_report(title: str, baseline: Session, candidate: Session, rules: Rules
                 + ["performance:throughput_tokens_s"]))
 
 
-def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], limit: int = 12) -> dict[str, dict]:
+def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], limit: int = 12
+                 ) -> dict[str, dict[str, Any]]:
     """For the report's plot: where the tokens of a request first diverged, and each side's logprob of its own
     tokens (the first ``limit`` such requests that have logprobs)."""
     diverged = {f.request_id: f.position for f in findings if f.code in ("token_mismatch", "divergence_not_close")}
@@ -113,7 +144,7 @@ def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], 
 
 
 def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidate: str, rules: Rules,
-                  noise: list[str] = (), candidate_noise: list[str] = ()) -> Report:
+                  noise: Sequence[str] = (), candidate_noise: Sequence[str] = ()) -> Report:
     """``replay-proxy diff``: two recorded sessions, and ``noise``, more runs of the baseline build (sessions
     of the baseline's database), and ``candidate_noise``, of the candidate's (of its database). A candidate cut
     from the baseline (``replay-proxy cut``) is compared over the requests it keeps: the others were left out,
@@ -126,14 +157,16 @@ def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidat
     if cut:
         kept = {r.request_id for r in after.requests}
         before = msgspec.structs.replace(before, requests=[r for r in before.requests if r.request_id in kept])
-    report = build_report("diff", before, after, rules, [load_session(baseline_db, n) for n in noise],
-                          candidate_runs=[load_session(candidate_db, n) for n in candidate_noise])
+    added = []
     if cut:
         how = ", ".join(f"{k} {v}" for k, v in (source.get("selection") or {}).items()) or "all requests"
-        report.findings.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (
+        added.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (
             f"the candidate is a cut of the baseline ({how}): compared over the {len(kept)} requests it keeps"),
             field="cut_of_baseline"))
-    return report
+    return build_report(Comparison(
+        title="diff", baseline=before, candidate=after,
+        baseline_runs=tuple(load_session(baseline_db, n) for n in noise),
+        candidate_runs=tuple(load_session(candidate_db, n) for n in candidate_noise)), rules, added)
 
 
 def schema_report(old: Schema, new: Schema) -> Report:
@@ -151,7 +184,8 @@ def drift_report(python: Schema, rust: RustSchema, rules: Rules) -> Report:
                   findings=findings, checks=[f"schema:{n}" for n in sorted(pair_structs(python, rust))])
 
 
-def _side_by_side(a: Schema, b: Schema, findings, registrations: tuple[list[dict], list[dict]] = ([], [])
+def _side_by_side(a: Schema, b: Schema, findings: list[Finding],
+                  registrations: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
                   ) -> dict[str, dict[str, list[str]]]:
     """The structs that findings name, as field lines of each side; the registration, a map on the wire, as the
     keys each side's sent, aligned, one it lacks shown as missing."""

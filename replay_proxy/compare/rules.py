@@ -11,6 +11,7 @@ import importlib.resources
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -64,7 +65,7 @@ class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return any(re.search(pattern, said) for pattern in self.link_broke_patterns)
 
 
-def _keys(data: object, where: str) -> dict:
+def _keys(data: object, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RulesError(f"{where}: expected a JSON object")
     return {k: v for k, v in data.items() if not k.startswith("_")}

@@ -80,5 +80,5 @@ SAMPLING_KINDS = {
 def _same(a: Any, b: Any) -> bool:
     """Equal as the engine sees it: an empty list and nil are both "none"."""
     if isinstance(a, list) or isinstance(b, list):
-        return (a or None) == (b or None)
-    return a == b
+        return bool((a or None) == (b or None))
+    return bool(a == b)

@@ -128,13 +128,21 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
     """
     names_a = [f.name for f in schema_a.structs[struct].fields]
     names_b = [f.name for f in schema_b.structs[struct].fields]
-    name_a = lambda p: names_a[p] if p < len(names_a) else f"${p}"  # noqa: E731
-    name_b = lambda p: names_b[p] if p < len(names_b) else f"${p}"  # noqa: E731
+
+    def name_a(p: int) -> str:
+        return names_a[p] if p < len(names_a) else f"${p}"
+
+    def name_b(p: int) -> str:
+        return names_b[p] if p < len(names_b) else f"${p}"
+
     who = readers(schema_a, struct)
     length_a, length_b = max(a.lengths), max(b.lengths)
     shift = length_b - length_a
     end = min(length_a, length_b)
-    score = lambda at: sum(a.kinds.get(p) == b.kinds.get(q) for p, q in _alignment(a, b, at, shift))  # noqa: E731
+
+    def score(at: int) -> int:
+        return sum(a.kinds.get(p) == b.kinds.get(q) for p, q in _alignment(a, b, at, shift))
+
     at = max(range(end + 1), key=lambda i: (score(i), i)) if shift else end
     findings = []
     if at < end:

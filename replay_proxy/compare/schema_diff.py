@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.compare.readers import how_they_read, rejecting, requiring
-from replay_proxy.wire.schema import Field, Schema, StructSchema
+from replay_proxy.wire.schema import Field, Parameter, Schema, StructSchema
 
 # Roots of what the frontend sends; everything else travels engine -> frontend.
 TO_ENGINE_ROOTS = ("EngineCoreRequest", "EngineHandshakeMetadata")
@@ -94,7 +94,10 @@ def _utility_changes(old: Schema, new: Schema) -> list[Finding]:
             continue
         positional_a = [p for p in a if p.kind in ("positional_only", "positional_or_keyword")]
         positional_b = [p for p in b if p.kind in ("positional_only", "positional_or_keyword")]
-        takes_any = lambda ps: any(p.kind == "var_positional" for p in ps)  # noqa: E731
+
+        def takes_any(ps: list[Parameter] | tuple[Parameter, ...]) -> bool:
+            return any(p.kind == "var_positional" for p in ps)
+
         required_a, required_b = sum(p.required for p in positional_a), sum(p.required for p in positional_b)
         problems = []
         if required_b > required_a:  # an older frontend sends fewer arguments than the newer engine needs
@@ -120,7 +123,7 @@ def _utility_changes(old: Schema, new: Schema) -> list[Finding]:
     return findings
 
 
-def _signature(parameters) -> str | None:
+def _signature(parameters: tuple[Parameter, ...] | None) -> str | None:
     if parameters is None:
         return None
     marks = {"var_positional": "*", "var_keyword": "**"}
@@ -200,7 +203,8 @@ def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ..
                 "schema", Severity.BREAKING if breaks else Severity.INFO, code,
                 f"{name}.{key.name} {code.removeprefix('key_')} ({if_required if key.required else if_optional})"
                 + _only(who, breaks),
-                struct=name, field=key.name, breaks=breaks, **{side: key.type}))
+                struct=name, field=key.name, breaks=breaks, baseline=key.type if side == "baseline" else None,
+                candidate=key.type if side == "candidate" else None))
     for field_a in a.fields:
         field_b = b.by_name.get(field_a.name)
         if field_b is not None:  # map fields have no position on the wire

@@ -7,6 +7,8 @@ range: a field that appeared in one release and moved in another.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from replay_proxy.wire.schema import Field, Schema
@@ -40,7 +42,7 @@ def struct_history(schemas: list[Schema], struct: str, field: str | None = None)
     having = [s for s in schemas if struct in s.structs]
     if not having:
         raise KeyError(struct)
-    seen: dict[str, dict] = {}  # field -> first, last, facts, changes, still present
+    seen: dict[str, dict[str, Any]] = {}  # field -> first, last, facts, changes, still present
     order: list[str] = []
     for schema in having:
         spec = schema.structs[struct]

@@ -73,12 +73,17 @@ def score(a: list[TokenLogprobs], b: list[TokenLogprobs]) -> Score | None:
     kls = [position_kl(p, q) for p, q in pairs]
     return Score(kl=sum(kls) / len(kls),
                  max_delta_p=max(abs(_p(q.logprob) - _p(p.logprob)) for p, q in pairs),
-                 same_top1=sum(max(p.top, key=p.top.get) == max(q.top, key=q.top.get) for p, q in pairs) / len(pairs),
+                 same_top1=sum(_top1(p) == _top1(q) for p, q in pairs) / len(pairs),
                  tokens=len(pairs))
 
 
 def _p(logprob: float) -> float:
     return math.exp(logprob) if math.isfinite(logprob) else 0.0
+
+
+def _top1(row: TokenLogprobs) -> int:
+    """The likeliest token of a position's top-k."""
+    return max(row.top, key=lambda token: row.top[token])
 
 
 def output_rows(session: Session, scoring: int, request: Request) -> list[TokenLogprobs]:
@@ -105,9 +110,9 @@ def teacher_forced(recording: Session, baseline: list[Session], candidate: Sessi
         rows = output_rows(first, 0, request)
         if (s := score(rows, output_rows(candidate, 0, request))) is not None:
             cand[request.request_id] = s
-        floors = [score(rows, output_rows(first, 1, request)),
+        scored = [score(rows, output_rows(first, 1, request)),
                   *(score(rows, output_rows(run, 0, request)) for run in baseline[1:])]
-        floors = [f for f in floors if f is not None]
+        floors = [f for f in scored if f is not None]
         if floors:
             noise[request.request_id] = max(floors, key=lambda f: f.kl)
     return Scoring(cand, noise)

@@ -35,7 +35,9 @@ Teacher-forced scoring and the distribution of what was sampled
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
@@ -72,25 +74,26 @@ def token_judgement(baseline: Session, a: Request, b: Request, reproduces: bool,
     if a.tokens == b.tokens:
         return Judgement(EXACT, True, f"the same {len(a.tokens)} tokens"), None
     first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
-    said = dict(request_id=rid, position=first, baseline=a.tokens[first:first + 5], candidate=b.tokens[first:first + 5])
+    finding = functools.partial(Finding, request_id=rid, position=first, baseline=a.tokens[first:first + 5],
+                                candidate=b.tokens[first:first + 5])  # (the divergence, as each finding says it)
     if reproduces:
         why = f"tokens diverge at position {first} of {len(a.tokens)}, and the request reproduces (it ran alone " \
               "or was stable in every baseline run)"
-        return Judgement(EXACT, False, why), Finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
-                                                     tier=EXACT, **said)
+        return Judgement(EXACT, False, why), finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
+                                                     tier=EXACT)
     ours, theirs = _at(b, first), _at(a, first)
     if ours is None or first >= min(len(a.tokens), len(b.tokens)):
         why = (f"tokens diverge at position {first} of {len(a.tokens)}; batched, so not reproducible on vLLM's CPU "
                "build, and " + ("the candidate returned no logprobs to judge the divergence" if ours is None else
                                 "one side ended there") + " (--noise-runs tell whether it is stable)")
-        return None, Finding("behaviour", Severity.WARNING, "token_mismatch", why, tier=UNJUDGED, **said)
+        return None, finding("behaviour", Severity.WARNING, "token_mismatch", why, tier=UNJUDGED)
     problem = _divergence_problem(a.tokens[first], b.tokens[first], theirs, ours, greedy(baseline, a),
                                   rules.judging.tie_logprob)
     sides = "both builds' top-k" if theirs is not None else "the candidate's top-k (the baseline has no logprobs)"
     if problem:
         why = f"tokens diverge at position {first} of {len(a.tokens)}: {problem}"
-        return Judgement(FIRST_DIVERGENCE, False, why), Finding(
-            "behaviour", Severity.REGRESSION, "divergence_not_close", why, tier=FIRST_DIVERGENCE, **said)
+        return Judgement(FIRST_DIVERGENCE, False, why), finding(
+            "behaviour", Severity.REGRESSION, "divergence_not_close", why, tier=FIRST_DIVERGENCE)
     return Judgement(FIRST_DIVERGENCE, True, f"batched; tokens diverge at position {first} between tokens "
                                              f"close in {sides}"), None
 
@@ -128,7 +131,10 @@ def invariant_violations(session: Session, request: Request, eos: int | None, vo
                          ) -> list[tuple[str, str]]:
     """(rule, what broke it) for each sampling rule the request's generated tokens break (the module's
     docstring), judged from its own logprobs; ``vocab_size``: the model's, where known (``judging.vocab_size``)."""
-    value = lambda key: session.schema.sampling_value(request.params, key)  # noqa: E731
+
+    def value(key: str) -> Any:
+        return session.schema.sampling_value(request.params, key)
+
     tokens, broken = request.tokens, []
     max_tokens, min_tokens = value("max_tokens"), value("min_tokens") or 0
     stops = set(value("stop_token_ids") or ()) | ({eos} if eos is not None and not value("ignore_eos") else set())
@@ -210,8 +216,13 @@ def _mass_above(row: TokenLogprobs, temperature: float, top_k: int, vocab_size: 
     ranked = sorted(row.top.values(), reverse=True)
     kept = ranked[:top_k] if top_k else ranked
     best, own = max(ranked[0], row.logprob), row.logprob
-    weight = lambda lp: math.exp((lp - best) / temperature)  # noqa: E731 (scaled by the best: no overflow)
-    power = lambda mass, cap: mass * math.exp(cap * (1 / temperature - 1) - best / temperature)  # noqa: E731
+
+    def weight(lp: float) -> float:  # (scaled by the best: no overflow)
+        return math.exp((lp - best) / temperature)
+
+    def power(mass: float, cap: float) -> float:
+        return mass * math.exp(cap * (1 / temperature - 1) - best / temperature)
+
     others = {t: lp for t, lp in row.top.items() if t != row.token}
     listed_above = [lp for lp in others.values() if lp > own + LOGPROB_SLACK and lp >= kept[-1]]
     listed_below = [lp for lp in others.values() if lp <= own + LOGPROB_SLACK and lp >= kept[-1]]

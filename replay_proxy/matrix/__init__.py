@@ -36,7 +36,8 @@ import msgspec
 from replay_proxy.errors import ExitCode, ReplayProxyError
 from replay_proxy.peers import Frontend
 from replay_proxy.wire.messages import Direction
-from replay_proxy.wire.schema import added_releases, release_key, shipped_releases
+from replay_proxy.wire.schema import release_key
+from replay_proxy.wire.registry import added_releases, shipped_releases
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 # The kinds of request a cell is judged for, and the suffix of their recordings' file names. completion:

@@ -32,7 +32,8 @@ from replay_proxy.peers import READY_S
 from replay_proxy.releases import ReleaseError
 from replay_proxy.store.queries import find_session, open_recording
 from replay_proxy.wire.messages import Side
-from replay_proxy.wire.schema import release_key, shipped_releases
+from replay_proxy.wire.schema import release_key
+from replay_proxy.wire.registry import shipped_releases
 
 
 class Answer(msgspec.Struct):

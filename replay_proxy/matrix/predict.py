@@ -31,11 +31,10 @@ from replay_proxy.compare.findings import PYTHON_ENGINE, Finding
 from replay_proxy.compare.readers import reader_rules, reader_schema, source as rule_source, verdict as reader_verdict
 from replay_proxy.compare.schema_diff import diff_schemas, readers as readers_of
 from replay_proxy.matrix import KINDS, Evidence, Frontend, Judgement, Verdict, engine_recording, recording_of, worst
+from replay_proxy.store.queries import sent_frames
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.rust import load_rust_schema
-from replay_proxy.wire.schema import Schema, load_schema, release_key, shipped_releases
-from replay_proxy.store.tables import read_recording
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.registry import load_rust_schema, load_schema, shipped_releases
+from replay_proxy.wire.schema import Schema, release_key
 
 RULE_OF_FLAG = {"extra_position": "extra_trailing_elements", "missing_required": "missing_required_key",
                 "type_mismatch": "changed_type", "not_a_struct": "changed_type", "unknown_key": "unknown_map_key"}
@@ -82,7 +81,7 @@ def predict(frontend: Frontend, engine: str, recordings: Path, asked: tuple[str,
                     direction, why, writer, reader_layouts, reader)]
                 continue
             evidence += [msgspec.structs.replace(e, kind=kind) for e in read_direction(
-                direction, frames(*recording, direction), writer, reader_layouts, reader)]
+                direction, sent_frames(*recording, direction), writer, reader_layouts, reader)]
     own = "Rust structs" if frontend_layouts.extracted_from.endswith("Rust structs") else "schema"
     how = (f"{frontend}'s recorded requests named with engine {engine}'s schema, engine {engine}'s recorded "
            f"registration and outputs with {frontend}'s {own} ({', '.join(kinds)}); rules of "
@@ -127,19 +126,7 @@ def _may_leave_out(change: Finding, writer: Schema, reader_schema: Schema) -> bo
     return required is not None and required.required and (written is None or written.omit_defaults)
 
 
-def frames(db: Path, session: str, direction: Direction) -> list[tuple[Channel, Direction, list[bytes]]]:
-    """The frames one side sent in ``session`` of the recording at ``db``, in recorded order."""
-    connection = read_recording(db)
-    try:
-        rows = connection.execute(
-            "SELECT f.channel, f.raw FROM frames f JOIN sessions s ON s.id = f.session_id "
-            "WHERE s.name = ? AND f.direction = ? ORDER BY f.seq", (session, str(direction))).fetchall()
-    finally:
-        connection.close()
-    return [(Channel(channel), direction, decode_msgpack(raw)) for channel, raw in rows]
-
-
-def read_direction(direction: Direction, sent: list[tuple[Channel, Direction, list[bytes]]], writer: Schema,
+def read_direction(direction: Direction, sent: list[tuple[Channel, list[bytes]]], writer: Schema,
                    reader_schema: Schema, reader: str) -> list[Evidence]:
     """What ``reader`` (of ``reader_schema``'s release) does with the messages ``writer``'s release sent."""
     decoder = WireDecoder(reader_schema, fixed=True)
@@ -148,8 +135,8 @@ def read_direction(direction: Direction, sent: list[tuple[Channel, Direction, li
     ignored: dict[str, Any] = {}  # sampling keys the engine does not know, sent with a non-default value
     exercised: set[str] = set()
     methods: set[str] = set()
-    for channel, way, parts in sent:
-        message = decoder.decode(channel, way, parts)
+    for channel, parts in sent:
+        message = decoder.decode(channel, direction, parts)
         if message.kind is Kind.UNKNOWN and message.error and not message.flags:
             flags[(message.error[:120], None, None, "undecodable")] += 1
         for flag in message.flags:

@@ -3,7 +3,7 @@
 What a maintainer would do, in one command, each step said as it goes:
 
 1. the release's schema, extracted from its own classes (``releases.extract_release``), into the added
-   releases' folder (``wire.schema.added_releases``: the installed package may be read-only), where every
+   releases' folder (``wire.registry.added_releases``: the installed package may be read-only), where every
    command reads it from then on;
 2. what changed since the release before it (``schema diff``);
 2a. its Rust frontend's schema, read from its sdist's protocol source (``wire.rust``), beside it, and the drift
@@ -41,14 +41,13 @@ from replay_proxy.compare.rules import load_rules
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.matrix import Cell, Frontend, added_recording
 from replay_proxy.matrix import database
-from replay_proxy.store.tables import read_recording
+from replay_proxy.store.queries import sent_frames
 from replay_proxy.matrix.run import run
 from replay_proxy.processes import Child, ChildError, free_port
-from replay_proxy.wire.messages import Channel, Direction, WireDecoder
+from replay_proxy.wire.messages import Direction, WireDecoder
 from replay_proxy.wire.rust import encode_rust_schema, read_protocol
-from replay_proxy.wire.schema import (Schema, added_releases, forget_schemas, load_schema, release_key,
-                                      shipped_releases)
-from replay_proxy.wire.values import decode_msgpack
+from replay_proxy.wire.schema import Schema, release_key
+from replay_proxy.wire.registry import added_releases, forget_schemas, load_schema, shipped_releases
 
 SESSION = "vllm-rs-frontend"  # as every recording of a Rust frontend names its session (matrix.recording_of)
 REQUEST_S = 30  # one request's answer, at most: an engine that cannot read it never answers
@@ -215,15 +214,9 @@ def _ask(port: int, path: str, body: dict) -> str:
 def unread_messages(db: Path, schema: Schema) -> list[str]:
     """What of the frontend's messages in the recording ``schema``'s release does not read (its frames named
     with it, held fixed): a line per way, with how many messages."""
-    connection = read_recording(db)
-    try:
-        rows = connection.execute("SELECT channel, raw FROM frames WHERE direction = ? ORDER BY seq",
-                                  (str(Direction.TO_ENGINE),)).fetchall()
-    finally:
-        connection.close()
     decoder, ways = WireDecoder(schema, fixed=True), Counter()
-    for channel, raw in rows:
-        message = decoder.decode(Channel(channel), Direction.TO_ENGINE, decode_msgpack(raw))
+    for channel, parts in sent_frames(db, None, Direction.TO_ENGINE):
+        message = decoder.decode(channel, Direction.TO_ENGINE, parts)
         if message.error:
             ways[f"{message.kind}: {message.error}"] += 1
         for flag in message.flags:

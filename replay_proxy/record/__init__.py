@@ -11,8 +11,8 @@ from replay_proxy.net.relay import Relay
 from replay_proxy.record.metrics import MetricsServer
 from replay_proxy.record.status import StatusLog
 from replay_proxy.redact.settings import RedactionSettings
-from replay_proxy.store.recorder import OnFull, Recorder, RecorderStats, SessionInfo
-from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.recorder import OnFull, Recorder, RecorderStats, SessionInfo
+from replay_proxy.recorder.rotation import RotationSettings
 from replay_proxy.store.sample import RequestSample
 
 

@@ -18,8 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from replay_proxy import __version__
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.recorder import RecorderStats
-from replay_proxy.store.rotation import database_bytes
+from replay_proxy.recorder import RecorderStats
+from replay_proxy.recorder.rotation import database_bytes
+from replay_proxy.store.counts import writer_counts_help
 
 Snapshot = Callable[[], tuple[RecorderStats, int]]  # the statistics, and how many engines have connected
 
@@ -54,12 +55,9 @@ class Collector:
             return GaugeMetricFamily(f"replay_proxy_{name}", doc, value=value)
 
         yield counter("frames_seen_total", "Frames forwarded, and so seen by the recorder.", stats.frames_seen)
-        yield counter("frames_recorded_total", "Frames in the database, decoded or kept to decode.",
-                      stats.frames_recorded)
-        yield counter("frames_sampled_out_total", "Frames --sample-requests left out (not dropped).",
-                      stats.frames_sampled_out)
-        yield counter("outputs_sampled_out_total", "Outputs of requests --sample-requests left out.",
-                      stats.outputs_sampled_out)
+        for name, about in writer_counts_help().items():  # every count the writer keeps, each by its field's name
+            metric = about.metric or (name if about.gauge else f"{name}_total")
+            yield (gauge if about.gauge else counter)(metric, about.text, getattr(stats, name))
         dropped = CounterMetricFamily("replay_proxy_frames_dropped_total",
                                       "Frames forwarded but never to be in the recording, by reason.",
                                       labels=["reason"])
@@ -71,14 +69,9 @@ class Collector:
         for (channel, direction), count in sorted(stats.bytes_by_link.items()):
             link_bytes.add_metric([channel, direction], count)
         yield link_bytes
-        yield counter("decode_errors_total", "Frames recorded with a decode error (forwarded byte-identical).",
-                      stats.frames_undecodable)
-        yield counter("drift_alarms_total", "Distinct ways the traffic disagreed with its release's schema.",
-                      stats.drift_alarms)
         yield gauge("queue_frames", "Frames on their way to the database.", stats.queue_depth_frames)
         yield gauge("decode_lag_seconds", "While frames wait to be decoded: how long ago the newest decoded "
                                           "one crossed the proxy.", stats.decode_lag_s)
-        yield gauge("undecoded_frames", "Frames kept in the database, not decoded yet.", stats.frames_undecoded)
         yield gauge("db_bytes", "The file being written, and its write-ahead log.",
                     database_bytes(Path(stats.db_path)) if stats.db_path else 0)
         yield counter("rotations_total", "Files begun after the first (--rotate-mb, --rotate-every, SIGHUP).",

@@ -16,10 +16,11 @@ from rich.live import Live
 from rich.text import Text
 
 from replay_proxy.clock import utc_now
+from replay_proxy.store.counts import WriterCounts
 
 if TYPE_CHECKING:
     from replay_proxy.net.relay import Relay
-    from replay_proxy.store.recorder import Recorder, RecorderStats
+    from replay_proxy.recorder import Recorder, RecorderStats
 
 LIVE_EVERY_S = 0.25  # the terminal's status line, and how often events are looked for
 
@@ -51,15 +52,13 @@ def status_line(stats: RecorderStats, engines: int) -> Text:
 
 
 def status_record(stats: RecorderStats, engines: int | None) -> dict[str, object]:
-    """The counts of a JSON log line (``engines``: connected so far, where known)."""
-    return {**({} if engines is None else {"engines": engines}), "engines_dead": stats.engines_dead,
-            "frames_seen": stats.frames_seen,
-            "frames_recorded": stats.frames_recorded, "frames_sampled_out": stats.frames_sampled_out,
-            "outputs_sampled_out": stats.outputs_sampled_out, "frames_dropped": stats.frames_dropped,
+    """The counts of a JSON log line (``engines``: connected so far, where known): every count the writer keeps
+    by its field's name (``WriterCounts``), and the tap's, the queue's and the rotation's."""
+    return {**({} if engines is None else {"engines": engines}),
+            **{name: getattr(stats, name) for name in WriterCounts.__struct_fields__},
+            "frames_seen": stats.frames_seen, "frames_dropped": stats.frames_dropped,
             "frames_dropped_by_reason": stats.frames_dropped_by_reason, "queue_frames": stats.queue_depth_frames,
-            "frames_undecoded": stats.frames_undecoded, "frames_undecodable": stats.frames_undecodable,
-            "decode_lag_s": round(stats.decode_lag_s, 3), "bytes_seen": stats.bytes_seen,
-            "requests": stats.requests, "drift_alarms": stats.drift_alarms, "error": stats.error,
+            "decode_lag_s": round(stats.decode_lag_s, 3), "bytes_seen": stats.bytes_seen, "error": stats.error,
             "db": stats.db_path, "rotations": stats.rotations, "rotations_failed": stats.rotations_failed,
             "files_deleted": stats.files_deleted}
 

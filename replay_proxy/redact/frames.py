@@ -37,7 +37,8 @@ from replay_proxy.redact.policy import Action, Policy
 from replay_proxy.redact.tokens import Key, Prefix, RedactionError, TokenMap
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType
-from replay_proxy.wire.schema import Field, read, schema_for
+from replay_proxy.wire.schema import Field, read
+from replay_proxy.wire.registry import schema_for
 from replay_proxy.wire.values import RAW_VIEW, Ext, decode_msgpack, kind_of
 
 WAIT_FRAMES = 10_000  # outputs waiting for their request's ADD, at most

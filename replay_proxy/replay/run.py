@@ -31,13 +31,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.rejection import FAILED, fold_consequences, read_as, reader_rejections, sent_lengths
-from replay_proxy.compare.report import build_report
+from replay_proxy.compare.report import Comparison, Replayed, build_report
+from replay_proxy.compare.rules import Rules
 from replay_proxy.errors import leaf
 from replay_proxy.processes import Child
 from replay_proxy.replay.play_engine import EnginePlayer
 from replay_proxy.replay.play_frontend import EngineNotReset, FrontendPlayer, FrontendSockets
 from replay_proxy.replay.player import PeerUnderTest, Player, ReplayError, ReplayOptions, ReplayOutcome
-from replay_proxy.store.recorder import Recorder, SessionInfo
+from replay_proxy.recorder import Recorder, SessionInfo
 from replay_proxy.store.session import Session, SessionError, decode_and_load
 from replay_proxy.store.tables import open_database
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
@@ -54,7 +55,7 @@ class KeptEngine:
         self.child: Child | None = None  # None with a link: an engine the user started
         self.link: FrontendSockets | None = None
 
-    def ready_for(self, session: Session, timeout_s: float) -> bool:
+    def take(self, session: Session, timeout_s: float) -> bool:
         """Whether it can serve ``session``'s replay: running, the same handshake
         (``FrontendSockets.serves``), its prefix cache emptied. If not, it is stopped, and the replay starts an
         engine of its own."""
@@ -68,6 +69,13 @@ class KeptEngine:
                 pass
         self.stop()
         return False
+
+    def hand_back(self, child: Child | None, link: FrontendSockets | None, clean: bool) -> None:
+        """After a replay that was given this to keep: the engine it ran, kept if the replay ended ``clean`` and
+        the engine still runs, else stopped."""
+        self.child, self.link = child, link
+        if not (clean and (child is None or child.running())):
+            self.stop()
 
     def stop(self) -> None:
         if self.child is not None:
@@ -108,64 +116,59 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
     title = f"replay against {peer.side}"
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     judging = peer.side is Side.ENGINE and options.rules.judging.top_logprobs > 0
-    baseline = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
-    noise, runs, first = [], [], None  # first: the candidate's first run (OneRun), the one the report is of
-
+    baseline_peer = msgspec.structs.replace(peer, command=options.baseline_command)  # the build it was recorded with
+    runs: dict[bool, list[Session]] = {True: [], False: []}  # by candidate: the runs of each build, in order
+    first: OneRun | None = None  # the candidate's first run, the one the report is of
     other_cpu: dict[str, float] = {}  # each run's session: the machine's CPU share other processes took
-
-    def candidate_run(i: int) -> Report | None:
-        nonlocal first
-        name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
-        run = _replay_once(recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log",
-                           console, kept if i == 1 else None,
-                           scoring_passes=judging and i == 1 and options.noise_runs > 0)
-        if run.failure:
+    schedule = _schedule(options.noise_runs)
+    for started, (i, candidate) in enumerate(schedule, 1):
+        if console is not None:  # a line a run: minutes of silence look like a hang in a CI log
+            build = "the build under test" if candidate else "the baseline build"
+            console.print(f"run {started} of {len(schedule)}: {build}", highlight=False)
+        if candidate:
+            name = f"{recording.name}-replay-{stamp}" + (f"-{i}" if i > 1 else "")
+            run = _replay_once(recording, peer, options, name, logs / f"{peer.side}{f'-{i}' if i > 1 else ''}.log",
+                               console, kept if i == 1 else None,
+                               scoring_passes=judging and i == 1 and options.noise_runs > 0)
+        else:
+            name = f"{recording.name}-noise-{stamp}-{i}"
+            run = _replay_once(recording, baseline_peer, options, name, logs / f"baseline-{i}.log", console,
+                               scoring_passes=(2 if i == 1 else 1) * judging)
+        if run.failure is not None and candidate:
             return _failed(title, recording.name, name, fold_consequences([*run.rejections, run.failure],
-                                                                          options.rules))
-        runs.append(decode_and_load(db, str(run.session_id)))
-        other_cpu[runs[-1].label] = run.outcome.other_cpu
-        first = first or run
-        return None
-
-    def baseline_run(i: int) -> Report | None:
-        name = f"{recording.name}-noise-{stamp}-{i}"
-        run = _replay_once(recording, baseline, options, name, logs / f"baseline-{i}.log", console,
-                           scoring_passes=(2 if i == 1 else 1) * judging)
-        if run.failure:
-            failure = msgspec.structs.replace(run.failure, message=f"noise run {i} against the baseline build: "
-                                                                   f"{run.failure.message}")
-            return _failed(title, recording.name, name, [failure])
-        noise.append(decode_and_load(db, str(run.session_id)))
-        other_cpu[noise[-1].label] = run.outcome.other_cpu
-        return None
-
-    # Counterbalanced (baseline, candidate, candidate, baseline, ...): load that comes and goes with the period
-    # of two runs falls on both builds alike, where strict alternation would put it on one build's every run.
-    planned, started = 2 * options.noise_runs or 1, 0
-    for i in range(1, max(1, options.noise_runs) + 1):
-        order = (baseline_run, candidate_run) if i % 2 else (candidate_run, baseline_run)
-        for play in order if options.noise_runs else (candidate_run,):
-            started += 1
-            if console is not None:  # a line a run: minutes of silence look like a hang in a CI log
-                build = "the baseline build" if play is baseline_run else "the build under test"
-                console.print(f"run {started} of {planned}: {build}", highlight=False)
-            failed = play(i)
-            if failed is not None:
-                return failed, None
-    session_id, outcome, rejections = first.session_id, first.outcome, first.rejections
-    report = build_report(title, recording, runs[0], options.rules, noise,
-                          frontend_under_test=peer.side is Side.FRONTEND, replayed_noise=True,
-                          held_lengths=options.hold_lengths, asked_logprobs=judging, candidate_runs=runs[1:],
-                          other_cpu=other_cpu)
-    if judging:
-        report.findings.append(Finding("behaviour", Severity.INFO, "judging_cost", (
-            f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
-            + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
-               f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
-            field="judging_cost"))
-    report.findings = fold_consequences([*report.findings, *outcome.findings, *rejections], options.rules)
-    save_findings(db, session_id, recording.id, report.findings)
+                                                                          options.rules), db), None
+        if run.failure is not None:
+            return _failed(title, recording.name, name, [msgspec.structs.replace(run.failure, message=(
+                f"noise run {i} against the baseline build: {run.failure.message}"))], db), None
+        played = decode_and_load(db, str(run.session_id))
+        runs[candidate].append(played)
+        other_cpu[played.label] = run.outcome.other_cpu if run.outcome else 0.0
+        first = first or (run if candidate else None)
+    assert first is not None and first.outcome is not None  # (the schedule runs the candidate once at least)
+    outcome = first.outcome
+    cost = [Finding("behaviour", Severity.INFO, "judging_cost", (
+        f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
+        + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
+           f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
+        field="judging_cost")] if judging else []
+    report = build_report(Comparison(
+        title=title, baseline=recording, candidate=runs[True][0], baseline_runs=tuple(runs[False]),
+        candidate_runs=tuple(runs[True][1:]), other_cpu=other_cpu, recorded_in=str(db),
+        replayed=Replayed(peer.side, held_lengths=options.hold_lengths, asked_logprobs=judging)),
+        options.rules, [*cost, *outcome.findings, *first.rejections])
+    save_findings(db, first.session_id, recording.id, report.findings)
     return report, outcome
+
+
+def _schedule(noise_runs: int) -> list[tuple[int, bool]]:
+    """The runs of a replay in order, (run number of its build, whether it is the candidate's): with noise runs,
+    counterbalanced (baseline, candidate, candidate, baseline, ...), so that load which comes and goes with the
+    period of two runs falls on both builds alike, where strict alternation would put it on one build's every
+    run; without, the candidate's one run."""
+    if not noise_runs:
+        return [(1, True)]
+    return [(i, candidate) for i in range(1, noise_runs + 1) for candidate in ((False, True) if i % 2 else
+                                                                              (True, False))]
 
 
 class OneRun(NamedTuple):
@@ -178,70 +181,73 @@ class OneRun(NamedTuple):
     rejections: list[Finding]
 
 
+class RecordedRun:
+    """One run's recording: a session of the recording's database (mode ``replay``, pointing at the recorded
+    one), the recorder writing it, and the observer the player reports to (``LastSent``), which remembers what
+    the peer was sent last. ``close`` ends the session, failed if the run did."""
+
+    def __init__(self, recording: Session, name: str, peer: PeerUnderTest):
+        # As in a recording: listen, where the engines dial the proxy (playing the frontend); upstream, where the
+        # proxy dials the frontend's handshake (playing the engines). Its writer yields the CPU to the peer under
+        # test and the player (recorder/writer_process.py: SCHED_IDLE).
+        address = {"listen": peer.address} if peer.side is Side.ENGINE else {"upstream": peer.address}
+        self.recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay",
+                                                                baseline_session_id=recording.id, **address))
+        self.observer = LastSent(self.recorder, peer.side.reads)
+
+    def close(self, failure: Finding | None) -> int:
+        """End the session (failed, with why, if ``failure``); its id."""
+        self.recorder.close("failed" if failure else "complete", failure and failure.message)
+        return self.recorder.session_id
+
+
+def classify_failure(error: ReplayError, sent: LastSent, side: Side, child: Child | None, log: Path,
+                     log_from: int | None, rules: Rules) -> Finding:
+    """A replay that stopped with ``error``, as a finding: ``peer_not_reached`` when no frame of the link had
+    reached the peer (it cannot have rejected one: it could not run), else ``replay_failed``; either says what
+    the peer was sent last and quotes what its log says of the link, else why it could not run."""
+    why = f"{error}\n{sent.describe(side)}"
+    if child is not None:
+        said = child.log_lines(log_from)
+        said = peer_line(said, rules.link_broke_patterns) or peer_line(said, rules.peer_cannot_run_patterns)
+        why += (f"\nits log says: {said}" if said else "") + f"\n(log: {log})"
+    return Finding("replay", Severity.REGRESSION, "replay_failed" if sent.events else "peer_not_reached", why)
+
+
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
                  console: Console | None, kept: KeptEngine | None = None, scoring_passes: int = 0,
                  ) -> OneRun:
-    """One replay, recorded as session ``name``. ``scoring_passes``: teacher-forced scoring passes after it
-    (against an engine).
-
-    A failure is ``peer_not_reached`` when no frame of the link had reached the peer (it cannot have
-    rejected one: it could not run), else ``replay_failed``; either quotes what the peer's log says."""
-    reuse = kept is not None and kept.ready_for(recording, options.ready_timeout_s)
-    # Its writer yields the CPU to the peer under test and the player (store/writer_process.py: SCHED_IDLE).
-    # As in a recording: listen, where the engines dial the proxy (playing the frontend); upstream, where the
-    # proxy dials the frontend's handshake (playing the engines)
-    address = {"listen": peer.address} if peer.side is Side.ENGINE else {"upstream": peer.address}
-    recorder = Recorder(recording.db_path, SessionInfo(name=name, mode="replay", baseline_session_id=recording.id,
-                                                       **address))
-    observer = LastSent(recorder, peer.side.reads)
+    """One replay, recorded as session ``name`` (``RecordedRun``), against a kept engine if ``kept`` holds one
+    that serves it (``KeptEngine.take``), else a peer started for it; a failure classified
+    (``classify_failure``). ``scoring_passes``: teacher-forced scoring passes after it (against an engine)."""
+    reuse = kept is not None and kept.take(recording, options.ready_timeout_s)
+    recorded = RecordedRun(recording, name, peer)
     player: Player  # plays the other side: the recorded frontend to an engine, the recorded engines to a frontend
     if peer.side is Side.ENGINE:
-        player = FrontendPlayer(recording, peer.address, observer, options, link=kept.link if reuse else None,
-                                keep=kept is not None, scoring_passes=scoring_passes)
+        player = FrontendPlayer(recording, peer.address, recorded.observer, options,
+                                link=kept.link if kept is not None and reuse else None, keep=kept is not None,
+                                scoring_passes=scoring_passes)
     else:
-        player = EnginePlayer(recording, peer.address, peer.http, observer, options)
-    child = kept.child if reuse else None
+        player = EnginePlayer(recording, peer.address, peer.http, recorded.observer, options)
+    child = kept.child if kept is not None and reuse else None
     log_from = child.log_size() if child is not None else None  # a kept engine's log: this replay's part
-
-    async def main():
-        nonlocal child
-        async with trio.open_nursery() as nursery:
-            async def play() -> None:
-                await player.run()
-                nursery.cancel_scope.cancel()  # done: stop watching the peer
-
-            if peer.command and child is None:  # ZMQ connects retry, so the peer may start before or after us
-                child = Child(shlex.split(peer.command), log, name=f"{peer.side} under test")
-            if child is not None:
-                rejected = player.peer_rejected if isinstance(player, FrontendPlayer) else None
-                nursery.start_soon(_watch, child, log_from, options.rules.link_broke_patterns, rejected)
-            nursery.start_soon(play)
-            if console is not None and console.is_terminal:
-                nursery.start_soon(_show_progress, console, player)
-        return player.outcome
-
     outcome = failure = None
     try:
-        outcome = trio.run(main)
+        if peer.command and child is None:  # ZMQ connects retry, so the peer may start before or after the player
+            child = Child(shlex.split(peer.command), log, name=f"{peer.side} under test")
+        outcome = trio.run(_play, player, child, log_from, options, console)
         sent, finished, total, tokens = player.tally()
         outcome.summary = (f"replayed {total} recorded requests: {sent} sent, {finished} finished, {tokens:,} tokens"
                            + (f"; scored in {outcome.scoring_seconds:.1f} s" if scoring_passes else ""))
         if console is not None:
             console.print(f"  {outcome.summary}", highlight=False)
     except BaseException as exc:  # (a ReplayError arrives wrapped by the nurseries)
-        if not isinstance(leaf(exc), ReplayError):
+        if not isinstance(error := leaf(exc), ReplayError):
             raise
-        why = f"{leaf(exc)}\n{observer.describe(peer.side)}"
-        if child is not None:  # what the link did to it, else why it could not run
-            said = child.log_lines(log_from)
-            said = peer_line(said, options.rules.link_broke_patterns) or \
-                peer_line(said, options.rules.peer_cannot_run_patterns)
-            why += (f"\nits log says: {said}" if said else "") + f"\n(log: {log})"
-        failure = Finding("replay", Severity.REGRESSION, "replay_failed" if observer.events else "peer_not_reached",
-                          why)
+        failure = classify_failure(error, recorded.observer, peer.side, child, log, log_from, options.rules)
     finally:
         try:
-            recorder.close("failed" if failure else "complete", failure and failure.message)
+            session_id = recorded.close(failure)
         finally:  # (a recording that could not be closed leaves no peer running)
             if reuse and child is not None and log != child.log_path:  # this replay's part of the kept engine's log
                 log.parent.mkdir(parents=True, exist_ok=True)
@@ -249,20 +255,37 @@ def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions
                                f"whole log: {child.log_path}\n"
                                + "".join(f"{line}\n" for line in child.log_lines(log_from)))
             if kept is not None:
-                kept.child, kept.link = child, player.link
-                clean = outcome is not None and not any(f.code in UNCLEAN for f in outcome.findings)
-                if not (clean and (child is None or child.running())):
-                    kept.stop()
+                kept.hand_back(child, player.link, clean=outcome is not None and not any(
+                    f.code in UNCLEAN for f in outcome.findings))
             elif child is not None:
                 child.stop(timeout=30)
     rejections = []
-    if observer.events:  # what the peer said of the link, once it had been sent something of it
+    sent = recorded.observer.events
+    if sent:  # what the peer said of the link, once it had been sent something of it
         said = child.log_lines(log_from) if child is not None else []
-        said += [f.message for f in (outcome.findings if outcome else [failure]) if f.code in FAILED]
+        said += [f.message for f in (outcome.findings if outcome else [failure]) if f is not None and f.code in FAILED]
         rejections = reader_rejections(said, recording.schema, peer.side, options.rules,
-                                       [read_as(observer.message(f)) for f in reversed(observer.events)],
+                                       [read_as(recorded.observer.message(f)) for f in reversed(sent)],
                                        sent_lengths(recording))
-    return OneRun(recorder.session_id, outcome, failure, rejections)
+    return OneRun(session_id, outcome, failure, rejections)
+
+
+async def _play(player: Player, child: Child | None, log_from: int | None, options: ReplayOptions,
+                console: Console | None) -> ReplayOutcome:
+    """The player's run, with the peer under test watched (its exit or a broken link fails the run at once) and,
+    on a terminal, a progress bar."""
+    async with trio.open_nursery() as nursery:
+        async def play() -> None:
+            await player.run()
+            nursery.cancel_scope.cancel()  # done: stop watching the peer
+
+        if child is not None:
+            rejected = player.peer_rejected if isinstance(player, FrontendPlayer) else None
+            nursery.start_soon(_watch, child, log_from, options.rules.link_broke_patterns, rejected)
+        nursery.start_soon(play)
+        if console is not None and console.is_terminal:
+            nursery.start_soon(_show_progress, console, player)
+    return player.outcome
 
 
 class LastSent:
@@ -305,8 +328,8 @@ def peer_line(lines: list[str], patterns: list[str]) -> str | None:
     return next((line.strip()[:300] for line in lines if found.search(line)), None)
 
 
-def _failed(title: str, baseline: str, candidate: str, findings: list[Finding]) -> Report:
-    return Report(title=title, baseline=baseline, candidate=candidate, findings=findings)
+def _failed(title: str, baseline: str, candidate: str, findings: list[Finding], db: Path) -> Report:
+    return Report(title=title, baseline=baseline, candidate=candidate, findings=findings, recorded_in=str(db))
 
 
 def save_findings(db: Path, session_id: int, baseline_session_id: int, findings: list[Finding]) -> None:

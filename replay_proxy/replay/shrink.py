@@ -19,7 +19,6 @@ result does not depend on which finished first).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
 import shutil
@@ -28,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -35,7 +35,7 @@ from replay_proxy.compare.findings import Severity
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.processes import free_port, run_group, threaded
 from replay_proxy.store.cut import Selection, cut_database
-from replay_proxy.store.tables import read_recording
+from replay_proxy.store.queries import QueryError, added_requests
 from replay_proxy.store.subset import Edit
 from replay_proxy.wire.messages import Side
 
@@ -87,17 +87,16 @@ def wanted(findings: list[dict], spec: str | None) -> dict | None:
     return max(serious, key=lambda f: _SEVERITY[f["severity"]], default=None)
 
 
-def session_requests(db: Path, session: str) -> tuple[int, list[str]]:
-    """Session ``session`` (name or id) of the recording ``db``: its id and its request ids in the order they were
-    added (ShrinkError if it has none)."""
-    with contextlib.closing(read_recording(db)) as connection:
-        found = connection.execute("SELECT id FROM sessions WHERE name = ? OR CAST(id AS TEXT) = ? ORDER BY id DESC",
-                                   [session, session]).fetchone()
-        requests = [] if found is None else list(dict.fromkeys(r for (r,) in connection.execute(
-            "SELECT request_id FROM requests WHERE session_id = ? ORDER BY seq", [found[0]])))
+def session_requests(db: Path, session: str) -> tuple[int, list[dict[str, Any]]]:
+    """Session ``session`` (name or id) of the recording ``db``: its id and its requests in the order they were
+    added (``store.queries.added_requests``; ShrinkError if there is no such session, or it has none)."""
+    try:
+        session_id, requests = added_requests(db, session)
+    except QueryError as exc:
+        raise ShrinkError(f"{db}: {exc}") from None
     if not requests:
-        raise ShrinkError(f"no session {session} with requests in {db}")
-    return found[0], requests
+        raise ShrinkError(f"session {session} of {db} has no requests")
+    return session_id, requests
 
 
 class Shrinker:
@@ -112,6 +111,7 @@ class Shrinker:
         self.tried: dict[frozenset[str] | tuple, bool] = {}  # by requests (and edits, simplifying)
         self.candidates: list[dict] = []  # shrink.json's: each candidate's size and verdict, in order
         self.smallest: list[str] = []
+        self.recorded: dict[str, tuple[dict[str, Any], list[int]]] = {}  # each request's sampling and prompt
         self.exhausted = False  # max_replays ran out before the set was 1-minimal
 
     @property
@@ -120,7 +120,10 @@ class Shrinker:
 
     def start(self, spec: str | None) -> dict:
         """Replay the whole session; the finding to chase (ShrinkError if there is none)."""
-        self.session_id, self.smallest = session_requests(self.db, self.session)
+        self.session_id, added = session_requests(self.db, self.session)
+        self.smallest = [request["request_id"] for request in added]
+        self.recorded = {request["request_id"]: (json.loads(request["sampling_params"] or "{}"),
+                                                 json.loads(request["prompt_token_ids"] or "[]")) for request in added}
         copy = self.workdir / "whole" / "session.db"
         copy.parent.mkdir(parents=True)
         shutil.copy(self.db, copy)
@@ -162,12 +165,8 @@ class Shrinker:
         """Request by request: each sampling value back to its default (logprobs off among them), then the
         prompt halved and max_tokens halved for as long as the finding holds."""
         edits: dict[str, Edit] = {}
-        with contextlib.closing(read_recording(self.db)) as db:
-            recorded = {rid: (json.loads(params or "{}"), json.loads(prompt or "[]")) for rid, params, prompt in
-                        db.execute("SELECT request_id, sampling_params, prompt_token_ids FROM requests WHERE "
-                                   "session_id = ? ORDER BY seq", [self.session_id])}
         for rid in self.smallest:
-            params, prompt = recorded.get(rid, ({}, []))
+            params, prompt = self.recorded.get(rid, ({}, []))
             for key in sorted(k for k in params if not k.startswith("_") and k != "max_tokens"):  # (_: derived)
                 self._keep_if_failing(edits, rid, lambda e, key=key: msgspec.structs.replace(
                     e, defaults=[*e.defaults, key]))

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from replay_proxy.compare.findings import Finding, Report, Severity, Verdict, exit_code, report_json, worst_first
+from replay_proxy.compare.findings import Finding, Report, RequestVerdict, Severity, exit_code, report_json, worst_first
 from replay_proxy.compare.tokens import TIERS
 from replay_proxy.report.tables import fits
 
@@ -299,7 +299,7 @@ def _divergence_svg(request_id: str, divergence: dict, width: int = 460, height:
     return "".join(parts)
 
 
-def _judged(verdict: Verdict) -> str:
+def _judged(verdict: RequestVerdict) -> str:
     """Each tier that judged a request, a line each: passed or failed, and why."""
     return "<br>".join(f"<b>{html.escape(j.tier)}</b> {'passed' if j.passed else 'failed'}: {html.escape(j.why)}"
                        for j in verdict.judged) or html.escape(verdict.why)

@@ -32,7 +32,8 @@ from replay_proxy.sim.drift import EngineDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value, tensor
 from replay_proxy.wire.handshake import engine_identity, parse_init
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
-from replay_proxy.wire.schema import Flag, Namer, load_schema
+from replay_proxy.wire.schema import Flag, Namer
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import decode_msgpack, token_ids
 
 VOCAB = 900

@@ -30,7 +30,7 @@ from replay_proxy.sim.drift import FrontendDrift, with_inserted_field
 from replay_proxy.wire.encode import encode, struct_value, token_ids
 from replay_proxy.wire.handshake import engine_identity, engine_index
 from replay_proxy.wire.messages import COORDINATOR_READY, ENGINE_CORE_DEAD, SUBSCRIBE_ALL, RequestType
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import decode_msgpack
 
 

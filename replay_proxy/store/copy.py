@@ -15,14 +15,16 @@ import heapq
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.store.queries import QueryError, find_session
 from replay_proxy.redact.settings import Redaction
-from replay_proxy.store.tables import TABLES, open_database, read_recording
+from replay_proxy.store.counts import WriterCounts
+from replay_proxy.store.queries import QueryError, find_session
+from replay_proxy.store.tables import TABLES, insert_session, open_database, read_recording
 from replay_proxy.store.writer import DECODE_FRAMES, Copies, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Channel, Direction
@@ -30,8 +32,10 @@ from replay_proxy.wire.messages import Channel, Direction
 _parts = msgspec.msgpack.Decoder(list[bytes]).decode
 # What the writer recomputes from the frames it is given. How the source was redacted is carried: a cut or a
 # copy of a redacted session is redacted (a replay judges it so); ``redact`` sets it anew.
-_RECOMPUTED = {"id", "vllm_version", "schema_release", "schema_exact", "frames_recorded", "frames_undecoded",
-               "engines_dead", "baseline_session_id"}
+# What a copy's writer makes again from the frames it writes: every count of its own but the sample's (what the
+# sample left out is the recording's: its frames are in no file to count again).
+_RECOMPUTED = {"id", "vllm_version", "schema_release", "schema_exact", "baseline_session_id",
+               *WriterCounts.__struct_fields__} - {"frames_sampled_out", "outputs_sampled_out"}
 
 
 class CopyError(ReplayProxyError):
@@ -96,16 +100,16 @@ def copy_session(source: Path, session: str, out: Path) -> str:
                 held = [started for (started,) in there.execute(
                     "SELECT started_at FROM sessions WHERE name = ? AND mode = ?", [row["name"], row["mode"]])]
             if row["started_at"] in held:
-                return row["name"]
+                return str(row["name"])
             if held:
                 raise CopyError(f"{out} holds another session named {row['name']!r}: give another --out")
         values = session_row(row)
         values["baseline_session_id"] = None
         write_session(out, values, recorded_frames(db, row["id"]), copied_seqs(db, row["id"]))
-    return row["name"]
+    return str(row["name"])
 
 
-def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, new_ids: dict[int, int]
+def _copy(db: sqlite3.Connection, row: dict[str, Any], out: Path, redaction: Redaction, new_ids: dict[int, int]
           ) -> tuple[str, int, int]:
     """One session, redacted, into ``out``: (its name, its id there, its frames)."""
     values = session_row(row)
@@ -116,13 +120,13 @@ def _copy(db: sqlite3.Connection, row: dict, out: Path, redaction: Redaction, ne
     return row["name"], session_id, frames
 
 
-def write_session(out: Path, row: dict, frames: Iterable[CapturedFrame | EngineLoss], copies: dict[int, Copies],
-                  redaction: Redaction | None = None) -> tuple[int, int]:
+def write_session(out: Path, row: dict[str, Any], frames: Iterable[CapturedFrame | EngineLoss],
+                  copies: dict[int, Copies], redaction: Redaction | None = None) -> tuple[int, int]:
     """A new session ``row`` in ``out``, its tables made from ``frames`` by the recorder's own writer
     (redacting them first, with ``redaction``), the frames numbered in ``copies`` written as the copies they
     were in their rotated file (``copied_seqs``): (its id, the frames written)."""
     with contextlib.closing(open_database(out)) as target:
-        session_id = target["sessions"].insert(row).last_pk
+        session_id = insert_session(target, row)
     writer = Writer(str(out), session_id, redaction=redaction)
 
     def write(chunk: list[CapturedFrame | EngineLoss]) -> None:
@@ -139,10 +143,10 @@ def write_session(out: Path, row: dict, frames: Iterable[CapturedFrame | EngineL
             chunk = []
     write(chunk)
     writer.finish()  # (and the outputs a redactor still held for their ADD)
-    return session_id, writer.frames_written
+    return session_id, writer.counts.frames_recorded
 
 
-def session_row(row: dict) -> dict:
+def session_row(row: dict[str, Any]) -> dict[str, Any]:
     """A source session's row as its copy starts: what the writer recomputes from the frames left out."""
     values = {k: v for k, v in row.items() if k in TABLES["sessions"][0] and k not in _RECOMPUTED}
     values["vllm_version"] = row["vllm_version"]  # the writer names the frames with it from the start
@@ -175,6 +179,7 @@ def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = 
     losses = (EngineLoss(seq, ts_ns, engine, detail) for seq, ts_ns, engine, detail in db.execute(
         "SELECT seq, ts_ns, engine_index, detail FROM engine_events WHERE session_id = ? AND event = 'lost' "
         "ORDER BY seq", [session_id]))
-    yield from heapq.merge(frames, losses, key=lambda item: item.seq)
+    merged: Iterator[CapturedFrame | EngineLoss] = heapq.merge(frames, losses, key=lambda item: item.seq)
+    yield from merged
     for (entries,) in db.execute("SELECT batch FROM undecoded WHERE session_id = ? ORDER BY number", [session_id]):
         yield from sorted(decode_entries(entries), key=lambda item: item.seq)

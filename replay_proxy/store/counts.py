@@ -7,12 +7,22 @@ queued (on its way there)::
     seen = recorded + sampled out + dropped + queued
 
 ``FrameCounts`` is that equation. The tap counts what it saw and dropped (``TapCounts``), the writer what
-it wrote, sampled out or failed to write; ``live`` puts the two together while a session records, ``ended``
-once it is over (nothing is queued then), and a rotating recording's files add up with ``+``. The
-recorder's statistics, the ``sessions`` row (``tables.end_session``) and the metrics are all read from it.
+it wrote, sampled out or failed to write (``WriterCounts``); ``live`` puts the two together while a session
+records, ``ended`` once it is over (nothing is queued then), and a rotating recording's files add up with
+``+``. The recorder's statistics, the ``sessions`` row (``tables.end_session``) and the metrics are all read
+from it.
+
+``WriterCounts`` is every count the writer keeps, in one struct: the writer counts into it, its ``Progress``
+carries it, a rotating recording's files add up with ``+``, and the recorder's statistics (which have its
+fields), the JSON status log, ``/metrics`` and the ``sessions`` row (a column each) take every field by
+name. A new statistic is a new field there, with its ``Help``.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Annotated
 
 import msgspec
 
@@ -71,3 +81,41 @@ def dropped_by_reason(dropped: int, tap: TapCounts, write_failed: int) -> dict[s
     reasons = {"queue_full": tap.dropped_queue_full, "write_failed": write_failed, "late_at_stop": tap.dropped_late}
     reasons["writer_lost"] = max(0, dropped - sum(reasons.values()))
     return reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class Help:
+    """What a count of ``WriterCounts`` means, as ``/metrics`` says it: ``replay_proxy_{metric}``, by default the
+    field's name and ``_total`` (a counter); ``gauge``: a figure that also goes down."""
+
+    text: str
+    metric: str | None = None
+    gauge: bool = False
+
+
+class WriterCounts(msgspec.Struct, array_like=True):
+    """What the writer counted of one session (or of a rotating recording's files, added up). Mutable: the
+    writer's own; what leaves it (``Writer.progress``) is a copy."""
+
+    frames_recorded: Annotated[int, Help("Frames in the database, decoded or kept to decode.")] = 0
+    frames_failed: Annotated[int, Help("Frames that could not be written (a full disk, --max-db-mb).")] = 0
+    frames_undecoded: Annotated[int, Help("Frames kept in the database, not decoded yet.", "undecoded_frames",
+                                          gauge=True)] = 0
+    frames_undecodable: Annotated[int, Help("Frames recorded with a decode error (forwarded byte-identical).",
+                                            "decode_errors_total")] = 0
+    frames_sampled_out: Annotated[int, Help("Frames --sample-requests left out (not dropped).")] = 0
+    outputs_sampled_out: Annotated[int, Help("Outputs of requests --sample-requests left out.")] = 0
+    requests: Annotated[int, Help("Requests added (their ADDs decoded).")] = 0
+    engines_dead: Annotated[int, Help("Engines that sent ENGINE_CORE_DEAD or vanished.")] = 0
+    drift_alarms: Annotated[int, Help("Distinct ways the traffic disagreed with its release's schema.")] = 0
+
+    def __add__(self, other: WriterCounts) -> WriterCounts:
+        """Two files' counts (their dead engines and drift alarms may be the same ones: the caller knows)."""
+        return WriterCounts(*(a + b for a, b in zip(msgspec.structs.astuple(self), msgspec.structs.astuple(other))))
+
+
+def writer_counts_help() -> dict[str, Help]:
+    """Each field of ``WriterCounts`` and its ``Help`` (a field without one fails here, at once)."""
+    hints = typing.get_type_hints(WriterCounts, include_extras=True)
+    return {name: next(h for h in hints[name].__metadata__ if isinstance(h, Help))
+            for name in WriterCounts.__struct_fields__}

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import random
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     seed: int = 0
     edits: dict[str, Edit] | None = None  # by request id: its ADD simplified (shrink's second stage)
 
-    def window(self, start_ns: int):
+    def window(self, start_ns: int) -> Callable[[int], bool]:
         """Whether a time (ns) is in the window, for a session that started at ``start_ns``."""
         low = -float("inf") if self.from_s is None else self.from_s
         high = float("inf") if self.to_s is None else self.to_s
@@ -100,7 +101,7 @@ def _sample(db: sqlite3.Connection, session_id: int, count: int, seed: int) -> l
     strata = "SELECT request_id, finish, kind FROM temp.cut_strata ORDER BY rowid"
     sizes = collections.Counter((finish, kind) for _, finish, kind in db.execute(strata))
     drawn = _stratified(sizes, count, seed)
-    seen: collections.Counter = collections.Counter()
+    seen: collections.Counter[tuple[Any, Any]] = collections.Counter()
     order = []
     for rid, finish, kind in db.execute(strata):
         if seen[(finish, kind)] in drawn[(finish, kind)]:

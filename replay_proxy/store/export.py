@@ -20,7 +20,9 @@ integer (a u64 utility call id) is text in that file.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pyarrow as pa
@@ -71,13 +73,13 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
     return written
 
 
-def recording_of(db_path: Path, row: dict) -> str:
+def recording_of(db_path: Path, row: dict[str, Any]) -> str:
     """``<file>-<id>-<digest>``: a session of one proxy's file among a fleet's (see the module's docstring)."""
     identity = "\0".join(str(row.get(k)) for k in ("name", "started_at", "listen", "upstream", "proxy_version"))
     return f"{db_path.stem}-{row['id']}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
 
 
-def _array(values: tuple, arrow_type: pa.DataType) -> pa.Array:
+def _array(values: Sequence[Any], arrow_type: pa.DataType) -> pa.Array:
     """One column of SQLite values: text where the file says text, a float where SQLite kept a whole one."""
     if arrow_type == pa.string():
         values = [v if v is None or isinstance(v, str) else str(v) for v in values]

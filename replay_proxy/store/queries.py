@@ -1,4 +1,7 @@
-"""Read-side queries over a recording: the library behind ``sessions`` and ``query``."""
+"""Read-side queries over a recording: the library behind ``sessions`` and ``query``, and every question
+another package asks of a recording's file (a session found by id or name, the frames one side sent, the
+requests a session added): SQL over a recording is written here and in ``tables``, ``session`` and the file
+operations, nowhere else."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.tables import open_database, read_recording
+from replay_proxy.wire.messages import Channel, Direction
+from replay_proxy.wire.values import decode_msgpack
 
 
 class QueryError(ReplayProxyError):
@@ -75,7 +80,8 @@ def list_sessions(path: str | Path) -> list[dict[str, Any]]:
                                                             "ORDER BY id"))
 
 
-def run_query(path: str | Path, sql: str, params: dict | None = None, *, write: bool = False) -> list[dict[str, Any]]:
+def run_query(path: str | Path, sql: str, params: dict[str, Any] | None = None, *, write: bool = False
+              ) -> list[dict[str, Any]]:
     """The rows ``sql`` gives, run on a read-only connection unless ``write``: a query never changes a
     recording by mistake (``UPDATE ... RETURNING`` returns rows too). ``write`` brings an older file's
     layout up to this version's first (``tables.ensure_schema``), as every command that writes does."""
@@ -103,11 +109,16 @@ _READING_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_info", "in
                     "foreign_key_list", "foreign_key_check", "integrity_check", "quick_check"}
 
 
+# What a read-only query may not do even where the file would refuse it: an UPDATE ... RETURNING of an older
+# file's table (a TEMP view of it, tables.view_as_current) gives its rows back with no error, and changes nothing.
+_WRITING = {sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE}
+
+
 def _reading(action: int, name: str | None, value: str | None, *_: object) -> int:
-    """A read-only query's authorizer: no ATTACH (SQLite would create the file it names) and no PRAGMA that
-    sets something (journal_mode would answer as if it had)."""
-    if action == sqlite3.SQLITE_ATTACH or (action == sqlite3.SQLITE_PRAGMA and value is not None
-                                           and name not in _READING_PRAGMAS):
+    """A read-only query's authorizer: no row written, no ATTACH (SQLite would create the file it names) and no
+    PRAGMA that sets something (journal_mode would answer as if it had)."""
+    if action in _WRITING or action == sqlite3.SQLITE_ATTACH or (
+            action == sqlite3.SQLITE_PRAGMA and value is not None and name not in _READING_PRAGMAS):
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK
 
@@ -121,3 +132,26 @@ def find_session(db: sqlite_utils.Database, session: str) -> dict[str, Any]:
         names = [r["name"] for r in db.query("SELECT name FROM sessions ORDER BY id")]
         raise QueryError(f"no session {session!r}; sessions here: {', '.join(names) or 'none'}")
     return rows[0]
+
+
+def sent_frames(path: Path, session: str | None, direction: Direction) -> list[tuple[Channel, list[bytes]]]:
+    """The frames one side sent (``direction``), in recorded order, as their parts: of ``session`` (as
+    ``find_session`` finds it), or of every session in the file (None)."""
+    with contextlib.closing(open_recording(path)) as db:
+        where, params = "direction = :d", {"d": str(direction)}
+        if session is not None:
+            where, params = f"{where} AND session_id = :s", {**params, "s": find_session(db, session)["id"]}
+        rows = db.execute(f"SELECT channel, raw FROM frames WHERE {where} ORDER BY session_id, seq", params).fetchall()
+    return [(Channel(channel), decode_msgpack(raw)) for channel, raw in rows]
+
+
+def added_requests(path: Path, session: str) -> tuple[int, list[dict[str, Any]]]:
+    """Session ``session`` (as ``find_session`` finds it): its id, and its requests in the order they were added,
+    each once (``request_id``, ``sampling_params`` and ``prompt_token_ids`` as recorded, JSON)."""
+    with contextlib.closing(open_recording(path)) as db:
+        session_id = find_session(db, session)["id"]
+        first: dict[str, dict[str, Any]] = {}  # (an ADD sent again names a request already added)
+        for row in db.query("SELECT request_id, sampling_params, prompt_token_ids FROM requests WHERE session_id = ? "
+                            "ORDER BY seq", [session_id]):
+            first.setdefault(row["request_id"], row)
+    return session_id, list(first.values())

@@ -24,7 +24,7 @@ def reserve_path(db_path: str | Path) -> Path:
 def hold(db_path: str | Path) -> bool:
     """Preallocate the room (real blocks, not a sparse file); whether there was any. A filesystem that has
     none left already gets none: the session's end is then written if and when there is room (a rotation
-    begins no file then, store/rotation/)."""
+    begins no file then, recorder/rotation/)."""
     path = reserve_path(db_path)
     try:
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)

@@ -9,7 +9,7 @@ builders here.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -46,7 +46,7 @@ def _sqlite_value(value: Any) -> Any:
     return value if type(value) in _SQLITE_AS_IS else to_json(value)
 
 
-def _sqlite_row(values: Iterable[Any]) -> tuple:
+def _sqlite_row(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple([v if type(v) in _SQLITE_AS_IS else _sqlite_value(v) for v in values])
 
 
@@ -60,7 +60,7 @@ def _engine_time(stamp: Any) -> float | None:
     return stamp if type(stamp) is float and stamp > 0 else None
 
 
-def _compact(fields: dict, held: frozenset[str] = frozenset()) -> dict:
+def _compact(fields: dict[str, Any], held: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A frame's fields for ``frames.decoded`` where tables hold its substance (an ADD, an
     EngineCoreOutputs): without what they hold, and without nil values two levels deep (for those
     json_extract gives NULL either way, and ``raw`` keeps the frame as sent)."""
@@ -82,7 +82,7 @@ class Rows:
     """
 
     def __init__(self, request_numbers: dict[str, int] | None = None):
-        self.tables: dict[str, list[tuple]] = defaultdict(list)
+        self.tables: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
         self.request_numbers = {} if request_numbers is None else request_numbers
         self.new_request_ids: list[str] = []
         self.frames_undecodable = 0  # frames whose row has a decode error
@@ -112,7 +112,8 @@ class Rows:
             if decoder.reader_flags:  # its engines' release does not read what it sends: drift, said once
                 self.flagged.append((frame, Kind.ADD, decoder.reader_flags, decoder.schema))
                 decoder.reader_flags = ()
-            message = typed_requests(schema).read(frame.parts)
+            requests = typed_requests(schema)
+            message = requests.read(frame.parts) if requests is not None else None
         if message is None:
             message = decoder.decode(frame.channel, frame.direction, frame.parts)
         self.add_frame(session_id, frame, message, schema)
@@ -136,7 +137,7 @@ class Rows:
         self._frame(session_id, frame, message.kind, to_json(fields), error, message.flags, engine_time, schema)
 
     def _frame(self, session_id: int, frame: CapturedFrame, kind: Kind, decoded: str | None, error: str | None,
-               flags: tuple, engine_time: float | None, schema: Schema) -> None:
+               flags: tuple[Flag, ...], engine_time: float | None, schema: Schema) -> None:
         if flags:
             self.flagged.append((frame, kind, flags, schema))
         self.frames_undecodable += error is not None
@@ -147,7 +148,7 @@ class Rows:
             _raw.encode(frame.forwarded) if frame.forwarded else None, decoded, error,
             to_json(flags) if flags else None, engine_time))
 
-    def _output_rows(self, session_id: int, seq: int, outputs: list[tuple | None], schema: Schema,
+    def _output_rows(self, session_id: int, seq: int, outputs: Sequence[tuple[Any, ...] | None], schema: Schema,
                      others: list[str | None] | None = None) -> None:
         """The rows of one frame's outputs, in ``output_rows``' column order (a busy engine's are made here).
 
@@ -176,7 +177,8 @@ class Rows:
             del self.request_numbers[request_id]
         self.new_request_ids.clear()
 
-    def _concepts(self, where: dict, frame: CapturedFrame, message: Message, schema: Schema) -> frozenset[str]:
+    def _concepts(self, where: dict[str, Any], frame: CapturedFrame, message: Message, schema: Schema
+                  ) -> frozenset[str]:
         """Add the concept rows of a message; return the fields they hold in full."""
         fields, kind = message.fields, message.kind
         if kind is Kind.ENGINE_CORE_DEAD:  # a bare sentinel: no fields
@@ -208,7 +210,7 @@ class Rows:
         self._add("engine_events", session_id=session_id, seq=seq, ts_ns=ts_ns,
                   engine_index=engine_index, event=name, detail=detail)
 
-    def _request(self, where: dict, fields: dict, schema: Schema) -> None:
+    def _request(self, where: dict[str, Any], fields: dict[str, Any], schema: Schema) -> None:
         params = fields.get("sampling_params")
         # Each sampling column's value in effect: as sent, else the release's default.
         defaults, column_at = self._sampling_defaults(schema)
@@ -239,7 +241,7 @@ class Rows:
                 {c: at for at, c in enumerate(columns)})
         return defaults
 
-    def _outputs(self, where: dict, fields: dict, schema: Schema) -> bool:
+    def _outputs(self, where: dict[str, Any], fields: dict[str, Any], schema: Schema) -> bool:
         utility = fields.get("utility_output")
         if isinstance(utility, dict):
             self._add("utility_results", **where, call_id=utility.get("call_id"),
@@ -247,7 +249,8 @@ class Rows:
         outputs = fields.get("outputs") or []
         if not isinstance(outputs, list):
             return False
-        rows, others = [], []
+        rows: list[tuple[Any, ...] | None] = []
+        others: list[str | None] = []
         for output in outputs:
             if not (isinstance(output, dict) and isinstance(output.get("request_id"), str)
                     and isinstance(output.get("new_token_ids"), list)):

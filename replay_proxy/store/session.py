@@ -24,7 +24,8 @@ from replay_proxy.store.queries import find_session, list_sessions, open_recordi
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import finish_decoding
 from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.schema import Schema, schema_for
+from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.registry import schema_for
 from replay_proxy.wire.values import decode_msgpack
 
 
@@ -181,7 +182,7 @@ def _load(db_path: Path, db: sqlite_utils.Database, row: dict[str, Any]) -> Sess
     decoder = WireDecoder(schema, frontend_release=row.get("frontend_release"),
                           frontend_source=row.get("frontend_source"))
 
-    def decoded(r: dict, parts: list[bytes]) -> Any:
+    def decoded(r: dict[str, Any], parts: list[bytes]) -> Any:
         if r["kind"] in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
             return decoder.decode(Channel.OUTPUT, Direction.TO_FRONTEND, parts).fields
         if r["kind"] == Kind.ADD:
@@ -214,15 +215,16 @@ def _load(db_path: Path, db: sqlite_utils.Database, row: dict[str, Any]) -> Sess
         replayed=row["mode"] == "replay", sent_by_replay=row["mode"] == "replay" and not row["upstream"])
 
 
-def _outputs(db, sid: int) -> dict[str, list[dict]]:
-    outputs: dict[str, list[dict]] = defaultdict(list)
+def _outputs(db: sqlite_utils.Database, sid: int) -> dict[str, list[dict[str, Any]]]:
+    outputs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for o in db.query("SELECT request_id, ts_ns, engine_time_s, new_token_ids, finish_reason, new_logprobs, other "
                       "FROM outputs WHERE session_id = ? ORDER BY seq, position", [sid]):
         outputs[o["request_id"]].append(o)
     return outputs
 
 
-def _requests(db, sid: int, aborted: dict[str, int], outputs: dict[str, list[dict]]) -> list[Request]:
+def _requests(db: sqlite_utils.Database, sid: int, aborted: dict[str, int], outputs: dict[str, list[dict[str, Any]]]
+              ) -> list[Request]:
     requests = []
     for r in db.query("SELECT seq, request_id, engine_index, prompt_token_ids, sampling_params, ts_ns "
                       "FROM requests WHERE session_id = ? ORDER BY seq", [sid]):
@@ -263,7 +265,8 @@ def logprob_rows(tensors: Any, ranks: str) -> list[TokenLogprobs]:
             for i in range(len(rank))]
 
 
-def _scores(requests: list[Request], outputs: dict[str, list[dict]]) -> dict[int, dict[str, list[TokenLogprobs]]]:
+def _scores(requests: list[Request], outputs: dict[str, list[dict[str, Any]]]
+            ) -> dict[int, dict[str, list[TokenLogprobs]]]:
     """The teacher-forced scoring requests' prompt logprobs, by pass and recorded request id: a row for each
     token of the scoring prompt (the recorded prompt and output) but the first, given the tokens before it."""
     scores: dict[int, dict[str, list[TokenLogprobs]]] = defaultdict(dict)

@@ -17,7 +17,7 @@ import msgspec
 
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType, request_type
-from replay_proxy.wire.schema import schema_for
+from replay_proxy.wire.registry import schema_for
 from replay_proxy.wire.values import decode_msgpack
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -53,7 +53,7 @@ class Cutter:
         self.chosen, self.in_window, self.first_add_ns = chosen, in_window, first_add_ns
         self.edits, self.every_call = edits or {}, every_call
         self.schema, _ = schema_for(vllm_version)
-        self.calls: set[tuple] = set()  # (engine, API server, call id) of the utility calls kept
+        self.calls: set[tuple[int | None, Any, Any]] = set()  # (engine, API server, call id) of the utility calls kept
         self.outputs_left_out = 0  # the outputs of requests not chosen
 
     def frame(self, item: CapturedFrame | EngineLoss) -> CapturedFrame | EngineLoss | None:
@@ -73,14 +73,14 @@ class Cutter:
     def _request(self, frame: CapturedFrame) -> CapturedFrame | None:
         asks = request_type(frame.channel, frame.direction, frame.parts)
         try:
-            body = decode_msgpack(frame.parts[1]) if len(frame.parts) > 1 else None
+            body: Any = decode_msgpack(frame.parts[1]) if len(frame.parts) > 1 else None
         except msgspec.DecodeError:
             return frame  # a frame that does not decode is kept as it was
         if asks is RequestType.ADD:
             rid = self.schema.read(body, "EngineCoreRequest", "request_id")
             if rid not in self.chosen:
                 return None
-            edit = self.edits.get(rid)
+            edit = self.edits.get(str(rid))
             return frame if edit is None else msgspec.structs.replace(
                 frame, parts=[frame.parts[0], _encode(self._edited(body, edit)), *frame.parts[2:]])
         if asks is RequestType.ABORT and isinstance(body, list):
@@ -94,7 +94,7 @@ class Cutter:
             self.calls.add((frame.engine_index, body[0], body[1]))
         return frame  # and START_DP_WAVE
 
-    def _edited(self, body: list, edit: Edit) -> list:
+    def _edited(self, body: list[Any], edit: Edit) -> list[Any]:
         body = list(body)
         params_at, prompt_at = (self.schema.position("EngineCoreRequest", name)
                                 for name in ("sampling_params", "prompt_token_ids"))

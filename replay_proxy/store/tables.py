@@ -21,9 +21,9 @@ import sqlite_utils
 
 from replay_proxy.clock import utc_now
 from replay_proxy.store import reserve
-from replay_proxy.store.counts import FrameCounts
+from replay_proxy.store.counts import FrameCounts, WriterCounts
 from replay_proxy.store.files import NotReadable, open_read_only
-from replay_proxy.wire.schema import load_schema, shipped_releases
+from replay_proxy.wire.registry import load_schema, shipped_releases
 
 SCALAR_KINDS = {"nil", "bool", "int", "float", "str"}
 _SQL_TYPES = {"bool": int, "int": int, "float": float, "str": str}
@@ -41,7 +41,7 @@ def sampling_columns() -> dict[str, type]:
     return columns
 
 
-TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
+TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
     "sessions": ({
         "id": int, "name": str, "mode": str, "baseline_session_id": int, "started_at": str,
         "ended_at": str, "status": str, "listen": str, "upstream": str, "vllm_version": str,
@@ -59,9 +59,12 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
         "cut_from": str,
         # Recorded with --sample-requests: the fraction and its seed, and what the sample left out.
         "sample_requests": float, "sample_seed": str, "frames_sampled_out": int, "outputs_sampled_out": int,
-        # One file of a rotating recording (store/rotation/): the files before and after it, and the rows that
+        # One file of a rotating recording (recorder/rotation/): the files before and after it, and the rows that
         # are copies counted in another file (the session's start; the other part of a split frame).
         "continues": str, "continued_in": str, "frames_copied": int,
+        # Every count the writer keeps (counts.WriterCounts), a column each: those above, and the requests it
+        # decoded, the frames it could not write or decode, the drift alarms raised.
+        **dict.fromkeys(WriterCounts.__struct_fields__, int),
     }, "id"),
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,
@@ -145,7 +148,7 @@ TABLES: dict[str, tuple[dict, list[str] | str | None]] = {
 }
 
 
-# A row a rotating recording copied into a file from frames another of its files counts (store/rotation/: the
+# A row a rotating recording copied into a file from frames another of its files counts (recorder/rotation/: the
 # session's start in each new file, the other part of a split frame): 1 there, else null; the last column of
 # every table of frames' rows. A series' totals are its rows where it is null.
 COPIED = "copied"
@@ -246,8 +249,13 @@ def begin_session(path: str | Path, row: dict[str, object]) -> tuple[int, bool]:
     """A new session's row in the recording at ``path`` (made if need be), and room held beside it for the
     session's end (``reserve``): its id, and whether there was room."""
     with contextlib.closing(open_database(path)) as db:
-        session_id = db["sessions"].insert(row).last_pk
+        session_id = insert_session(db, row)
     return session_id, reserve.hold(path)
+
+
+def insert_session(db: sqlite_utils.Database, row: dict[str, object]) -> int:
+    """A session's row, begun: its id."""
+    return int(db.table("sessions").insert(row).last_pk or 0)  # (an INTEGER PRIMARY KEY: never none)
 
 
 def end_session(path: str | Path, session_id: int, *, status: str | None = None, error: str | None = None,
@@ -281,9 +289,9 @@ def frames_kept(path: str | Path, session_id: int) -> int:
     if not Path(path).exists():
         return 0
     with contextlib.closing(_existing(path)) as connection:
-        return connection.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
-                                  "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
-                                  {"s": session_id}).fetchone()[0]
+        return int(connection.execute("SELECT (SELECT COUNT(*) FROM frames WHERE session_id = :s) + (SELECT "
+                                      "COALESCE(SUM(frames), 0) FROM undecoded WHERE session_id = :s)",
+                                      {"s": session_id}).fetchone()[0])
 
 
 def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
@@ -309,8 +317,9 @@ def read_recording(path: Path) -> sqlite3.Connection:
     return connection
 
 
-# PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied.
-SCHEMA_VERSION = 2
+# PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied;
+# 3, every count of the writer's in the session's row.
+SCHEMA_VERSION = 3
 
 # What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
 # file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
@@ -363,7 +372,7 @@ def _move_wide_outputs(db: sqlite_utils.Database) -> None:
 def _fold_output_columns(db: sqlite_utils.Database) -> None:
     with db.conn:
         _drop_views(db)
-        db["output_rows_folded"].create(TABLES["output_rows"][0])
+        db.table("output_rows_folded").create(TABLES["output_rows"][0])
         folded = _select_as_current("output_rows", set(db["output_rows"].columns_dict))
         db.execute(f"INSERT INTO output_rows_folded {folded}")
         db.execute("DROP TABLE output_rows")
@@ -380,6 +389,7 @@ def view_as_current(connection: sqlite3.Connection) -> None:
     wide = "outputs" in tables
     for name in TABLES:
         have = {row[1] for row in connection.execute(f"PRAGMA main.table_info([{name}])")}
+        body: str | None
         if wide and name in ("request_ids", "output_rows"):
             body = _WIDE_REQUEST_IDS if name == "request_ids" else _WIDE_OUTPUT_ROWS
         else:
@@ -393,7 +403,7 @@ def view_as_current(connection: sqlite3.Connection) -> None:
 def ensure_schema(db: sqlite_utils.Database) -> None:
     """A file this proxy writes, migrated to this version's layout (the one place a recording changes shape)."""
     for name, (columns, pk) in TABLES.items():
-        table = db[name]
+        table = db.table(name)
         if name == "undecoded" and table.exists() and table.columns_dict != columns and not table.count:
             table.drop()  # scratch space, laid out by the release that wrote it: empty, so remade
         if table.exists():  # an older file: add what a newer proxy records
@@ -408,8 +418,8 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
     if "new_logprobs" in db["output_rows"].columns_dict:
         _fold_output_columns(db)
     for name, indexes in INDEXES.items():
-        for columns in indexes:
-            db[name].create_index(columns, if_not_exists=True)
+        for indexed in indexes:
+            db.table(name).create_index(indexed, if_not_exists=True)
     existing = {row["name"]: row["sql"] for row in db.query("SELECT name, sql FROM sqlite_master WHERE type = 'view'")}
     for name, sql in VIEWS.items():
         stored = " ".join(existing.get(name, "").replace('"', "").split())

@@ -39,11 +39,13 @@ import enum
 import os
 import sqlite3
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import msgspec
 
 from replay_proxy.redact.settings import Redaction, redaction_counts
-from replay_proxy.store.counts import FrameCounts
-from replay_proxy.store.protocol import Progress, Stop
+from replay_proxy.store.counts import FrameCounts, WriterCounts
+from replay_proxy.store.progress import Progress, Stop
 from replay_proxy.store.rows import Rows
 from replay_proxy.store.sample import RequestSample, Sampler
 from replay_proxy.store.tables import COPIED, TABLES, end_session, written
@@ -58,6 +60,10 @@ DECODED_PER_YIELD = 32  # frames unpacked from the tap's messages (about 2 us ea
 
 T = TypeVar("T")
 Entries = tuple[int, bytes]  # a tap message's frames, and its entries (wire/capture.py) as sent
+
+
+# The session row's columns of the counts, in WriterCounts's order (tables.py makes a column of each).
+_COUNTED = ", ".join(f"COALESCE([{name}], 0)" for name in WriterCounts.__struct_fields__)
 
 
 class Copies(enum.Enum):
@@ -84,7 +90,7 @@ class Writer:
     It picks up where the session's database stands, so it also finishes a session left partly
     decoded (``replay-proxy decode``). With ``redaction`` (``replay-proxy redact``), every frame is
     redacted before it is written; a recording is redacted before it reaches the writer
-    (``store/redactor.py``).
+    (``recorder/redactor.py``).
     """
 
     def __init__(self, db_path: str, session_id: int, *, max_bytes: int | None = None,
@@ -99,9 +105,9 @@ class Writer:
             self.connection.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_bytes)}")
         self.statements = {table: _insert(table, copy=False) for table in TABLES}
         self.copy_statements = {table: _insert(table, copy=True) for table in TABLES}
-        version, recorded, frontend_release, frontend_source = self.connection.execute(
-            "SELECT vllm_version, COALESCE(frames_recorded, 0), frontend_release, frontend_source FROM sessions "
-            "WHERE id = ?", (session_id,)).fetchone()
+        version, frontend_release, frontend_source, *counted = self.connection.execute(
+            f"SELECT vllm_version, frontend_release, frontend_source, {_COUNTED} FROM sessions WHERE id = ?",
+            (session_id,)).fetchone()
         self.decoder = WireDecoder(frontend_release=frontend_release, frontend_source=frontend_source)
         self.decoder.learn_version(version)  # a session decoded before in part: its registration is past
         self.redactor = redaction.redactor(version) if redaction is not None else None
@@ -112,11 +118,12 @@ class Writer:
             (session_id,)).fetchone()
         self.last_decoded = (first - 1) if first is not None else 0  # numbers of the kept messages
         self.last_kept = last or 0
-        self.frames_undecoded, self.frames_written, self.frames_failed = undecoded, recorded, 0
-        self.requests = self.frames_undecodable = self.decoded_through_ns = 0
+        # The counts go on from the session's row (a session recorded before and decoded now), save the ones kept
+        # as sets (below) and the frames waiting in ``undecoded``, counted there.
+        self.counts = msgspec.structs.replace(WriterCounts(*counted), frames_undecoded=undecoded)
+        self.decoded_through_ns = 0
         self.sampler = Sampler(sample) if sample is not None else None
-        self.frames_sampled_out = self.outputs_sampled_out = 0  # (not sampled: 0)
-        self.frames_copied = 0  # rows counted in another file of a rotating recording (store/rotation/)
+        self.frames_copied = 0  # rows counted in another file of a rotating recording (recorder/rotation/)
         self.dead: set[int | None] = {e for (e,) in self.connection.execute(  # sent ENGINE_CORE_DEAD or vanished
             "SELECT DISTINCT engine_index FROM engine_events WHERE session_id = ?", (session_id,))}
         self.write_error: str | None = None
@@ -125,13 +132,18 @@ class Writer:
             "SELECT struct, issue, field, position FROM drift_alarms WHERE session_id = ?", (session_id,))}
         self.last_alarm: str | None = None
 
+    def session_row(self) -> dict[str, Any]:
+        """The session's row as it stands."""
+        cursor = self.connection.execute("SELECT * FROM sessions WHERE id = ?", (self.session_id,))
+        return dict(zip([d[0] for d in cursor.description], cursor.fetchone()))
+
+    def counted(self) -> WriterCounts:
+        """A copy of the counts, the engines dead and the drift alarms among them."""
+        return msgspec.structs.replace(self.counts, engines_dead=len(self.dead), drift_alarms=len(self.alarmed))
+
     def progress(self) -> Progress:
-        return Progress(frames_written=self.frames_written, requests=self.requests, engines_dead=len(self.dead),
-                        frames_failed=self.frames_failed, frames_undecoded=self.frames_undecoded,
-                        drift_alarms=len(self.alarmed), write_error=self.write_error, drift=self.last_alarm,
-                        frames_undecodable=self.frames_undecodable, decoded_through_ns=self.decoded_through_ns,
-                        vllm_version=self.decoder.vllm_version, frames_sampled_out=self.frames_sampled_out,
-                        outputs_sampled_out=self.outputs_sampled_out)
+        return Progress(counts=self.counted(), write_error=self.write_error, drift=self.last_alarm,
+                        decoded_through_ns=self.decoded_through_ns, vllm_version=self.decoder.vllm_version)
 
     def _alarms(self, rows: Rows) -> None:
         """A drift alarm row for each new way a frame disagreed with its schema (the first frame of each)."""
@@ -199,8 +211,8 @@ class Writer:
 
     def _decoded(self, rows: Rows, added: int) -> None:
         """Count what a written transaction decoded."""
-        self.requests += added
-        self.frames_undecodable += rows.frames_undecodable
+        self.counts.requests += added
+        self.counts.frames_undecodable += rows.frames_undecodable
         self.decoded_through_ns = max(self.decoded_through_ns, rows.newest_ts_ns)
 
     def write(self, messages: list[Entries]) -> None:
@@ -213,15 +225,15 @@ class Writer:
         if self.redactor is not None:
             captured = self.redactor.frames(captured)
         captured, left_out, outputs_left_out = self._sample(captured)
-        self.frames_sampled_out += left_out  # (written or not: never to be recorded)
-        self.outputs_sampled_out += outputs_left_out
+        self.counts.frames_sampled_out += left_out  # (written or not: never to be recorded)
+        self.counts.outputs_sampled_out += outputs_left_out
         frames = sum(type(item) is CapturedFrame for item in captured)
         rows, added = self._tabulate(captured)
         if self._commit(rows):
-            self.frames_written += frames
+            self.counts.frames_recorded += frames
             self._decoded(rows, added)
         else:
-            self.frames_failed += frames
+            self.counts.frames_failed += frames
 
     def write_copies(self, captured: list[CapturedFrame | EngineLoss], copies: Copies) -> None:
         """Rows of frames that another file of a rotating recording counts (``rotation/``), in one transaction:
@@ -232,7 +244,8 @@ class Writer:
         if self._commit(rows, copies=copies):
             self.frames_copied += sum(type(item) is CapturedFrame for item in captured)
 
-    def _sample(self, captured: list[CapturedFrame | EngineLoss]) -> tuple[list, int, int]:
+    def _sample(self, captured: list[CapturedFrame | EngineLoss]
+                ) -> tuple[list[CapturedFrame | EngineLoss], int, int]:
         """What ``--sample-requests`` keeps of captured frames, and how many frames and outputs it left out."""
         if self.sampler is None:
             return captured, 0, 0
@@ -254,10 +267,10 @@ class Writer:
             messages = messages[taken:]
             if self._commit(rows):
                 self.last_kept += taken
-                self.frames_written += frames
-                self.frames_undecoded += frames
+                self.counts.frames_recorded += frames
+                self.counts.frames_undecoded += frames
             else:
-                self.frames_failed += frames
+                self.counts.frames_failed += frames
 
     @property
     def behind(self) -> bool:
@@ -266,9 +279,10 @@ class Writer:
 
     def decode_some(self) -> None:
         """Decode and tabulate the oldest kept messages, in seq order; those that fail stay undecoded."""
-        captured = []
+        captured: list[CapturedFrame | EngineLoss] = []
         frames = 0
-        first = last = None
+        first: int | None = None
+        last: int | None = None
         oldest = self.connection.execute(
             "SELECT number, frames, batch FROM undecoded WHERE session_id = ? AND number > ? ORDER BY number",
             (self.session_id, self.last_decoded))
@@ -279,18 +293,18 @@ class Writer:
             if frames >= DECODE_FRAMES:
                 break
         oldest.close()
-        if last is None:  # only messages whose keeping failed were left: nothing to decode
+        if first is None or last is None:  # only messages whose keeping failed were left: nothing to decode
             self.last_decoded = self.last_kept
             return
         captured, left_out, outputs_left_out = self._sample(captured)
         rows, added = self._tabulate(captured)
         if self._commit(rows, done=(first, last)):
             self._decoded(rows, added)
-            self.frames_undecoded -= frames
+            self.counts.frames_undecoded -= frames
             # Counted as recorded when they were kept: left out by the sample now that they are decoded.
-            self.frames_written -= left_out
-            self.frames_sampled_out += left_out
-            self.outputs_sampled_out += outputs_left_out
+            self.counts.frames_recorded -= left_out
+            self.counts.frames_sampled_out += left_out
+            self.counts.outputs_sampled_out += outputs_left_out
         self.last_decoded = last
 
     def decode_all(self) -> None:
@@ -299,25 +313,22 @@ class Writer:
 
     def account(self, seen: int) -> FrameCounts:
         """Where the ``seen`` frames of a session that ends here are."""
-        return FrameCounts.ended(seen, self.frames_written, self.frames_sampled_out)
+        return FrameCounts.ended(seen, self.counts.frames_recorded, self.counts.frames_sampled_out)
 
     def finish(self, stop: Stop | None = None, **row: object) -> None:
         """Close the database, and write the session's totals (and, given how it ended, its end, and ``row``'s
         values)."""
         if self.redactor is not None:  # outputs that waited for their request's ADD to the end
-            self.write_frames(self.redactor.flush())
+            self.write_frames([*self.redactor.flush()])
         decoder = self.decoder
         values = {"vllm_version": decoder.vllm_version, "schema_release": decoder.schema.release,
                   "frontend_release": decoder.frontend_release,
                   "frontend_source": None if decoder.frontend_source is None else str(decoder.frontend_source),
-                  "schema_exact": int(decoder.schema_exact), "frames_recorded": self.frames_written,
-                  "frames_undecoded": self.frames_undecoded, "engines_dead": len(self.dead)}
+                  "schema_exact": int(decoder.schema_exact), **msgspec.structs.asdict(self.counted())}
         if stop is not None:
-            status = "incomplete" if stop.status == "complete" and (self.frames_failed or self.write_error) \
+            status = "incomplete" if stop.status == "complete" and (self.counts.frames_failed or self.write_error) \
                 else stop.status
             values.update(status=status, counts=self.account(stop.frames_seen), bytes_seen=stop.bytes_seen)
-        if self.sampler is not None:
-            values.update(frames_sampled_out=self.frames_sampled_out, outputs_sampled_out=self.outputs_sampled_out)
         if self.frames_copied:
             values["frames_copied"] = self.frames_copied
         values.update(row)
@@ -342,7 +353,7 @@ def _giving_way(items: Iterable[T], every: int = 1) -> Iterator[T]:
 def finish_decoding(db_path: str, session_id: int) -> int:
     """Decode what a session kept undecoded; return how many frames that was."""
     writer = Writer(db_path, session_id)
-    before = writer.frames_undecoded
+    before = writer.counts.frames_undecoded
     writer.decode_all()
     writer.finish()
-    return before - writer.frames_undecoded
+    return before - writer.counts.frames_undecoded

@@ -12,7 +12,7 @@ Sans-IO: bytes in, values out, and back. Three layers, innermost first:
   handshake, the coordinator) or an engine's loss, as one ZMQ message
   ``[header, *parts, *forwarded parts]`` sent from the identity ``RELAY``.
 * **Entries**, as the recorder's tap passes them to the writer process (in
-  the messages of ``store/protocol.py``): a msgpack list, each entry
+  the messages of ``recorder/protocol.py``): a msgpack list, each entry
   ``[tag, batch]`` or ``[RELAY, header, *parts...]``.
 
 Everything is numbered by one counter, the relay's, so ``seq`` is the order

@@ -15,10 +15,13 @@ positional parameters (the engine calls ``method(*args)``, so a new required
 parameter breaks a call from an older frontend as surely as a new field).
 """
 
+from __future__ import annotations
+
 import enum
 import inspect
 import json
 import sys
+from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
@@ -40,17 +43,17 @@ SERIAL_UTILS = "vllm.v1.serial_utils"  # CUSTOM_TYPE_* constants: the msgpack ex
 UTILITY_TARGET = "vllm.v1.engine.core:EngineCoreProc"  # what a UTILITY request's method is looked up on
 
 
-def load(path):
+def load(path: str) -> Any:
     module, _, name = path.partition(":")
     obj = __import__(module, fromlist=[name])
     return getattr(obj, name, None)
 
 
 class Walker:
-    def __init__(self):
-        self.structs = {}
+    def __init__(self) -> None:
+        self.structs: dict[str, dict[str, Any] | None] = {}
 
-    def describe(self, t):
+    def describe(self, t: mi.Type) -> tuple[str, list[str], str | None, bool]:
         """Return (printable type, msgpack kinds, nested struct name, tensor)."""
         if isinstance(t, mi.UnionType):
             parts = [self.describe(x) for x in t.types]
@@ -97,7 +100,7 @@ class Walker:
             return name, ["any"], None, name in TENSOR_TYPES
         return type(t).__name__, ["any"], None, False
 
-    def add(self, name, t):
+    def add(self, name: str, t: Any) -> None:  # (a StructType, DataclassType, NamedTupleType or TypedDictType)
         if name in self.structs:
             return
         self.structs[name] = None  # reserve: structs can be recursive
@@ -126,17 +129,17 @@ class Walker:
         }
 
 
-def omits_defaults(cls):
+def omits_defaults(cls: type) -> bool:
     config = getattr(cls, "__struct_config__", None)
     return bool(config is not None and config.omit_defaults)
 
 
-def default_of(field):
+def default_of(field: mi.Field) -> Any:
     if field.required:
         return None
-    if field.default is not mi.NODEFAULT:
+    if field.default is not mi.NODEFAULT:  # type: ignore[attr-defined]  # (exported, not declared)
         value = field.default
-    elif field.default_factory is not mi.NODEFAULT:
+    elif field.default_factory is not mi.NODEFAULT:  # type: ignore[attr-defined]
         value = field.default_factory()
     else:
         return None
@@ -150,13 +153,13 @@ def default_of(field):
         return repr(value)
 
 
-def ext_types():
+def ext_types() -> dict[str, int]:
     module = __import__(SERIAL_UTILS, fromlist=["_"])
     return {name: value for name, value in sorted(vars(module).items())
             if name.startswith("CUSTOM_TYPE_") and isinstance(value, int)}
 
 
-def utility_methods():
+def utility_methods() -> dict[str, list[dict[str, Any]]] | None:
     """Public methods of the engine process, each with its parameters after self, or None if it does not import."""
     try:
         cls = load(UTILITY_TARGET)
@@ -176,17 +179,17 @@ def utility_methods():
     return methods
 
 
-def main():
+def main() -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM logs to stdout at import; keep ours clean
-    import vllm
+    import vllm  # type: ignore[import-not-found]  # (run by a vLLM installation's interpreter)
 
     walker = Walker()
     for name, path in TOP_LEVEL.items():
         cls = load(path)
         if cls is not None:
             walker.add(name, mi.type_info(cls))
-    enums = {}
+    enums: dict[str, dict[str, Any]] = {}
     for name, path in ENUMS.items():
         cls = load(path)
         if cls is not None:

@@ -26,7 +26,8 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.wire.schema import Flag, Namer, Schema, load_schema, schema_for, shipped_releases
+from replay_proxy.wire.schema import Flag, Namer, Schema
+from replay_proxy.wire.registry import load_schema, schema_for, shipped_releases
 from replay_proxy.wire.values import decode_msgpack, kind_of
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
@@ -102,7 +103,7 @@ class RequestType(bytes, enum.Enum):
     UTILITY = b"\x03"
 
 
-def request_type(channel: Channel, direction: Direction, parts: list) -> RequestType | None:
+def request_type(channel: Channel, direction: Direction, parts: list[bytes]) -> RequestType | None:
     """What an input message to an engine asks (ADD, ABORT, UTILITY, START_DP_WAVE), from its first frame
     alone; None for any other frame."""
     if channel is not Channel.INPUT or direction is not Direction.TO_ENGINE or not parts:
@@ -125,7 +126,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 UTILITY_CALL_FIELDS = ("client_index", "call_id", "method", "args")
 # Utility methods whose arguments vLLM's engine converts to msgspec structs (EngineCore._convert_msgspec_args,
 # by the method's annotations): named here as those structs, so that they drift as structs do.
-UTILITY_ARGUMENTS = {"add_lora": ("LoRARequest",)}
+UTILITY_ARGUMENTS: dict[str, tuple[str, ...]] = {"add_lora": ("LoRARequest",)}
 START_DP_WAVE_FIELDS = ("wave", "exclude_engine_index")
 
 
@@ -256,7 +257,7 @@ class WireDecoder:
         if not isinstance(value, list) or len(value) != len(names):
             return _unknown(f"{kind} body is not an array of {len(names)}", value)
         fields = dict(zip(names, value))
-        structs = UTILITY_ARGUMENTS.get(fields.get("method")) if kind is Kind.UTILITY else None
+        structs = UTILITY_ARGUMENTS.get(str(fields.get("method"))) if kind is Kind.UTILITY else None
         if not structs or not isinstance(fields["args"], list):
             return Message(kind=kind, fields=fields)
         namer = Namer(schema, payload)

@@ -27,13 +27,16 @@ Python schemas, or added with a release (``add-release``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from replay_proxy.wire.schema import Field, Schema, StructSchema, added_releases
+from replay_proxy.wire.schema import Field, Schema, StructSchema
+
+if TYPE_CHECKING:
+    from tree_sitter import Node
 
 PROTOCOL = Path("rust/src/engine-core-client/src/protocol")  # within a vLLM source tree (an sdist's root)
-RUST_SCHEMAS = Path(__file__).resolve().parent / "rust_schemas"
 
 
 class RustField(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -153,11 +156,21 @@ def read_protocol(root: Path, release: str) -> RustSchema:
     return RustSchema(release, structs, enums, forms)
 
 
+# Each ``#[name(key, key = "value", ...)]`` of an item, as (name, [(key, value or None), ...]).
+Attributes = list[tuple[str, list[tuple[str, str | None]]]]
+
+
+def _text(node: Node | None) -> str:
+    """A node's source text ('' for a part the grammar lets an item leave out)."""
+    return node.text.decode() if node is not None and node.text is not None else ""
+
+
 SERDE_TRAITS = ("Serialize", "Deserialize", "serde::Serialize", "serde::Deserialize")
 
 
-def _read_items(node, file: str, structs: dict, enums: dict, impls: dict, forms: dict) -> None:
-    attributes: list = []
+def _read_items(node: Node, file: str, structs: dict[str, RustStruct], enums: dict[str, RustEnum],
+                impls: dict[str, set[str]], forms: dict[str, str]) -> None:
+    attributes: list[Node] = []
     for child in node.children:
         if child.type == "attribute_item":
             attributes.append(child)
@@ -174,14 +187,14 @@ def _read_items(node, file: str, structs: dict, enums: dict, impls: dict, forms:
                 enums[enum.name] = enum
         elif child.type == "impl_item":
             trait, target = child.child_by_field_name("trait"), child.child_by_field_name("type")
-            if trait is not None and target is not None and _base(trait.text.decode()) in SERDE_TRAITS:
-                impls.setdefault(_base(target.text.decode()), set()).update(_called_paths(child))
+            if trait is not None and target is not None and _base(_text(trait)) in SERDE_TRAITS:
+                impls.setdefault(_base(_text(target)), set()).update(_called_paths(child))
         elif child.type == "mod_item" and not _is_test_module(attributes):  # (#[cfg(test)]: fixtures)
             body = child.child_by_field_name("body")
             if body is not None:
                 _read_items(body, file, structs, enums, impls, forms)
         if form and child.type in ("struct_item", "enum_item"):
-            forms[child.child_by_field_name("name").text.decode()] = form
+            forms[_text(child.child_by_field_name("name"))] = form
         if child.type not in ("line_comment", "block_comment"):
             attributes = []
 
@@ -191,37 +204,37 @@ def _base(type_text: str) -> str:
     return type_text.split("<", 1)[0].strip()
 
 
-def _called_paths(node) -> set[str]:
+def _called_paths(node: Node) -> set[str]:
     """The first segment of every ``X::y`` path in ``node`` (the types an impl's body goes through)."""
-    found, todo = set(), [node]
+    found, todo = set[str](), [node]
     while todo:
         current = todo.pop()
         if current.type == "scoped_identifier":
             path = current.child_by_field_name("path")
             if path is not None and path.type in ("identifier", "type_identifier"):
-                found.add(path.text.decode())
+                found.add(_text(path))
         todo.extend(current.children)
     return found
 
 
-def _is_test_module(attributes: list) -> bool:
+def _is_test_module(attributes: list[Node]) -> bool:
     return any(name == "cfg" and "test" in [k for k, _ in args] for name, args in _attributes(attributes))
 
 
-def _attributes(items: list) -> list[tuple[str, list[tuple[str, str | None]]]]:
+def _attributes(items: list[Node]) -> Attributes:
     """Each ``#[name(key, key = "value", ...)]`` as (name, [(key, value or None), ...])."""
     found = []
     for item in items:
         attribute = next((c for c in item.children if c.type == "attribute"), None)
         if attribute is None or not attribute.children:
             continue
-        name = attribute.children[0].text.decode()
+        name = _text(attribute.children[0])
         tree = next((c for c in attribute.children if c.type == "token_tree"), None)
         found.append((name, _arguments(tree) if tree is not None else []))
     return found
 
 
-def _arguments(tree) -> list[tuple[str, str | None]]:
+def _arguments(tree: Node) -> list[tuple[str, str | None]]:
     """The top-level ``key`` and ``key = "value"`` of a token tree; nested trees kept as their text."""
     arguments: list[tuple[str, str | None]] = []
     tokens = [c for c in tree.children if c.type not in ("(", ")", "[", "]", "{", "}")]
@@ -231,12 +244,12 @@ def _arguments(tree) -> list[tuple[str, str | None]]:
         if token.type == ",":
             i += 1
             continue
-        key = token.text.decode()
+        key = _text(token)
         value = None
         if i + 2 < len(tokens) and tokens[i + 1].type == "=":
             literal = tokens[i + 2]
             content = next((c for c in literal.children if c.type == "string_content"), None)
-            value = content.text.decode() if content is not None else literal.text.decode()
+            value = _text(content) if content is not None else _text(literal)
             i += 3
         else:
             i += 1
@@ -244,30 +257,31 @@ def _arguments(tree) -> list[tuple[str, str | None]]:
     return arguments
 
 
-def _named(attributes, which: str) -> dict[str, str | None]:
+def _named(attributes: Attributes, which: str) -> dict[str, str | None]:
     return {k: v for name, args in attributes if name == which for k, v in args}
 
 
-def _serde(attributes) -> dict[str, str | None]:
+def _serde(attributes: Attributes) -> dict[str, str | None]:
     return _named(attributes, "serde")
 
 
-def _derives(attributes) -> set[str]:
+def _derives(attributes: Attributes) -> set[str]:
     return {k for name, args in attributes if name == "derive" for k, _ in args}
 
 
-def _struct(node, attributes, file: str) -> RustStruct | None:
+def _struct(node: Node, attributes: Attributes, file: str) -> RustStruct | None:
     derives = _derives(attributes)
     if not derives & {"Serialize", "Deserialize", "Serialize_tuple", "Deserialize_tuple"}:
         return None  # not on the wire
-    name = node.child_by_field_name("name").text.decode()
+    name = _text(node.child_by_field_name("name"))
     serde = _serde(attributes)
     body = node.child_by_field_name("body")
     if body is None or body.type == "ordered_field_declaration_list" or "transparent" in serde:
         return RustStruct(name, "transparent", _tuple_fields(body), file)
     encoding = "array" if derives & {"Serialize_tuple", "Deserialize_tuple"} else "map"
     container_default = "default" in serde
-    fields, pending = [], []
+    fields: list[RustField] = []
+    pending: list[Node] = []
     for child in body.children:
         if child.type == "attribute_item":
             pending.append(child)
@@ -277,8 +291,8 @@ def _struct(node, attributes, file: str) -> RustStruct | None:
         attributes_of_field = _attributes(pending)
         own, serde_as = _serde(attributes_of_field), _named(attributes_of_field, "serde_as")
         pending = []
-        rust_name = child.child_by_field_name("name").text.decode().removeprefix("r#")  # r#type: a raw identifier
-        type_text = " ".join(child.child_by_field_name("type").text.decode().split())
+        rust_name = _text(child.child_by_field_name("name")).removeprefix("r#")  # r#type: a raw identifier
+        type_text = " ".join(_text(child.child_by_field_name("type")).split())
         read_as = serde_as.get("deserialize_as") or serde_as.get("as") or ""
         fields.append(RustField(
             name=own.get("rename") or rust_name, rust_name=rust_name, type=type_text, position=len(fields),
@@ -288,22 +302,25 @@ def _struct(node, attributes, file: str) -> RustStruct | None:
     return RustStruct(name, encoding, fields, file, deny_unknown_fields="deny_unknown_fields" in serde)
 
 
-def _tuple_fields(body) -> list[RustField]:
+def _tuple_fields(body: Node | None) -> list[RustField]:
     if body is None:
         return []
     types = [c for c in body.children if c.type not in ("(", ")", ",", "visibility_modifier", "attribute_item")]
-    return [RustField(name=str(i), rust_name=str(i), type=" ".join(t.text.decode().split()), position=i)
+    return [RustField(name=str(i), rust_name=str(i), type=" ".join(_text(t).split()), position=i)
             for i, t in enumerate(types)]
 
 
-def _enum(node, attributes, file: str) -> RustEnum | None:
+def _enum(node: Node, attributes: Attributes, file: str) -> RustEnum | None:
     derives = _derives(attributes)
     repr_ = bool(derives & {"Serialize_repr", "Deserialize_repr"})
     if not repr_ and not derives & {"Serialize", "Deserialize"}:
         return None
     serde = _serde(attributes)
-    variants, value, pending = [], -1, []
-    for variant in node.child_by_field_name("body").children:
+    variants: list[str] = []
+    pending: list[Node] = []
+    value = -1
+    body = node.child_by_field_name("body")
+    for variant in body.children if body is not None else []:
         if variant.type == "attribute_item":
             pending.append(variant)
             continue
@@ -311,14 +328,14 @@ def _enum(node, attributes, file: str) -> RustEnum | None:
             continue
         own = _serde(_attributes(pending))
         pending = []
-        rust_name = variant.child_by_field_name("name").text.decode()
+        rust_name = _text(variant.child_by_field_name("name"))
         if repr_:
             literal = variant.child_by_field_name("value")
-            value = int(literal.text.decode()) if literal is not None else value + 1
+            value = int(_text(literal)) if literal is not None else value + 1
             variants.append(str(value))
         else:
             variants.append(own.get("rename") or _renamed(rust_name, serde.get("rename_all")))
-    return RustEnum(node.child_by_field_name("name").text.decode(), variants, file, repr=repr_,
+    return RustEnum(_text(node.child_by_field_name("name")), variants, file, repr=repr_,
                     untagged="untagged" in serde)
 
 
@@ -335,18 +352,6 @@ def _renamed(name: str, rule: str | None) -> str:
             "snake_case": "_".join(w.lower() for w in words),
             "SCREAMING_SNAKE_CASE": "_".join(w.upper() for w in words),
             "kebab-case": "-".join(w.lower() for w in words)}.get(rule or "", name)
-
-
-def rust_schema_path(release: str) -> Path:
-    """A release's Rust schema file: one added by the user (``schema.added_releases``), else the package's."""
-    added = added_releases() / "rust_schemas" / f"{release}.json"
-    return added if added.exists() else RUST_SCHEMAS / f"{release}.json"
-
-
-def load_rust_schema(release: str) -> RustSchema | None:
-    """The shipped (or added) Rust schema of ``release``; None if it has none."""
-    path = rust_schema_path(release)
-    return msgspec.json.decode(path.read_bytes(), type=RustSchema) if path.exists() else None
 
 
 def encode_rust_schema(schema: RustSchema) -> bytes:

@@ -12,8 +12,6 @@ as it can and the drift itself is recorded.
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -132,11 +130,14 @@ class Schema(msgspec.Struct, frozen=True, dict=True):
         return params.get(key, self.sampling_defaults.get(key))
 
 
+Issue = Literal["extra_position", "missing_required", "type_mismatch", "unknown_key", "not_a_struct"]
+
+
 class Flag(msgspec.Struct, frozen=True, omit_defaults=True):
     """Something in a frame the schema does not describe."""
 
     struct: str
-    issue: Literal["extra_position", "missing_required", "type_mismatch", "unknown_key", "not_a_struct"]
+    issue: Issue
     path: str
     field: str | None = None
     position: int | None = None
@@ -146,60 +147,6 @@ class Flag(msgspec.Struct, frozen=True, omit_defaults=True):
 
 def release_key(release: str) -> tuple[int, ...]:
     return tuple(int(p) for p in release.split("+")[0].split(".") if p.isdigit())
-
-
-SCHEMAS = Path(__file__).resolve().parent / "schemas"  # one file a release, extracted from its own classes
-
-
-def added_releases() -> Path:
-    """Where releases are added on the day they ship (``add-release``): their schemas in schemas/ (read
-    before the package's), what their Rust frontend sends in recordings/. The user's, since the installed
-    package may be read-only: $REPLAY_PROXY_ADDED_RELEASES, else added-releases/ in $REPLAY_PROXY_CACHE
-    (default ~/.cache/replay-proxy)."""
-    cache = os.environ.get("REPLAY_PROXY_CACHE") or Path.home() / ".cache" / "replay-proxy"
-    return Path(os.environ.get("REPLAY_PROXY_ADDED_RELEASES") or Path(cache) / "added-releases")
-
-
-@functools.cache
-def shipped_releases() -> tuple[str, ...]:
-    """Releases with a schema, oldest first: in the package, and added since (``added_releases``)."""
-    folders = [f for f in (SCHEMAS, added_releases() / "schemas") if f.is_dir()]
-    names = {p.name.removesuffix(".json") for f in folders for p in f.iterdir() if p.name.endswith(".json")}
-    return tuple(sorted(names, key=release_key))
-
-
-def shipped_path(release: str) -> Path:
-    """A release's schema file: one added by the user (``added_releases``), else the package's."""
-    added = added_releases() / "schemas" / f"{release}.json"
-    return added if added.exists() else SCHEMAS / f"{release}.json"
-
-
-@functools.cache
-def load_schema(release: str) -> Schema:
-    return msgspec.json.decode(shipped_path(release).read_bytes(), type=Schema)
-
-
-def forget_schemas() -> None:
-    """After a schema was added: the next look is at the files again."""
-    shipped_releases.cache_clear()
-    load_schema.cache_clear()
-
-
-def schema_for(version: str | None) -> tuple[Schema, bool]:
-    """The schema for a reported ``vllm_version`` and whether it is exact.
-
-    An unknown or missing version gets the newest shipped release not newer
-    than it (the oldest one if it predates them all).
-    """
-    releases = shipped_releases()
-    if not version:
-        return load_schema(releases[-1]), False
-    wanted = release_key(version)
-    for release in releases:
-        if release_key(release) == wanted:
-            return load_schema(release), True
-    older = [r for r in releases if release_key(r) <= wanted]
-    return load_schema(older[-1] if older else releases[0]), False
 
 
 class Namer:
@@ -224,7 +171,7 @@ class Namer:
             return value
         return self._map(name, spec, value, path)
 
-    def _array(self, name: str, spec: StructSchema, value: list, path: str) -> dict:
+    def _array(self, name: str, spec: StructSchema, value: list[Any], path: str) -> dict[str, Any]:
         named: dict[str, Any] = {}
         for field in spec.fields:
             if field.position < len(value):
@@ -237,7 +184,7 @@ class Namer:
             self._flag(name, "extra_position", f"{path}[{position}]", position=position, got=kind_of(extra))
         return named
 
-    def _map(self, name: str, spec: StructSchema, value: dict, path: str) -> dict:
+    def _map(self, name: str, spec: StructSchema, value: dict[Any, Any], path: str) -> dict[Any, Any]:
         named: dict[Any, Any] = {}
         fields = spec.by_name
         for key, item in value.items():
@@ -288,7 +235,7 @@ class Namer:
         tensor = resolve_tensor(value, self.frames)
         return tensor if tensor is not None else value
 
-    def _mm_item(self, item: dict) -> dict:
+    def _mm_item(self, item: dict[str, Any]) -> dict[str, Any]:
         """A multimodal item as vLLM sends it: by key, its data (tensors, nested in lists, or numbers) and
         its field ([factory name, its keywords], kept as sent)."""
         return {key: {**elem, "data": self._nested_tensors(elem.get("data"))} if isinstance(elem, dict) else elem
@@ -299,9 +246,8 @@ class Namer:
             return self._tensor(value)
         return [self._nested_tensors(v) for v in value] if isinstance(value, list) else value
 
-    def _flag(self, struct: str, issue: str, path: str, **details: Any) -> None:
+    def _flag(self, struct: str, issue: Issue, path: str, **details: Any) -> None:
         self.flags.append(Flag(struct=struct, issue=issue, path=path, **details))
 
 
-__all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "load_schema", "release_key",
-           "schema_for", "schema_lines", "shipped_releases"]
+__all__ = ["Ext", "Field", "Flag", "Namer", "Schema", "StructSchema", "Tensor", "release_key", "schema_lines"]

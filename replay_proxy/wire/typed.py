@@ -28,7 +28,8 @@ other).
 from __future__ import annotations
 
 import operator
-from typing import Any
+from types import GenericAlias
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -43,7 +44,8 @@ class Outputs(msgspec.Struct, frozen=True, gc=False):
     """A conforming EngineCoreOutputs, read: its own fields named, its outputs as column values."""
 
     fields: dict[str, Any]  # every field but outputs, named as the Namer names them
-    outputs: list[tuple]  # per output: request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits
+    # Per output: request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits.
+    outputs: list[tuple[Any, ...]]
     flags: tuple[Flag, ...]  # from the frame's nested fields (its outputs conform, or it would not be here)
 
 
@@ -64,7 +66,8 @@ class _Positional:
         self.names = [field.name for field in fields]
         self._raw: list[tuple[Any, Any]] = []  # (Field, a decoder that checks its raw value conforms, or None)
         self._arrays = [field for field in fields if field.whole]  # token arrays: read as _TokenArray, then resolved
-        kinds, made = [], {}
+        kinds: list[Any] = []
+        made: dict[str, Any] = {}
         for field in fields:
             kind = given[field.name] if field.name in given else _TokenArray | None if field.whole else \
                 _plain_type(field) if field.struct is None and not field.resolved else None
@@ -75,16 +78,16 @@ class _Positional:
             kinds.append(kind)
         self.decode = msgspec.msgpack.Decoder(_positional(f"Typed{name}", kinds)).decode
 
-    def named(self, value: tuple, frames: list[bytes]) -> tuple[dict[str, Any], list[Flag]]:
+    def named(self, value: tuple[Any, ...], frames: list[bytes]) -> tuple[dict[str, Any], list[Flag]]:
         """The fields of a decoded value by name, each as the Namer names it; the flags of those it named."""
         fields = dict(zip(self.names, value))
         namer = Namer(self.schema, frames)
         for field in self._arrays:
             array = fields[field.name]
             if array is not None:
-                value = [array.dtype, array.shape, array.data]
-                fields[field.name] = resolve_tensor(value, frames, None) or \
-                    namer.field(self.name, field, value, f"$[{field.position}]")  # (not one: flagged)
+                tensor = [array.dtype, array.shape, array.data]
+                fields[field.name] = resolve_tensor(tensor, frames, None) or \
+                    namer.field(self.name, field, tensor, f"$[{field.position}]")  # (not one: flagged)
         for field, check in self._raw:
             raw = fields[field.name]
             if check is not None:
@@ -134,7 +137,8 @@ class TypedOutputs:
         self._columns = operator.attrgetter(*(f"f{names.index(c)}" for c in OUTPUT_COLUMNS))  # _positional's names
         output_struct = _positional("TypedOutput", [kind for _, kind in output_fields])
         # A utility answer is the generic path's: the frame must not hold one.
-        self._frame = _Positional(schema, "EngineCoreOutputs", {"outputs": list[output_struct], "utility_output": None})
+        self._frame = _Positional(schema, "EngineCoreOutputs", {"outputs": GenericAlias(list, output_struct),
+                                                                 "utility_output": None})
         self._outputs_at = self._frame.names.index("outputs")
 
     def read(self, parts: list[bytes]) -> Outputs | None:
@@ -158,8 +162,11 @@ class TypedOutputs:
         return Outputs(fields, outputs, tuple(flags))
 
 
-_UTILITY_CALL = msgspec.defstruct("TypedUtilityCall", [("client_index", int), ("call_id", int), ("method", str),
-                                                       ("args", list)], array_like=True, gc=False)
+class _UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    client_index: int
+    call_id: int
+    method: str
+    args: list[Any]
 
 
 class TypedRequests:
@@ -169,7 +176,7 @@ class TypedRequests:
     def __init__(self, schema: Schema):
         self._add = _Positional(schema, "EngineCoreRequest", {})
         self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
-        self._decode_utility = msgspec.msgpack.Decoder(_UTILITY_CALL).decode
+        self._decode_utility = msgspec.msgpack.Decoder(_UtilityCall).decode
 
     def read(self, parts: list[bytes]) -> Message | None:
         """The message read, or None if it does not conform (then name it generically)."""
@@ -211,9 +218,9 @@ def _field_type(schema: Schema, field: Any, made: dict[str, Any]) -> Any:
         return type(None) if "nil" in field.kinds else None
     container = field.type.split("[", 1)[0]
     if container in ("list", "set", "frozenset", "tuple") and field.kinds == ("array",):
-        return list[nested]
+        return GenericAlias(list, nested)  # (types made as the schema says, at run time)
     if container == "dict" and field.kinds == ("map",):
-        return dict[str, nested]
+        return GenericAlias(dict, (str, nested))
     others = [_SCALARS.get(k) for k in field.kinds if k not in ("map", "array")]
     if None in others or {"map", "array"} <= set(field.kinds):
         return None
@@ -271,17 +278,20 @@ def _positional(name: str, kinds: list[Any]) -> type[msgspec.Struct]:
 
 
 _made: dict[tuple[int, type], tuple[Schema, Any]] = {}  # by id: a Schema holds dicts, so it has no hash
+Reader = TypeVar("Reader", "TypedOutputs", "TypedRequests")
 
 
-def _typed(reader: type, schema: Schema) -> Any:
+def _typed(reader: type[Reader], schema: Schema) -> Reader | None:
     made = _made.get((id(schema), reader))
     if made is None or made[0] is not schema:
+        typed: Reader | None
         try:
             typed = reader(schema)
         except ValueError:
             typed = None
         made = _made[(id(schema), reader)] = (schema, typed)
-    return made[1]
+    typed = made[1]
+    return typed
 
 
 def typed_outputs(schema: Schema) -> TypedOutputs | None:
@@ -289,6 +299,6 @@ def typed_outputs(schema: Schema) -> TypedOutputs | None:
     return _typed(TypedOutputs, schema)
 
 
-def typed_requests(schema: Schema) -> TypedRequests:
-    """The fast path for ``schema``'s requests."""
+def typed_requests(schema: Schema) -> TypedRequests | None:
+    """The fast path for ``schema``'s requests (none where they cannot be typed: then all is generic)."""
     return _typed(TypedRequests, schema)

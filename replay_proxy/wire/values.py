@@ -84,7 +84,7 @@ def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_V
     dtype, shape, data = value
     aux = None
     if isinstance(data, Ext) and data.code == RAW_VIEW:
-        raw = data.data
+        raw = bytes(data.data)  # (bytes already, as _ext_hook made it: the same object, not a copy)
     elif isinstance(data, int) and not isinstance(data, bool):
         aux = data
         if not 0 < data < len(frames):
@@ -93,7 +93,7 @@ def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_V
         raw = frames[data]
     else:
         return None
-    values = None
+    values: list[Any] | None = None
     error = None
     count = 1
     for n in shape:
@@ -109,7 +109,8 @@ def resolve_tensor(value: Any, frames: list[bytes], limit: int | None = INLINE_V
     elif readable:
         values, error = _values(raw, *fmt)
         if values is not None and len(values) != count:
-            values, error = None, f"shape {shape} wants {count} values, data holds {len(values)}"
+            error = f"shape {shape} wants {count} values, data holds {len(values)}"
+            values = None
     if values and isinstance(values[0], float):
         # JSON has no -inf, and logprobs of impossible tokens are -inf.
         values = [v if math.isfinite(v) else str(v) for v in values]
@@ -122,7 +123,7 @@ def _values(raw: bytes, fmt: str, big_endian: bool) -> tuple[list[Any] | None, s
         return None, f"{len(raw)} bytes are not a whole number of {size}-byte values"
     if big_endian:
         return list(struct.unpack(f">{len(raw) // size}{fmt}", raw)), None
-    return memoryview(raw).cast("B").cast(fmt).tolist(), None
+    return memoryview(raw).cast("B").cast(fmt).tolist(), None  # type: ignore[call-overload]  # (a run-time format)
 
 
 def token_ids(value: Any) -> list[int] | None:
@@ -138,7 +139,7 @@ def token_ids(value: Any) -> list[int] | None:
 
 def _json_hook(value: Any) -> Any:
     if isinstance(value, Ext):
-        return {"$ext": value.code, "nbytes": len(value.data)}
+        return {"$ext": value.code, "nbytes": len(bytes(value.data))}
     raise TypeError(f"{type(value).__name__} has no JSON form")
 
 

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
-from replay_proxy.wire.schema import load_schema  # noqa: E402
+from replay_proxy.wire.registry import load_schema  # noqa: E402
 
 SCHEMA = load_schema("0.32.0")
 IDENTITY = engine_identity(0)

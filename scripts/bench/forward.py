@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.processes import Child, free_port  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.handshake import engine_identity  # noqa: E402
-from replay_proxy.wire.schema import load_schema  # noqa: E402
+from replay_proxy.wire.registry import load_schema  # noqa: E402
 from scripts.bench.busy import child_pid, engine_handshake, read_cpu, step as busy_step  # noqa: E402
 from scripts.bench.floor import MinimalPipeline  # noqa: E402
 
@@ -287,7 +287,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
         # The forwarding and the recording process of the cases held to each other on CPU per frame.
         if name in RECORDER_FLOORS:
             measured = {"forwarding": children[-1].process.pid,
-                        "recording": child_pid(children[-1].process.pid, "replay_proxy.store.writer_loop")}
+                        "recording": child_pid(children[-1].process.pid, "replay_proxy.recorder.writer_loop")}
         elif name in RECORDER_FLOORS.values():
             measured = {"forwarding": children[-1].process.pid, "recording": children[0].process.pid}
         else:

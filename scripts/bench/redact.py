@@ -33,7 +33,7 @@ from replay_proxy.store.writer import DECODE_FRAMES, Writer  # noqa: E402
 from replay_proxy.wire.capture import CapturedFrame  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value  # noqa: E402
 from replay_proxy.wire.messages import Channel, Direction  # noqa: E402
-from replay_proxy.wire.schema import load_schema  # noqa: E402
+from replay_proxy.wire.registry import load_schema  # noqa: E402
 from scripts.bench.writer import registration  # noqa: E402
 
 SCHEMA = load_schema("0.32.0")

@@ -27,7 +27,7 @@ from replay_proxy.replay.play_frontend import FrontendPlayer  # noqa: E402
 from replay_proxy.replay.player import ReplayOptions  # noqa: E402
 from replay_proxy.sim.engine import SimEngine  # noqa: E402
 from replay_proxy.sim.frontend import SimFrontend  # noqa: E402
-from replay_proxy.store.recorder import OnFull, Recorder, SessionInfo  # noqa: E402
+from replay_proxy.recorder import OnFull, Recorder, SessionInfo  # noqa: E402
 from replay_proxy.store.session import load_session  # noqa: E402
 
 

@@ -94,9 +94,10 @@ def judge_again(replay_db: Path, model: str, unseeded: bool) -> set[str]:
     import msgspec
 
     from replay_proxy.compare.findings import exit_code, report_json
-    from replay_proxy.compare.report import build_report
+    from replay_proxy.compare import report as reporting
     from replay_proxy.compare.rules import load_rules
     from replay_proxy.store.session import load_session
+    from replay_proxy.wire.messages import Side
 
     rules = load_rules()
     if "vocab_size" in rules.judging.__struct_fields__:  # (an older build's rules have none)
@@ -107,8 +108,13 @@ def judge_again(replay_db: Path, model: str, unseeded: bool) -> set[str]:
         sessions = [msgspec.structs.replace(s, requests=[r for r in s.requests if r.params.get("seed") is None])
                     for s in sessions]
     recording, baseline, candidate = sessions
-    report = build_report("replay", recording, candidate, rules, [baseline], replayed_noise=True,
-                          asked_logprobs=True)
+    if hasattr(reporting, "Comparison"):
+        report = reporting.build_report(reporting.Comparison(
+            title="replay", baseline=recording, candidate=candidate, baseline_runs=(baseline,),
+            replayed=reporting.Replayed(Side.ENGINE, asked_logprobs=True)), rules)
+    else:  # an older build's (--judge-again with PYTHONPATH=OLD_CHECKOUT)
+        report = reporting.build_report("replay", recording, candidate, rules, [baseline], replayed_noise=True,
+                                        asked_logprobs=True)
     return found_in(json.loads(report_json(report))["findings"], int(exit_code(report.findings)))
 
 

@@ -43,7 +43,7 @@ from replay_proxy.wire.capture import capture_tag, encode_entries  # noqa: E402
 from replay_proxy.wire.encode import encode, struct_value, token_ids  # noqa: E402
 from replay_proxy.wire.messages import Channel  # noqa: E402
 from scripts.bench.busy import step as engine_step  # noqa: E402  (one busy 0.32.0 engine step)
-from replay_proxy.wire.schema import load_schema  # noqa: E402
+from replay_proxy.wire.registry import load_schema  # noqa: E402
 from scripts.bench.floor import MinimalPipeline, MinimalRequests  # noqa: E402
 
 TAP_FRAMES = 2048  # frames per tap message (32 batches of 64): about what the writer decodes at once

@@ -11,8 +11,8 @@ import msgspec
 from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.findings import RUST_FRONTEND, PYTHON_FRONTEND, Severity
 from replay_proxy.compare.rules import load_rules
-from replay_proxy.wire.rust import load_rust_schema, pair_structs
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.rust import pair_structs
+from replay_proxy.wire.registry import load_rust_schema, load_schema
 
 HANDLED = load_rules().frontend_handled_sampling_keys
 HANDSHAKE = Path(__file__).parents[1] / "wire" / "fixtures" / "rust-0.34.0"

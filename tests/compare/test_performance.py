@@ -14,7 +14,7 @@ from replay_proxy.compare.findings import Severity
 from replay_proxy.compare.performance import performance_findings, timing_findings
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.store.session import Request, Session, match_requests
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 
 RULES = load_rules()
 MS = 1_000_000
@@ -151,15 +151,18 @@ def test_load_that_falls_on_one_candidate_run_is_not_a_regression_and_a_slower_b
 def test_a_run_the_machine_did_not_give_whole_is_not_timed():
     """Other processes took 60% of the machine's CPU during a candidate run (a neighbour's engine starting):
     no timing verdict, said so, rather than a slower build measured."""
-    from replay_proxy.compare.report import build_report
+    from replay_proxy.compare.report import Comparison, Replayed, build_report
+    from replay_proxy.wire.messages import Side
 
     recording, runs = session(40, name="rec"), [session(41, name="b1"), session(42, name="b2")]
     slower = session(43, factor=1.5, name="c1")
-    quiet = build_report("replay", recording, slower, RULES, runs, replayed_noise=True,
-                         other_cpu={"c1 (#43)": 0.05, "b1 (#41)": 0.02})
+    def replay(other_cpu):
+        return build_report(Comparison(title="replay", baseline=recording, candidate=slower, baseline_runs=tuple(runs),
+                                       replayed=Replayed(Side.ENGINE), other_cpu=other_cpu), RULES)
+
+    quiet = replay({"c1 (#43)": 0.05, "b1 (#41)": 0.02})
     assert {f.code for f in quiet.findings if f.severity is Severity.REGRESSION} >= {"itl_regression"}
-    busy = build_report("replay", recording, slower, RULES, runs, replayed_noise=True,
-                        other_cpu={"c1 (#43)": 0.6, "b1 (#41)": 0.02})
+    busy = replay({"c1 (#43)": 0.6, "b1 (#41)": 0.02})
     [said] = [f for f in busy.findings if f.category == "performance"]
     assert said.code == "timing_not_judged" and "60% of the machine's CPU during c1 (#43)" in said.message
 

@@ -32,8 +32,7 @@ def test_a_release_being_added_is_read_by_vllm_rs_as_its_rust_structs_once_they_
     on vllm-rs's layout of it is the Rust one (0.34.0's files, under another release's name)."""
     import msgspec
 
-    from replay_proxy.wire.rust import RUST_SCHEMAS
-    from replay_proxy.wire.schema import SCHEMAS, forget_schemas
+    from replay_proxy.wire.registry import RUST_SCHEMAS, SCHEMAS, forget_schemas
 
     monkeypatch.setenv("REPLAY_PROXY_ADDED_RELEASES", str(tmp_path))
     for folder in ("schemas", "rust_schemas"):

@@ -9,7 +9,7 @@ from replay_proxy.compare.rejection import fold_consequences, read_as, reader_re
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
 from replay_proxy.wire.messages import Kind, Message, Side
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 
 RULES = load_rules()
 V32 = load_schema("0.32.0")

@@ -6,7 +6,7 @@ import sys
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Severity
 from replay_proxy.compare.schema_diff import diff_schemas, readers
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 
 
 def breaking(old, new):

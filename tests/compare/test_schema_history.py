@@ -6,7 +6,7 @@ from pathlib import Path
 
 from replay_proxy.compare.schema_diff import diff_schemas
 from replay_proxy.compare.schema_history import struct_history
-from replay_proxy.wire.schema import load_schema, shipped_releases
+from replay_proxy.wire.registry import load_schema, shipped_releases
 from tests.helpers import cli
 
 SNAPSHOT = Path(__file__).with_name("snapshots") / "consecutive_schema_diffs.json"

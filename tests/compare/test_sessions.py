@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from replay_proxy.compare.findings import Severity, exit_code
-from replay_proxy.compare.report import build_report
+from replay_proxy.compare.report import Comparison, build_report
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.errors import ExitCode
 from replay_proxy.sim.drift import EngineDrift, FrontendDrift
@@ -34,7 +34,7 @@ async def diff(db, overlapping_in_candidate=(), **drift):
         baseline = await record(nursery, db, "baseline")
         candidate = await record(nursery, db, "candidate", overlapping_in_candidate, **drift)
         nursery.cancel_scope.cancel()
-    report = build_report("diff", baseline, candidate, RULES)
+    report = build_report(Comparison(title="diff", baseline=baseline, candidate=candidate), RULES)
     return [f for f in report.findings if f.severity >= Severity.WARNING and f.category != "performance"], report
 
 

@@ -12,20 +12,21 @@ from pathlib import Path
 import msgspec
 
 from replay_proxy.compare.findings import Severity, exit_code
-from replay_proxy.compare.report import build_report
+from replay_proxy.compare.report import Comparison, Replayed, build_report
 from replay_proxy.compare.rules import load_rules
 from replay_proxy.compare.scoring import position_kl
 from replay_proxy.compare.tokens import invariant_violations
 from replay_proxy.errors import ExitCode
 from replay_proxy.report.render import grouped, verdict_counts
 from replay_proxy.store.session import RecordedFrame, Request, Session, TokenLogprobs, load_session
-from replay_proxy.wire.messages import Kind
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.messages import Kind, Side
+from replay_proxy.wire.registry import load_schema
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "recordings"
 
 RULES = load_rules()
 SCHEMA = load_schema("0.32.0")
+JUDGED = Replayed(Side.ENGINE, asked_logprobs=True)  # a replay against an engine, with the judging's logprobs
 MS = 1_000_000
 
 
@@ -55,8 +56,8 @@ def session(name: str, *requests: Request, scores=None) -> Session:
 
 def judge(baseline: Session, candidate: Session, recording: Session | None = None):
     """A replay's report: ``candidate`` against ``baseline``, the baseline build's one replay of ``recording``."""
-    report = build_report("replay", recording or baseline, candidate, RULES, [baseline], replayed_noise=True,
-                          asked_logprobs=True)
+    report = build_report(Comparison(title="replay", baseline=recording or baseline, candidate=candidate,
+                                     baseline_runs=(baseline,), replayed=JUDGED), RULES)
     return report, {v.request_id: v for v in report.verdicts}
 
 
@@ -108,8 +109,8 @@ def test_a_batched_seeded_request_may_diverge_only_where_its_logprobs_moved():
 def judge_runs(baselines: list[Session], candidate: Session):
     """A replay's report against several interleaved runs of the baseline build (the first is judged against,
     the others are repeats)."""
-    report = build_report("replay", baselines[0], candidate, RULES, baselines, replayed_noise=True,
-                          asked_logprobs=True)
+    report = build_report(Comparison(title="replay", baseline=baselines[0], candidate=candidate,
+                                     baseline_runs=tuple(baselines), replayed=JUDGED), RULES)
     return report, {v.request_id: v for v in report.verdicts}
 
 

@@ -121,7 +121,7 @@ def test_add_release_says_which_messages_a_release_does_not_read(tmp_path):
     import trio
 
     from replay_proxy.matrix.release import unread_messages
-    from replay_proxy.wire.schema import load_schema
+    from replay_proxy.wire.registry import load_schema
     from tests.helpers import RecordedSession
 
     async def record():

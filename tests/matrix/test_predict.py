@@ -13,10 +13,11 @@ import pytest
 
 from replay_proxy.matrix import (Cell, Frontend, MatrixError, RECORDINGS, Verdict, engine_recording, engine_release,
                                  frontends_in, parse_build, recording_of, releases_in)
-from replay_proxy.matrix.predict import frames, predict, read_direction
+from replay_proxy.matrix.predict import predict, read_direction
+from replay_proxy.store.queries import sent_frames
 from replay_proxy.wire.messages import Direction
-from replay_proxy.wire.rust import RustField, load_rust_schema, rust_layouts
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.rust import RustField, rust_layouts
+from replay_proxy.wire.registry import load_rust_schema, load_schema
 
 ALL_FRONTENDS = "vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0"
 
@@ -100,12 +101,12 @@ def test_an_ignored_sampling_key_that_asks_for_nothing_unusual_works():
 def test_an_ignored_sampling_key_that_asks_for_something_is_degraded():
     """A real 0.32.0 request asking for prompt logprobs from position 3 on, read by a 0.30.0 engine."""
     sent = []
-    for channel, direction, parts in frames(*recording_of(Frontend("vllm", "0.32.0")), Direction.TO_ENGINE):
+    for channel, parts in sent_frames(*recording_of(Frontend("vllm", "0.32.0")), Direction.TO_ENGINE):
         request = msgspec.msgpack.decode(parts[1]) if len(parts) > 1 and parts[0] == b"\x00" else None
         if request is not None:
             request[3]["prompt_logprob_start"] = 3
             parts = [parts[0], msgspec.msgpack.encode(request), *parts[2:]]
-        sent.append((channel, direction, parts))
+        sent.append((channel, parts))
     evidence = read_direction(Direction.TO_ENGINE, sent, load_schema("0.32.0"), load_schema("0.30.0"), "python-engine")
     [degraded] = [e for e in evidence if e.verdict is Verdict.DEGRADED]
     assert (degraded.struct, degraded.field) == ("SamplingParams", "prompt_logprob_start")
@@ -166,7 +167,7 @@ def test_vllm_rs_reads_with_its_own_struct_where_it_has_a_field_python_does_not(
         "prompt_token_id_logprobs", "prompt_token_id_logprobs", "Option<WireLogprobs>", len(output.fields),
         default=True)])
     ahead = msgspec.structs.replace(rust, structs={**rust.structs, "EngineCoreOutput": longer})
-    sent = frames(*engine_recording("0.31.0"), Direction.TO_FRONTEND)
+    sent = sent_frames(*engine_recording("0.31.0"), Direction.TO_FRONTEND)
     shipped, own = (read_direction(Direction.TO_FRONTEND, sent, load_schema("0.31.0"),
                                    rust_layouts(load_schema("0.30.0"), r), "rust-frontend") for r in (rust, ahead))
     assert ("EngineCoreOutput", 17) in {(e.struct, e.position) for e in shipped if e.verdict is Verdict.BREAKS}

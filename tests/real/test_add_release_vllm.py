@@ -12,8 +12,7 @@ import sys
 import pytest
 import sqlite_utils
 
-from replay_proxy.wire.rust import RUST_SCHEMAS
-from replay_proxy.wire.schema import SCHEMAS
+from replay_proxy.wire.registry import RUST_SCHEMAS, SCHEMAS
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm

@@ -81,7 +81,7 @@ def test_the_recipe_asks_can_i_deploy_then_fails_the_job_on_a_real_regression(tm
 def test_the_scheduled_job_finds_whether_pypi_has_a_release_the_matrix_lacks(tmp_path):
     """Its `newest` step, run as the job runs it (the `add-release` step it gates is
     tests/real/test_add_release_vllm.py)."""
-    from replay_proxy.wire.schema import shipped_releases
+    from replay_proxy.wire.registry import shipped_releases
 
     [step] = [s for s in workflow("a new vLLM release")["jobs"]["add-release"]["steps"] if s.get("id") == "newest"]
     output = tmp_path / "github_output"

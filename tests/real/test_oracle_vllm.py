@@ -11,7 +11,7 @@ import trio
 from replay_proxy.sim.engine import token_at
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.values import token_ids
 from tests.helpers import RecordedSession

@@ -17,7 +17,7 @@ import sqlite_utils
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
 from replay_proxy.compare.readers import reader_schema, verdict
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.compare.rejection import REQUEST_FAILURES
 from tests.real import peers
 from tests.real.vllm_reads import oracle

@@ -15,7 +15,7 @@ import sqlite_utils
 
 from replay_proxy.processes import Child, free_port
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from replay_proxy.releases import extract_release
-from replay_proxy.wire.schema import shipped_releases
+from replay_proxy.wire.registry import shipped_releases
 from tests.helpers import ROOT, cli
 
 pytestmark = pytest.mark.real_vllm

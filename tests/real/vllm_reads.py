@@ -10,7 +10,7 @@ import msgspec
 
 from replay_proxy.releases import message_classes
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import Tensor
 from tests.real import peers
 

@@ -20,7 +20,7 @@ from replay_proxy.redact.tokens import Key
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import decode_msgpack
 
 VOCAB = 50

@@ -6,7 +6,7 @@ import pytest
 
 from replay_proxy.redact.policy import load_policy
 from replay_proxy.redact.tokens import RedactionError
-from replay_proxy.wire.schema import load_schema, shipped_releases
+from replay_proxy.wire.registry import load_schema, shipped_releases
 
 
 def test_every_field_of_every_shipped_release_has_an_action_and_every_action_a_field():

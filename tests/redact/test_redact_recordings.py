@@ -89,7 +89,7 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
 
 
 def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_path, monkeypatch):
-    """The recorder's redactor process gives way from ``before_each`` (store/redactor.py): it is called
+    """The recorder's redactor process gives way from ``before_each`` (recorder/redactor.py): it is called
     once a frame, in whatever order the frames came, and the redacted frames are those of a call without
     it. The process enters the kernel at every REDACTED_PER_YIELD-th of those calls."""
     import itertools
@@ -97,7 +97,7 @@ def test_the_redactor_gives_way_before_each_frame_and_redacts_as_without(tmp_pat
     import sqlite3
     import types
 
-    from replay_proxy.store import redactor
+    from replay_proxy.recorder import redactor
     from replay_proxy.store.copy import recorded_frames
 
     key = tmp_path / "redaction.key"

@@ -12,7 +12,7 @@ from replay_proxy.redact.tokens import Key
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value, token_ids
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import decode_msgpack
 from replay_proxy.wire.values import token_ids as read_token_ids
 

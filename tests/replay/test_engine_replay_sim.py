@@ -231,7 +231,7 @@ def test_teacher_forced_scoring_finds_distributions_that_moved_under_unchanged_t
 def test_a_replay_whose_recording_cannot_be_closed_leaves_no_engine_running(tmp_path, recorded, monkeypatch):
     """An exception closing the replay's recording (a database that went bad) still stops the peer it started."""
     from replay_proxy.replay import run
-    from replay_proxy.store.recorder import Recorder
+    from replay_proxy.recorder import Recorder
 
     started, unclosed, close = [], [], Recorder.close
 

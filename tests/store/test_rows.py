@@ -14,7 +14,7 @@ from replay_proxy.store.writer import Writer
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from tests.helpers import cli
 from tests.strategies import msgpack_values
 
@@ -73,7 +73,7 @@ def test_a_drifted_value_where_a_column_wants_a_scalar_never_fails_its_batch(db_
     writer.write_frames([add(1), add(2, request_id=["a", 1], priority="high"), add(3),
                          outputs(4), outputs(5, num_nans_in_logits=[1, 2])])
     writer.finish()
-    assert (writer.frames_written, writer.frames_failed) == (5, 0)
+    assert (writer.counts.frames_recorded, writer.counts.frames_failed) == (5, 0)
     db = sqlite3.connect(db_path)
     rows = db.execute("SELECT seq, request_id, priority, temperature, seed, sampling_params ->> '$.stop' "
                       "FROM requests ORDER BY seq").fetchall()
@@ -150,5 +150,5 @@ def test_any_value_in_any_field_of_a_real_frame_is_written_with_its_batch(shape,
         writer.write_frames([CapturedFrame(1, 1, channel, direction, 0, 0, parts),
                              CapturedFrame(2, 2, good[0], good[1], 0, 0, [good[2], encode(good[3])])])
         writer.finish()
-        assert (writer.frames_written, writer.frames_failed, writer.write_error) == (2, 0, None)
+        assert (writer.counts.frames_recorded, writer.counts.frames_failed, writer.write_error) == (2, 0, None)
         assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM frames").fetchone() == (2,)

@@ -9,13 +9,13 @@ import trio
 
 from replay_proxy.sim.workload import run_workload
 from replay_proxy.store.counts import FrameCounts
-from replay_proxy.store.protocol import Stop
+from replay_proxy.store.progress import Stop
 from replay_proxy.store.sample import InSample, RequestSample
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import Copies, Writer
 from replay_proxy.wire.capture import RELAY, encode_entries, relay_entry
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from tests.helpers import frame
 
 REQUESTS = 120
@@ -93,10 +93,11 @@ def test_frames_kept_undecoded_under_load_are_sampled_when_they_are_decoded(db_p
     sample = RequestSample(0.25)
     writer = Writer(str(db_path), session_id, sample=sample)
     writer.keep([(300, encode_entries([[RELAY, *relay_entry(frame(seq, f"r{seq}"))] for seq in range(1, 301)]))])
-    assert (writer.frames_written, writer.frames_sampled_out) == (300, 0)  # kept as they came: recorded so far
+    # Kept as they came: recorded so far.
+    assert (writer.counts.frames_recorded, writer.counts.frames_sampled_out) == (300, 0)
     writer.decode_all()
     chosen = sum(f"r{seq}" in InSample(sample) for seq in range(1, 301))
-    assert (writer.frames_written, writer.frames_sampled_out) == (chosen, 300 - chosen)
+    assert (writer.counts.frames_recorded, writer.counts.frames_sampled_out) == (chosen, 300 - chosen)
     writer.finish(Stop("complete", None, 300, 0))
     db = sqlite_utils.Database(db_path)
     row = db["sessions"].get(session_id)
@@ -115,8 +116,8 @@ def test_copies_for_another_file_of_a_rotation_count_only_as_copied_however_the_
     copies = [frame(seq, f"r{seq}") for seq in range(1, 101)]
     writer.write_copies(copies, Copies.FRAME)
     chosen = sum(f"r{seq}" in InSample(sample) for seq in range(1, 101))
-    assert (writer.frames_copied, writer.frames_written, writer.frames_sampled_out) == (chosen, 0, 0)
-    assert writer.outputs_sampled_out == 0 and 0 < chosen < 100
+    assert (writer.frames_copied, writer.counts.frames_recorded, writer.counts.frames_sampled_out) == (chosen, 0, 0)
+    assert writer.counts.outputs_sampled_out == 0 and 0 < chosen < 100
     writer.write_frames([frame(seq, f"r{seq}") for seq in range(101, 121)])
     kept = sum(f"r{seq}" in InSample(sample) for seq in range(101, 121))
     assert writer.account(20) == FrameCounts(20, kept, 20 - kept) and writer.account(20).balanced()

@@ -3,7 +3,7 @@ fuzzer's seeds."""
 
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, Kind
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 
 SCHEMA = load_schema("0.32.0")
 TO_ENGINE, TO_FRONTEND = Direction.TO_ENGINE, Direction.TO_FRONTEND

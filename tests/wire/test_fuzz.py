@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction, Kind, Message, RequestType, WireDecoder, request_type
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from tests.strategies import msgpack_values
 from tests.wire.cases import CASES
 

@@ -5,7 +5,7 @@ import pytest
 
 from replay_proxy.wire.encode import encode, struct_value, tensor
 from replay_proxy.wire.messages import Channel, Kind, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import Ext, Tensor
 from tests.wire.cases import CASES, SCHEMA, TO_ENGINE, TO_FRONTEND, request_body
 

@@ -12,7 +12,7 @@ from replay_proxy.store.tables import written
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value, token_ids
 from replay_proxy.wire.messages import Channel, Direction, FrontendSource, Kind, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.typed import typed_requests
 from replay_proxy.wire.values import RAW_VIEW, Tensor, resolve_tensor
 from replay_proxy.wire.values import token_ids as read_token_ids

@@ -5,8 +5,8 @@ The fixture is vLLM 0.34.0's own ``protocol/handshake.rs`` (Apache-2.0, unchange
 
 from pathlib import Path
 
-from replay_proxy.wire.rust import load_rust_schema, read_protocol
-from replay_proxy.wire.schema import shipped_releases
+from replay_proxy.wire.rust import read_protocol
+from replay_proxy.wire.registry import load_rust_schema, shipped_releases
 
 HANDSHAKE = Path(__file__).parent / "fixtures" / "rust-0.34.0"
 

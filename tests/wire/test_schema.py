@@ -2,7 +2,7 @@
 
 import msgspec
 
-from replay_proxy.wire.schema import load_schema, schema_for, shipped_releases
+from replay_proxy.wire.registry import load_schema, schema_for, shipped_releases
 
 
 def test_every_release_from_0_22_to_0_34_ships_oldest_first():
@@ -36,7 +36,7 @@ def test_schemas_carry_the_release_drift_extracted_from_vllm():
 
 def test_a_release_added_by_the_user_is_known_and_read_before_the_package(tmp_path, monkeypatch):
     from replay_proxy.matrix import Frontend, recording_of
-    from replay_proxy.wire.schema import SCHEMAS, added_releases, forget_schemas
+    from replay_proxy.wire.registry import SCHEMAS, added_releases, forget_schemas
 
     monkeypatch.setenv("REPLAY_PROXY_ADDED_RELEASES", str(tmp_path))
     (tmp_path / "schemas").mkdir()

@@ -19,7 +19,7 @@ from replay_proxy.store.rows import Rows
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
-from replay_proxy.wire.schema import load_schema
+from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.typed import typed_outputs, typed_requests
 from replay_proxy.wire.values import Tensor, decode_msgpack
 

@@ -15,9 +15,9 @@ import msgspec
 from replay_proxy.clock import utc_now
 from replay_proxy.store import reserve
 from replay_proxy.store.counts import FrameCounts
-from replay_proxy.store.protocol import Batch, Progress, Stop, WriterStart
-from replay_proxy.store.rotation.files import database_bytes, holds_data, remove
-from replay_proxy.store.rotation.rotator import (
+from replay_proxy.recorder.protocol import Batch, Progress, Stop, WriterStart
+from replay_proxy.recorder.rotation.files import database_bytes, holds_data, remove
+from replay_proxy.recorder.rotation.rotator import (
     FINISHING_FILES, ROTATE_RETRY_S, Finishing, Others, Rotator, requests_of)
 from replay_proxy.store.tables import begin_session
 from replay_proxy.store.writer import Copies, Writer
@@ -41,8 +41,8 @@ class _Part:
 
     def seen(self) -> int:
         """Every frame counted in this file, and what the tap dropped while it was current."""
-        w = self.writer
-        return w.frames_written + w.frames_failed + w.frames_sampled_out + self.tap_dropped
+        c = self.writer.counts
+        return c.frames_recorded + c.frames_failed + c.frames_sampled_out + self.tap_dropped
 
 
 class Series:
@@ -111,7 +111,7 @@ class Series:
         old = self.current
         path = self.rotator.next_file(time.time(), holds_data)
         try:
-            row = {k: v for k, v in _session_row(old.writer).items() if k in _CARRIED}
+            row = {k: v for k, v in old.writer.session_row().items() if k in _CARRIED}
             session_id, held = begin_session(path, {
                 **row, "started_at": utc_now(), "status": "recording", "continues": old.path.name, "frames_seen": 0,
                 "frames_recorded": 0, "frames_dropped": 0})
@@ -182,9 +182,11 @@ class Series:
         for part in open_parts:
             total = _sum(total, part.writer.progress())
         writers = [p.writer for p in open_parts]
+        counts = msgspec.structs.replace(  # (the files may share dead engines and drift alarms)
+            total.counts, engines_dead=len(self.dead.union(*(w.dead for w in writers))),
+            drift_alarms=len(self.alarmed.union(*(w.alarmed for w in writers))))
         return msgspec.structs.replace(
-            total, engines_dead=len(self.dead.union(*(w.dead for w in writers))),
-            drift_alarms=len(self.alarmed.union(*(w.alarmed for w in writers))), db_path=str(self.current.path),
+            total, counts=counts, db_path=str(self.current.path),
             write_error=total.write_error or self.rotation_error,
             session_id=self.current.writer.session_id, rotations=self.rotator.rotations,
             rotations_failed=self.rotator.rotations_failed, files_deleted=self.rotator.files_deleted,
@@ -194,17 +196,11 @@ class Series:
 # What a new file's session row takes from the one before it.
 _CARRIED = ("name", "mode", "listen", "upstream", "proxy_version", "redaction_policy", "redaction_key",
             "sample_requests", "sample_seed", "frontend_release", "frontend_source")
-_SUMMED = ("frames_written", "requests", "frames_failed", "frames_undecoded", "frames_undecodable",
-           "frames_sampled_out", "outputs_sampled_out")
 
 
 def _sum(a: Progress, b: Progress) -> Progress:
     """``b`` with ``a``'s counts added to its own."""
-    return msgspec.structs.replace(b, **{name: getattr(a, name) + getattr(b, name) for name in _SUMMED},
+    return msgspec.structs.replace(b, counts=a.counts + b.counts,
                                    decoded_through_ns=max(a.decoded_through_ns, b.decoded_through_ns),
                                    vllm_version=b.vllm_version or a.vllm_version, drift=b.drift or a.drift)
 
-
-def _session_row(writer: Writer) -> dict:
-    cursor = writer.connection.execute("SELECT * FROM sessions WHERE id = ?", (writer.session_id,))
-    return dict(zip([d[0] for d in cursor.description], cursor.fetchone()))

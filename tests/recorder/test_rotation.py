@@ -1,4 +1,4 @@
-"""A recording in a series of files (store/rotation/): exact counts over the files, every request whole in the
+"""A recording in a series of files (recorder/rotation/): exact counts over the files, every request whole in the
 file of its ADD, each file replaying alone, --keep, and SIGHUP through the command line."""
 
 import json
@@ -15,8 +15,8 @@ from replay_proxy.compare.findings import Severity
 from replay_proxy.processes import Child, free_port
 from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
 from replay_proxy.replay.run import replay_session
-from replay_proxy.store.rotation import RotationSettings
-from replay_proxy.store.rotation.rotator import ABORT_GRACE_NS, Finishing
+from replay_proxy.recorder.rotation import RotationSettings
+from replay_proxy.recorder.rotation.rotator import ABORT_GRACE_NS, Finishing
 from replay_proxy.wire.messages import Side
 from tests.helpers import RecordedSession
 from tests.helpers import engines_command

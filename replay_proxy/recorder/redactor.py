@@ -3,7 +3,7 @@
 Theory of operation. Redacting a busy engine's frames costs about as much
 CPU as decoding and writing them, so one process doing both falls behind
 where either alone keeps up (``scripts/bench/busy.py --redact-key``). This
-process takes the tap's messages (``store/protocol.py``), redacts their
+process takes the tap's messages (``recorder/protocol.py``), redacts their
 frames (``redact/frames.py``) and passes the same messages on, redacted, to
 the writer, which then only decodes and writes: the two run on two cores.
 Nothing unredacted goes further than this process's memory.
@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from replay_proxy.redact.settings import Redaction, redaction_counts
-from replay_proxy.store.protocol import Batch, RedactorStart, Stop, batch_message, header, stop_message
+from replay_proxy.recorder.protocol import Batch, RedactorStart, Stop, batch_message, header, stop_message
 from replay_proxy.wire.capture import (
     RELAY, CapturedFrame, EngineLoss, decode_entries, engine_loss_entry, relay_entry)
 

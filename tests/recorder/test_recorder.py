@@ -15,10 +15,10 @@ import sqlite_utils
 import zmq
 
 from replay_proxy.record.metrics import health
-from replay_proxy.store.recorder import Recorder, RecorderError, SessionInfo
+from replay_proxy.recorder.recorder import Recorder, RecorderError, SessionInfo
 from replay_proxy.store.session import SessionError, decode_and_load, load_session
 from replay_proxy.store.tables import open_database
-from replay_proxy.store.protocol import Stop
+from replay_proxy.store.progress import Stop
 from replay_proxy.store.writer import SQLITE_STEPS_PER_YIELD, Writer
 from replay_proxy.wire.capture import RELAY, capture_tag, EngineLoss, encode_entries, relay_entry
 from replay_proxy.wire.encode import encode
@@ -87,7 +87,7 @@ def test_block_policy_records_everything(db_path):
 def test_a_stop_that_ends_before_the_writer_calls_nothing_still_being_written_dropped(db_path, monkeypatch):
     """Close waits for the writer a bounded time; what the writer has not written by then is queued,
     and the counts say they are not final, until the writer ends the session with the real ones."""
-    monkeypatch.setattr("replay_proxy.store.recorder.WRITER_STOP_S", 0.0)
+    monkeypatch.setattr("replay_proxy.recorder.recorder.WRITER_STOP_S", 0.0)
     recorder = Recorder(db_path, SessionInfo(name="slow writer"))
     with writer_paused(recorder):  # it writes nothing until close has returned
         for seq in range(1, 5001):
@@ -109,7 +109,7 @@ def test_the_writer_finishes_when_the_proxy_dies_without_stop(tmp_path):
 
     script = (
         "import os, sys, time\n"
-        "from replay_proxy.store.recorder import Recorder, SessionInfo\n"
+        "from replay_proxy.recorder.recorder import Recorder, SessionInfo\n"
         "from tests.helpers import frame\n"
         "r = Recorder(sys.argv[1], SessionInfo(name='killed'))\n"
         "[r.frame(frame(seq)) for seq in range(1, 51)]\n"

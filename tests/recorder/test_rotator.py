@@ -1,13 +1,13 @@
 """When a recording rotates, what the next file is called, which files --keep and --max-total-gb delete, and how
-long a previous file stays open (store/rotation/rotator.py): sans-IO, so the clock and the sizes are the test's."""
+long a previous file stays open (recorder/rotation/rotator.py): sans-IO, so the clock and the sizes are the test's."""
 
 import time
 from pathlib import Path
 
 import pytest
 
-from replay_proxy.store.rotation import RotationSettings
-from replay_proxy.store.rotation.rotator import (
+from replay_proxy.recorder.rotation import RotationSettings
+from replay_proxy.recorder.rotation.rotator import (
     FINISHING_GROWTH, FINISHING_S, ROTATE_RETRY_S, Finishing, Rotator, file_named)
 
 HOUR = 3600.0

@@ -25,8 +25,8 @@ import msgspec
 import zmq
 
 from replay_proxy.redact.settings import RedactionSettings
-from replay_proxy.store.protocol import Progress, RedactorStart, Stop, WriterStart, decode_progress, stop_message
-from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.recorder.protocol import Progress, RedactorStart, Stop, WriterStart, decode_progress, stop_message
+from replay_proxy.recorder.rotation import RotationSettings
 from replay_proxy.store.sample import RequestSample
 
 PROGRESS_WAIT_MS = 100  # how stale the view of the writer's progress may get while no frames come
@@ -65,9 +65,9 @@ class WriterProcess:
         # Redacting, the tap's messages go through the redactor process on their way to the writer.
         self._writer_address = self.tap_address if redaction is None else f"ipc://{folder}/redacted"
         self.redactor = None if redaction is None else _start(
-            "replay_proxy.store.redactor", RedactorStart(self.tap_address, self._writer_address, os.getpid(),
+            "replay_proxy.recorder.redactor", RedactorStart(self.tap_address, self._writer_address, os.getpid(),
                                                          redaction))
-        self.process = _start("replay_proxy.store.writer_loop", WriterStart(
+        self.process = _start("replay_proxy.recorder.writer_loop", WriterStart(
             str(db_path), session_id, self._writer_address, progress, parent_pid=os.getpid(),
             hold_frames=max(1, queue_size // 2), sockets_folder=folder, max_bytes=max_db_bytes,
             upstream_pid=self.redactor.pid if self.redactor else None, sample=sample, rotation=rotation))

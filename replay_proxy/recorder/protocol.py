@@ -2,12 +2,15 @@
 
 * ``WriterStart``: how the recorder starts the writer (its one command-line argument, JSON);
   ``RedactorStart``: how it starts the redactor process, which sits between the two when recording
-  with ``--redact-key`` (``store/redactor.py``) and passes the same messages on, redacted.
+  with ``--redact-key`` (``recorder/redactor.py``) and passes the same messages on, redacted.
 * Recorder to writer, on the tap socket: a ``Batch`` (this header, then the tap's entries as a
   second part, so the writer counts a message without decoding its frames), or the ``Stop``
   that follows the last one. Both are one msgpack union, told apart by their tag.
 * Writer to recorder, on the progress socket: ``Progress`` after every step; cumulative, so only
   the newest matters (the socket conflates).
+
+``Progress`` and ``Stop`` are defined with the file's writer, which makes and reads them itself
+(``store/progress.py``); the rest, and every encoding, is the recorder's.
 
 The entries themselves are the capture format (``wire/capture.py``).
 """
@@ -17,12 +20,13 @@ from __future__ import annotations
 import msgspec
 
 from replay_proxy.redact.settings import RedactionSettings
+from replay_proxy.store.progress import Progress, Stop
 from replay_proxy.store.sample import RequestSample
 from replay_proxy.wire.capture import encode_entries
 
 
 class RotationSettings(msgspec.Struct, frozen=True):
-    """record's rotation options, for the writer, which rotates (``store/rotation/``)."""
+    """record's rotation options, for the writer, which rotates (``recorder/rotation/``)."""
 
     pattern: str  # --db, with strftime fields
     rotate_bytes: int | None = None  # --rotate-mb
@@ -56,40 +60,6 @@ class Batch(msgspec.Struct, frozen=True, tag=True, array_like=True):
     frames: int  # frames in the entries that follow
     frames_seen: int  # the tap's counts when it sent this, for a writer whose proxy dies
     bytes_seen: int
-
-
-class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Every frame before it is in; how the session ended, and the tap's final counts."""
-
-    status: str
-    error: str | None
-    frames_seen: int
-    bytes_seen: int
-    redaction_counts: str | None = None  # what the redactor blanked and dropped (it adds them on its way)
-
-
-class Progress(msgspec.Struct, frozen=True, array_like=True):
-    frames_written: int = 0  # in the database, kept or decoded
-    requests: int = 0  # ADDs decoded
-    engines_dead: int = 0  # sent ENGINE_CORE_DEAD or vanished
-    frames_failed: int = 0  # could not be written (a full disk, a locked file)
-    frames_undecoded: int = 0  # kept, not decoded yet
-    drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
-    write_error: str | None = None  # the last one
-    drift: str | None = None  # the newest drift alarm
-    frames_undecodable: int = 0  # written with a decode error (forwarded byte-identical all the same)
-    decoded_through_ns: int = 0  # when the newest frame decoded so far crossed the proxy (its ts_ns)
-    vllm_version: str | None = None  # as the engines' registration announced it
-    frames_sampled_out: int = 0  # left out by --sample-requests (never to be recorded; not dropped)
-    outputs_sampled_out: int = 0  # the outputs of requests left out, from those frames and from mixed ones
-    # A rotating recording: the file being written and its session, and its rotations so far.
-    db_path: str | None = None
-    session_id: int | None = None
-    rotations: int = 0
-    rotations_failed: int = 0
-    files_deleted: int = 0  # by --keep and --max-total-gb
-    frames_seen_closed_files: int = 0  # what the files already closed counted as seen
-    last: bool = False  # the writer's last report, sent after the session's end
 
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -29,8 +29,8 @@ import uuid
 import zmq
 
 from replay_proxy.store.counts import TapCounts
-from replay_proxy.store.protocol import Batch, Stop, batch_message, stop_message
-from replay_proxy.store.writer_process import LINGER_MS, PROGRESS_WAIT_MS, WriterProcess
+from replay_proxy.recorder.protocol import Batch, Stop, batch_message, stop_message
+from replay_proxy.recorder.writer_process import LINGER_MS, PROGRESS_WAIT_MS, WriterProcess
 from replay_proxy.wire.capture import (
     FLUSH_MS, RELAY, CapturedFrame, EngineLoss, engine_loss_entry, entry_counts, entry_link, is_engine_loss,
     relay_entry)
@@ -212,5 +212,5 @@ class Tap:
         if self._writer.lost is not None:
             return False
         p = self._writer.progress
-        queued = self.counts.queued(p.frames_written, p.frames_failed, p.frames_sampled_out)
+        queued = self.counts.queued(p.counts.frames_recorded, p.counts.frames_failed, p.counts.frames_sampled_out)
         return queued == 0 or queued + frames <= self._queue_size

@@ -8,7 +8,7 @@ STOP, the writer notices it has another parent than ``parent`` (the proxy's
 PID, given, not read at start: the proxy may already be gone by then),
 finishes what it has and marks the session ``interrupted``, with the count of
 frames seen that the tap's last message carried. Recording redacted, the
-messages come through the redactor process (``store/redactor.py``), which
+messages come through the redactor process (``recorder/redactor.py``), which
 may still be passing STOP on when the proxy has gone: the writer waits for
 it while that process runs.
 
@@ -30,8 +30,8 @@ import time
 import msgspec
 import zmq
 
-from replay_proxy.store.protocol import Batch, Stop, WriterStart, encode_progress, header
-from replay_proxy.store.rotation.series import Series
+from replay_proxy.recorder.protocol import Batch, Stop, WriterStart, encode_progress, header
+from replay_proxy.recorder.rotation.series import Series
 from replay_proxy.store.writer import DECODE_FRAMES, Entries, Writer
 from replay_proxy.wire.capture import decode_entries
 

@@ -28,13 +28,13 @@ from replay_proxy import __version__
 from replay_proxy.clock import utc_now
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact.settings import Redaction, RedactionSettings
-from replay_proxy.store.counts import FrameCounts, TapCounts, dropped_by_reason
-from replay_proxy.store.protocol import Progress
-from replay_proxy.store.rotation import RotationSettings
+from replay_proxy.store.counts import FrameCounts, TapCounts, WriterCounts, dropped_by_reason
+from replay_proxy.recorder.protocol import Progress
+from replay_proxy.recorder.rotation import RotationSettings
 from replay_proxy.store.sample import RequestSample
 from replay_proxy.store.tables import begin_session, end_session, ended_session, frames_kept
-from replay_proxy.store.tap import Tap
-from replay_proxy.store.writer_process import WriterProcess
+from replay_proxy.recorder.tap import Tap
+from replay_proxy.recorder.writer_process import WriterProcess
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 
 # record ends within 5 s: the tap passes what it holds soon after STOP (``tap.py``), and the writer decodes
@@ -55,31 +55,25 @@ class RecorderError(ReplayProxyError):
     """The writer process failed or did not finish in time."""
 
 
-class RecorderStats(msgspec.Struct, frozen=True, kw_only=True):
+class RecorderStats(WriterCounts, frozen=True, kw_only=True, array_like=False):
     """The counts of the status line, the summary, the ``sessions`` row, the JSON log and the metrics:
-    seen = recorded + sampled out + dropped + queued, on every path."""
+    seen = recorded + sampled out + dropped + queued, on every path. The writer's counts are its own fields
+    (``WriterCounts``: frames recorded, failed, undecoded, undecodable, sampled out; requests, engines dead,
+    drift alarms); the rest are the tap's, the recorder's and the rotation's."""
 
     frames_seen: int  # forwarded
-    frames_recorded: int  # in the database, decoded or kept
     frames_dropped: int  # will never be in it: dropped at a full queue, or not written (a full disk)
     queue_depth_frames: int = 0  # on their way to the database
     bytes_seen: int
-    requests: int
-    engines_dead: int
-    frames_undecoded: int = 0
     error: str | None = None  # the writer's last write error, or its death
-    drift_alarms: int = 0  # distinct ways the traffic disagreed with its release's schema
     drift: str | None = None  # the newest drift alarm
     final: bool = True  # False while the writer still writes: the frames queued are not counted yet
     # frames_dropped by why (counts.dropped_by_reason)
     frames_dropped_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
-    frames_undecodable: int = 0  # recorded with a decode error
     decode_lag_s: float = 0.0  # while frames wait to be decoded: how long ago the newest decoded one crossed
     bytes_by_link: dict[tuple[str, str], int] = msgspec.field(default_factory=dict)  # (channel, direction)
     vllm_version: str | None = None  # as the engines announced it
     writer_lost: str | None = None  # why the writer (or the redactor) is gone, if it is
-    frames_sampled_out: int = 0  # left out by --sample-requests: neither recorded nor dropped
-    outputs_sampled_out: int = 0
     rotations: int = 0  # files begun after the first (--rotate-mb, --rotate-every, SIGHUP)
     rotations_failed: int = 0  # tried and failed (no space, no permission): tried again later
     files_deleted: int = 0  # by --keep and --max-total-gb
@@ -158,11 +152,11 @@ class Recorder:
     def statistics(self) -> RecorderStats:
         """The counts so far: what is neither written nor dropped is queued."""
         tap, p, lost = self._tap.counts, self.writer.progress, self.writer.lost
-        counts = FrameCounts.live(tap.frames_seen, p.frames_written, p.frames_sampled_out,
-                                  tap.frames_dropped + p.frames_failed, lost is not None)
-        return recorder_stats(counts, tap, p, write_failed=p.frames_failed, error=lost or p.write_error,
-                              writer_lost=lost, db_path=str(self.db_path),
-                              decode_lag_s=self._decode_lag_s() if counts.queued or p.frames_undecoded else 0.0)
+        counts = FrameCounts.live(tap.frames_seen, p.counts.frames_recorded, p.counts.frames_sampled_out,
+                                  tap.frames_dropped + p.counts.frames_failed, lost is not None)
+        return recorder_stats(counts, tap, p, write_failed=p.counts.frames_failed, error=lost or p.write_error,
+                              writer_lost=lost, db_path=str(self.db_path), decode_lag_s=self._decode_lag_s()
+                              if counts.queued or p.counts.frames_undecoded else 0.0)
 
     def _decode_lag_s(self) -> float:
         """While frames wait to be decoded: since the newest decoded one crossed (or the first, if none has)."""
@@ -204,17 +198,18 @@ class Recorder:
         row, requests, alarms = ended_session(self.db_path, self.session_id)
         self.status = row["status"]
         if self.writer.rotating:  # the totals over every file, from the writer's last word and the tap's own
-            counts, progress = FrameCounts.ended(tap.frames_seen, p.frames_written, p.frames_sampled_out), p
-        else:  # as the session's row says, whoever ended it
+            counts = FrameCounts.ended(tap.frames_seen, p.counts.frames_recorded, p.counts.frames_sampled_out)
+            progress = p
+        else:  # as the session's row says, whoever ended it (a writer that died wrote no counts of its own)
             counts = FrameCounts(row["frames_seen"] or 0, row["frames_recorded"] or 0, row["frames_sampled_out"] or 0,
                                  row["frames_dropped"] or 0)
-            progress = msgspec.structs.replace(
-                p, requests=requests, engines_dead=row["engines_dead"] or 0,
-                frames_undecoded=row["frames_undecoded"] or 0, drift_alarms=len(alarms),
-                drift=alarms[-1] if alarms else None, outputs_sampled_out=row["outputs_sampled_out"] or 0)
+            written = {name: getattr(p.counts, name) if row[name] is None else row[name]
+                       for name in WriterCounts.__struct_fields__}
+            progress = msgspec.structs.replace(p, counts=WriterCounts(**{
+                **written, "requests": requests, "drift_alarms": len(alarms)}), drift=alarms[-1] if alarms else None)
         # A writer that ended the session itself lost nothing: what the tap did not drop, it could not write.
         write_failed = max(0, counts.dropped - tap.dropped_queue_full - tap.dropped_late) \
-            if code == 0 and self.writer.lost is None else p.frames_failed
+            if code == 0 and self.writer.lost is None else p.counts.frames_failed
         return recorder_stats(counts, tap, progress, write_failed=write_failed, error=row["error"],
                               writer_lost=self.writer.lost, db_path=str(self.db_path))
 
@@ -224,8 +219,8 @@ class Recorder:
         p, tap = self.writer.progress, self._tap.counts  # (the dead writer's last word)
         end_session(self.db_path, self.session_id, status="incomplete",
                     error=error or self.writer.lost or f"the writer process exited with {code}",
-                    counts=FrameCounts.ended(tap.frames_seen - p.frames_seen_closed_files, kept, p.frames_sampled_out),
-                    bytes_seen=tap.bytes_seen)
+                    counts=FrameCounts.ended(tap.frames_seen - p.frames_seen_closed_files, kept,
+                                             p.counts.frames_sampled_out), bytes_seen=tap.bytes_seen)
 
 
 def recorder_stats(counts: FrameCounts, tap: TapCounts, progress: Progress, *, write_failed: int,
@@ -234,11 +229,10 @@ def recorder_stats(counts: FrameCounts, tap: TapCounts, progress: Progress, *, w
     """The statistics, from where each frame is (``counts``), the tap's own counts and the writer's report."""
     p = progress
     return RecorderStats(
-        frames_seen=counts.seen, frames_recorded=counts.recorded, frames_dropped=counts.dropped,
-        queue_depth_frames=counts.queued, frames_sampled_out=counts.sampled_out, bytes_seen=tap.bytes_seen,
-        frames_dropped_by_reason=dropped_by_reason(counts.dropped, tap, write_failed),
-        bytes_by_link=dict(tap.bytes_by_link), requests=p.requests, engines_dead=p.engines_dead,
-        frames_undecoded=p.frames_undecoded, frames_undecodable=p.frames_undecodable, error=error,
-        drift_alarms=p.drift_alarms, drift=p.drift, decode_lag_s=decode_lag_s, vllm_version=p.vllm_version,
-        writer_lost=writer_lost, outputs_sampled_out=p.outputs_sampled_out, rotations=p.rotations,
+        **{**msgspec.structs.asdict(p.counts), "frames_recorded": counts.recorded,
+           "frames_sampled_out": counts.sampled_out},
+        frames_seen=counts.seen, frames_dropped=counts.dropped, queue_depth_frames=counts.queued,
+        bytes_seen=tap.bytes_seen, frames_dropped_by_reason=dropped_by_reason(counts.dropped, tap, write_failed),
+        bytes_by_link=dict(tap.bytes_by_link), error=error, drift=p.drift, decode_lag_s=decode_lag_s,
+        vllm_version=p.vllm_version, writer_lost=writer_lost, rotations=p.rotations,
         rotations_failed=p.rotations_failed, files_deleted=p.files_deleted, db_path=p.db_path or db_path)

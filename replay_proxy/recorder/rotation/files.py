@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from replay_proxy.store.rotation.rotator import file_named
+from replay_proxy.recorder.rotation.rotator import file_named
 
 SIDE_FILES = ("-wal", "-shm")  # SQLite's beside a database in WAL mode
 

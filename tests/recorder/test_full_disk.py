@@ -1,7 +1,7 @@
 """A really full filesystem: forwarding goes on, and the session still ends honestly.
 
 A WAL-mode commit needs free space on the filesystem itself, which SQLite's own page cap
-(`--max-db-mb`, tests/store/test_writer.py) does not take away: so the recording goes to a real,
+(`--max-db-mb`, tests/recorder/test_recorder.py) does not take away: so the recording goes to a real,
 small tmpfs. The peers are scripts/bench/busy.py's (the real 0.32.0 handshake). Nothing here depends
 on this machine's speed: a slower writer fills the filesystem later, or drops more, and either way the
 session must end with its counts.

@@ -47,11 +47,12 @@ from pathlib import Path
 
 import msgspec
 
-from replay_proxy.store.protocol import RotationSettings
+from replay_proxy.recorder.protocol import RotationSettings
 from replay_proxy.store.subset import Cutter, announced_release
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss
 from replay_proxy.wire.messages import ENGINE_CORE_DEAD, Channel, Direction, RequestType, request_type
-from replay_proxy.wire.schema import Schema, schema_for
+from replay_proxy.wire.schema import Schema
+from replay_proxy.wire.registry import schema_for
 from replay_proxy.wire.values import decode_msgpack
 
 ROTATE_RETRY_S = 10.0  # after a rotation that failed (no space, no permission): try again this much later
