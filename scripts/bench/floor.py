@@ -23,7 +23,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from replay_proxy.store.tables import INDEXES, PAGE_BYTES, TABLES, sampling_columns
+from replay_proxy.store.tables import INDEXES, PAGE_BYTES, TABLES, sampling_columns, written
 
 
 class Output(msgspec.Struct, array_like=True):
@@ -90,7 +90,8 @@ class MinimalRequests:
         for k, index in enumerate(INDEXES["requests"]):
             self.connection.execute(f"CREATE INDEX requests_{k} ON requests ({', '.join(index)})")
         self.connection.execute("CREATE TABLE frames (seq, raw)")
-        self.insert = f"INSERT INTO requests VALUES ({', '.join('?' for _ in columns)})"
+        given = written("requests")  # (a copy's mark, ``copied``, is no floor's)
+        self.insert = f"INSERT INTO requests ({', '.join(given)}) VALUES ({', '.join('?' for _ in given)})"
         self.sampling = list(sampling_columns())
         self.decode = msgspec.msgpack.Decoder(Request).decode
         self.json = msgspec.json.Encoder().encode
@@ -120,7 +121,8 @@ class MinimalPipeline:
         self.connection = _connect(db_path)
         columns = TABLES["output_rows"][0]
         self.connection.execute(f"CREATE TABLE output_rows ({', '.join(columns)})")
-        self.insert = f"INSERT INTO output_rows VALUES ({', '.join('?' for _ in columns)})"
+        given = written("output_rows")
+        self.insert = f"INSERT INTO output_rows ({', '.join(given)}) VALUES ({', '.join('?' for _ in given)})"
         self.frames = frames
         if frames:
             self.connection.execute("CREATE TABLE frames (seq, raw)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -250,7 +251,7 @@ def run_case(name: str, logs: Path, args: argparse.Namespace) -> dict:
     children: list[Child] = []
     init_inputs = init_outputs = ""
     dial = upstream
-    db = logs / "bench.db"
+    db = logs / (re.sub(r"\W+", "-", name) + ".db")  # each case its own: a floor's file is no recording
     scraping = threading.Event()  # set: the scraper stops
     try:
         if name.startswith("zmq.proxy"):
