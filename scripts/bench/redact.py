@@ -45,7 +45,8 @@ def frames(args: argparse.Namespace) -> list[CapturedFrame]:
     """Registration, then per batch of 32: their ADDs and ``--outputs`` steps of one token each."""
     clock = iter(range(1_700_000_000_000_000_000, 1 << 62, 1_000_000))
     seq = iter(range(1, 1 << 62))
-    made = [CapturedFrame(next(seq), next(clock), Channel.INPUT, Direction.TO_FRONTEND, 0, 0, [registration(SCHEMA.release)])]
+    made = [CapturedFrame(next(seq), next(clock), Channel.INPUT, Direction.TO_FRONTEND, 0, 0,
+                          [registration(SCHEMA.release)])]
     shared = [(t * 7919) % VOCAB for t in range(args.shared)]
     for first in range(0, args.requests, BATCH):
         batch = range(first, min(first + BATCH, args.requests))
