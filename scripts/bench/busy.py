@@ -334,7 +334,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         proxy.wait_for_log('"event":"listening"', timeout=60)
         children.append(Child([*me, "engine", f"tcp://127.0.0.1:{listen}", str(steps), str(args.rate),
                                str(args.outputs), str(int(args.finishing))], logs / "engine.log", name="busy engine"))
-        writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.store.{m}")
+        writer, redactor = (child_pid(proxy.process.pid, f"replay_proxy.recorder.{m}")
                             for m in ("writer_loop", "redactor"))
         # Each process's CPU from here (its start-up done), read last just before it exits: what it takes per
         # frame holds on any machine.

@@ -31,6 +31,8 @@ def test_200k_frames_through_record_are_all_recorded_and_counted_once(tmp_path):
     # forwarded, every one (the proxy is stopped once the engine has every ADD)
     assert result["peers"] == {"adds_sent": STEPS, "adds_received": STEPS, "outputs_received": STEPS}
     assert result["proxy_exit"] == 0
+    # The writer process was found and measured (by its module's name: a move of the module lost it once).
+    assert result["writer_rss_mb_max"] and result["cpu_s_per_million_frames"].keys() >= {"proxy", "writer"}
     frames = 2 * STEPS + 4
     session = result["session"]
     assert (session["seen"], session["recorded"], session["dropped"], session["status"]) == (
