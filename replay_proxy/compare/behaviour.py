@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.context import context_judgement, context_shift_findings, noise_floor
 from replay_proxy.compare.findings import Finding, Judgement, RequestVerdict, Severity
 from replay_proxy.compare.rules import Rules
@@ -47,12 +48,12 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
     each repeat run of the baseline build's; ``scored``: the teacher-forced judgements, by request."""
     findings, verdicts = [], []
     for request in matching.missing:
-        findings.append(Finding("behaviour", Severity.REGRESSION, "request_unmatched",
+        findings.append(Finding("behaviour", Severity.REGRESSION, Code.REQUEST_UNMATCHED,
                                 f"baseline request with a {len(request.prompt)}-token prompt has no counterpart",
                                 message_kind="ADD", request_id=request.request_id))
         verdicts.append(RequestVerdict(request.request_id, UNJUDGED, False, "no counterpart in the candidate"))
     for request in matching.extra:
-        findings.append(Finding("behaviour", Severity.WARNING, "request_extra",
+        findings.append(Finding("behaviour", Severity.WARNING, Code.REQUEST_EXTRA,
                                 "the candidate has a request the baseline does not", message_kind="ADD",
                                 request_id=request.request_id))
     # Batched requests do not reproduce on vLLM's CPU build: noise, unless repeat runs show them stable.
@@ -70,7 +71,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
         rid = a.request_id
         if a.frontend_aborted or b.frontend_aborted:
             if a.frontend_aborted != b.frontend_aborted:
-                findings.append(Finding("behaviour", Severity.REGRESSION, "abort_mismatch",
+                findings.append(Finding("behaviour", Severity.REGRESSION, Code.ABORT_MISMATCH,
                                         "aborted by the frontend in "
                                         f"{'baseline' if a.frontend_aborted else 'candidate'}"
                                         " only", request_id=rid))
@@ -89,7 +90,7 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
             judged.append(scored[rid])
         broken = invariant_violations(candidate, b, b.params.get("_eos_token_id"), rules.judging.vocab_size)
         for rule, what in broken:
-            findings.append(Finding("behaviour", Severity.REGRESSION, "sampling_invariant", f"{rule}: {what}",
+            findings.append(Finding("behaviour", Severity.REGRESSION, Code.SAMPLING_INVARIANT, f"{rule}: {what}",
                                     request_id=rid, field=rule, tier=INVARIANTS))
         judged.append(Judgement(INVARIANTS, not broken, "; ".join(w for _, w in broken) or (
             f"{len(b.tokens)} tokens within its sampling parameters"
@@ -99,11 +100,11 @@ def behaviour_findings(baseline: Session, candidate: Session, matching: Matching
         verdicts.append(_verdict(rid, judged))
         if a.finish_reason != b.finish_reason:
             severity = Severity.REGRESSION if deterministic(baseline, a) and rid not in noisy else Severity.WARNING
-            findings.append(Finding("behaviour", severity, "finish_reason_changed",
+            findings.append(Finding("behaviour", severity, Code.FINISH_REASON_CHANGED,
                                     f"finish reason {a.finish_reason} -> {b.finish_reason}",
                                     request_id=rid, baseline=a.finish_reason, candidate=b.finish_reason))
         elif len(a.tokens) != len(b.tokens) and not deterministic(baseline, a):
-            findings.append(Finding("behaviour", Severity.WARNING, "length_changed",
+            findings.append(Finding("behaviour", Severity.WARNING, Code.LENGTH_CHANGED,
                                     f"generated {len(a.tokens)} tokens, now {len(b.tokens)}", request_id=rid,
                                     baseline=len(a.tokens), candidate=len(b.tokens)))
     findings += context_shift_findings(matching.pairs, repeats)
@@ -123,7 +124,7 @@ def _abort_landing(a: Request, b: Request, tolerance: int) -> Finding:
     """Where the ABORT landed in each session: tokens before it, not the total (what was in flight varies)."""
     off = abs((a.abort_progress or 0) - (b.abort_progress or 0)) > tolerance  # (both aborted: neither is None)
     return Finding("behaviour", Severity.WARNING if off else Severity.INFO,
-                   "abort_progress" if off else "abort_landed",
+                   Code.ABORT_PROGRESS if off else Code.ABORT_LANDED,
                    f"ABORT after {a.abort_progress} tokens in the baseline, {b.abort_progress} in the candidate"
                    + (f" (more than {tolerance} off)" if off else ""),
                    message_kind="ABORT", request_id=a.request_id, baseline=a.abort_progress,
@@ -142,20 +143,20 @@ def _utility_findings(baseline: Session, candidate: Session, frontend_under_test
         counterpart = remaining[call["method"]].pop(0) if remaining[call["method"]] else None
         if counterpart is None:
             findings.append(Finding("behaviour", Severity.WARNING if frontend_under_test else Severity.REGRESSION,
-                                    "utility_call_missing",
+                                    Code.UTILITY_CALL_MISSING,
                                     f"utility call {call['method']} has no counterpart", message_kind="UTILITY",
                                     field=call["method"]))
         elif (_result(call, unordered), call["failure_message"]) != (_result(counterpart, unordered),
                                                                       counterpart["failure_message"]):
             findings.append(Finding(
-                "behaviour", Severity.REGRESSION, "utility_result_changed",
+                "behaviour", Severity.REGRESSION, Code.UTILITY_RESULT_CHANGED,
                 f"utility {call['method']} answered {counterpart['failure_message'] or counterpart['result']} "
                 f"instead of {call['failure_message'] or call['result']}", message_kind="UTILITY_OUTPUT",
                 field=call["method"], baseline=call["failure_message"] or call["result"],
                 candidate=counterpart["failure_message"] or counterpart["result"]))
     for method, calls in remaining.items():
         for _ in calls:
-            findings.append(Finding("behaviour", Severity.WARNING, "utility_call_extra",
+            findings.append(Finding("behaviour", Severity.WARNING, Code.UTILITY_CALL_EXTRA,
                                     f"the candidate made an extra utility call {method}", message_kind="UTILITY",
                                     field=method))
     return findings

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.shift import paired_shift
@@ -101,7 +102,7 @@ def context_judgement(a: Request, b: Request, floor: float | None, rules: Rules
     if d.largest <= limit:
         return Judgement(SAME_CONTEXT, True, said), None
     return Judgement(SAME_CONTEXT, False, said), Finding(
-        "behaviour", Severity.REGRESSION, "context_logprobs_differ", said, tier=SAME_CONTEXT,
+        "behaviour", Severity.REGRESSION, Code.CONTEXT_LOGPROBS_DIFFER, said, tier=SAME_CONTEXT,
         request_id=a.request_id, position=d.position, baseline=round(limit, 6), candidate=round(d.largest, 6))
 
 
@@ -129,7 +130,7 @@ def context_shift_findings(pairs: list[tuple[Request, Request]], repeats: Sequen
                     if (each := [s for a, b in repeat.pairs if (s := _top_shift(a, b)) is not None])]
     shift = paired_shift(shifts, repeat_means)
     return [shift.finding(
-        ("context_shift", "context_same"),
+        (Code.CONTEXT_SHIFT, Code.CONTEXT_SAME),
         f"where both builds saw the same context ({len(shifts)} requests), the logprob of the token the baseline "
         f"found most likely moved by {shift.said('nats')}",
         f"the candidate's distributions are {'sharper' if shift.mean > 0 else 'flatter'} than the baseline's "

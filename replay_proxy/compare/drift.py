@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.wire.rust import (ENGINE_ROOTS, FRONTEND_ROOTS, RustField, RustSchema, RustStruct, pair_structs,
                                     type_names)
@@ -49,14 +50,14 @@ def drift_findings(python: Schema, rust: RustSchema, frontend_handled: frozenset
         if rs.encoding == "transparent":
             continue
         if py.encoding != rs.encoding:
-            findings.append(_finding(name, None, None, "encoding_differs", (
+            findings.append(_finding(name, None, None, Code.ENCODING_DIFFERS, (
                 f"{name} is a msgpack {py.encoding} in Python and a msgpack {rs.encoding} in Rust ({rs.file}: "
                 f"{rust_name}): neither reads the other's"), {"python": True, "rust": True}, writers.get(name)))
             continue
         findings += _struct_drift(name, py.encoding, py.fields, rs, rust.wire_fields(rs), rust_name in lenient,
                                   writers.get(name))
         findings += _enum_drift(name, py.by_name, rs, rust, python, writers.get(name))
-    return [_unaskable(f) if f.struct == "SamplingParams" and f.code == "only_in_python" and f.severity is
+    return [_unaskable(f) if f.struct == "SamplingParams" and f.code is Code.ONLY_IN_PYTHON and f.severity is
             Severity.INFO and f.field not in frontend_handled and not (f.field or "").startswith("_") else f
             for f in findings]
 
@@ -80,13 +81,13 @@ def _enum_drift(name: str, py_fields: dict[str, Field], rs: RustStruct, rust: Ru
             values = {str(v): k for k, v in python.enums[python_enum].items()}
             unreadable = [f"{values[v]} ({v})" for v in values if v not in enum.variants]
             if unreadable:
-                findings.append(_finding(name, rf.name, rf.position, "enum_value_only_in_python", (
+                findings.append(_finding(name, rf.name, rf.position, Code.ENUM_VALUE_ONLY_IN_PYTHON, (
                     f"{where}: Python's {python_enum} has {', '.join(unreadable)}, which Rust's {enum.name} "
                     f"({enum.file}) does not accept: the Rust reader rejects a message that carries it"),
                     {"python": False, "rust": True}, writer))
         elif set(py.kinds) <= {"str", "nil"} and not enum.repr:
             findings.append(Finding(
-                "schema", Severity.WARNING if writer == "engine" else Severity.INFO, "closed_enum_in_rust",
+                "schema", Severity.WARNING if writer == "engine" else Severity.INFO, Code.CLOSED_ENUM_IN_RUST,
                 f"{where} is any string in Python and one of {', '.join(enum.variants)} in Rust ({enum.file}: "
                 f"{enum.name}): the Rust reader rejects a message with any other", struct=name, field=rf.name))
     return findings
@@ -95,7 +96,8 @@ def _enum_drift(name: str, py_fields: dict[str, Field], rs: RustStruct, rust: Ru
 def _unaskable(finding: Finding) -> Finding:
     """A sampling parameter only Python declares: the Rust frontend never sends it, so the engine applies its
     default for every vllm-rs request (vLLM PR 52703: routed_experts_prompt_start, to 0.28.0)."""
-    return msgspec.structs.replace(finding, severity=Severity.WARNING, code="sampling_param_only_in_python", message=(
+    return msgspec.structs.replace(
+        finding, severity=Severity.WARNING, code=Code.SAMPLING_PARAM_ONLY_IN_PYTHON, message=(
         f"{finding.message}: a vllm-rs user cannot ask for SamplingParams.{finding.field}, and the engine applies "
         "its default to every request the Rust frontend sends"))
 
@@ -121,7 +123,7 @@ def _struct_drift(name: str, encoding: str, py_fields: tuple[Field, ...], rs: Ru
         rust_at = {f.name: i for i, f in enumerate(rs_fields)}
         for i, (py, rf) in enumerate(zip(py_fields, rs_fields)):
             if py.name != rf.name and (rust_at.get(py.name, i) != i or rf.name in {p.name for p in py_fields}):
-                return [_finding(name, py.name, py.position, "position_differs", (
+                return [_finding(name, py.name, py.position, Code.POSITION_DIFFERS, (
                     f"{name} position {py.position} is {py.name} in Python and {rf.name} in Rust ({rs.file}): each "
                     "reads the other's value as its own field from there on"), {"python": True, "rust": True}, writer)]
         only_python, only_rust = list(py_fields[len(rs_fields):]), rs_fields[len(py_fields):]
@@ -144,7 +146,7 @@ def _struct_drift(name: str, encoding: str, py_fields: tuple[Field, ...], rs: Ru
         same = py_by_name.get(rf.name)
         if same is not None and same.type.split(" | ")[0] == "float" and "f32" in type_names(rf.type):
             findings.append(Finding(
-                "schema", Severity.INFO, "float_narrowed",
+                "schema", Severity.INFO, Code.FLOAT_NARROWED,
                 f"{name}.{rf.name}: a Python float (64 bits) is an f32 in Rust ({rs.file}): what the Rust side "
                 "writes carries float32 precision (0.7 arrives as 0.699999988079071)", struct=name, field=rf.name))
     return findings
@@ -164,10 +166,10 @@ def _one_sided(struct: str, field: str, position: int, only: str, file: str, mis
                f"{other.capitalize()} writer it is missing, and the {only.capitalize()} reader {said(missing)}; from a "
                f"{only.capitalize()} writer the {other.capitalize()} reader "
                f"{said(extra).replace('ignores', 'ignores it')}")
-    return _finding(struct, field, position, f"only_in_{only}", message, rejects, writer)
+    return _finding(struct, field, position, Code(f"only_in_{only}"), message, rejects, writer)
 
 
-def _finding(struct: str, field: str | None, position: int | None, code: str, message: str,
+def _finding(struct: str, field: str | None, position: int | None, code: Code, message: str,
              rejects: dict[str, bool], writer: str | None) -> Finding:
     """Breaking where a reader rejects it, whichever language writes (the other way round from production is a
     real writer too: vllm-rs's mock engine, test peers, tools); else information."""

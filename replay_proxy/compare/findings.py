@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.errors import ExitCode
 
 
@@ -62,7 +63,7 @@ class Change(msgspec.Struct, frozen=True):
 class Finding(msgspec.Struct, frozen=True, omit_defaults=True):
     category: Category
     severity: Severity
-    code: str  # a stable name: field_inserted, token_mismatch, ttft_regression, ...
+    code: Code  # a stable name: field_inserted, token_mismatch, ttft_regression, ...
     message: str  # one readable sentence
     message_kind: str | None = None
     struct: str | None = None

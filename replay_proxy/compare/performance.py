@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Change, Finding, Severity
 from replay_proxy.compare.rules import Performance, Rules
 from replay_proxy.store.session import Matching, Request, Session, match_requests
@@ -90,19 +91,19 @@ def timing_findings(baseline: Session, candidate: Session, matching: Matching, n
         why = (f"{', '.join(recorded)}: {'a recording' if len(recorded) == 1 else 'recordings'}, whose peers shared "
                "the machine with the live side" if recorded else
                "one run a side does not say how much runs of one build differ")
-        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+        return [Finding("performance", Severity.INFO, Code.TIMING_NOT_JUDGED, (
             f"timing not judged: {why}"
             + "; diff two or more replays of each build (--noise, --candidate-noise), or replay with --baseline-cmd "
             "and --noise-runs 2 or more"), field="timing")]
     if replayed_noise and len(noise) < 2:
-        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+        return [Finding("performance", Severity.INFO, Code.TIMING_NOT_JUDGED, (
             "timing not judged: " + ("a replay's latency is not the recording's (the recorded engine shared the "
                                      "machine with the live frontend)" if not noise else
                                      "one run of the baseline build does not say how much runs of one build differ")
             + "; --baseline-cmd with --noise-runs 2 or more compares it with the baseline build's runs, "
             "interleaved with the candidate's"), field="timing")]
     if busy:
-        return [Finding("performance", Severity.INFO, "timing_not_judged", (
+        return [Finding("performance", Severity.INFO, Code.TIMING_NOT_JUDGED, (
             "timing not judged: other processes took " + ", ".join(f"{share:.0%} of the machine's CPU during {run}"
                                                                    for run, share in busy.items())
             + f" (more than {rules.performance.max_other_cpu:.0%}): a busy neighbour, not a build, would be "
@@ -112,7 +113,7 @@ def timing_findings(baseline: Session, candidate: Session, matching: Matching, n
                                     runs=(list(sides[0]), sides[1]))
     if not replayed_noise:
         return findings
-    findings.append(Finding("performance", Severity.INFO, "timing_baseline", (
+    findings.append(Finding("performance", Severity.INFO, Code.TIMING_BASELINE, (
         f"latency is compared with {len(noise)} run(s) of the baseline build, replayed as the candidate was and "
         f"interleaved with its {1 + len(candidate_runs)} run(s), not with the recording"), field="timing_baseline"))
     return findings
@@ -270,14 +271,14 @@ def _finding(field: str, metric: str, estimate: _Estimate, noise_changes: list[f
         if worse_high < -beyond and closest_better >= -beyond:
             worse_high = closest_better
     if worse_low > beyond and delta > floor:
-        return Finding("performance", Severity.REGRESSION, f"{name}_regression", f"{said}: worse beyond "
+        return Finding("performance", Severity.REGRESSION, Code(f"{name}_regression"), f"{said}: worse beyond "
                        f"{threshold:.0%}", field=field, baseline=round(estimate.base, 3),
                        candidate=round(estimate.cand, 3), change=numbers)
     if worse_high < -beyond and delta > floor:
-        return Finding("performance", Severity.INFO, f"{name}_improvement", f"{said}: better beyond "
+        return Finding("performance", Severity.INFO, Code(f"{name}_improvement"), f"{said}: better beyond "
                        f"{threshold:.0%}", field=field, baseline=round(estimate.base, 3),
                        candidate=round(estimate.cand, 3), change=numbers)
-    return Finding("performance", Severity.INFO, f"{name}_no_change",
+    return Finding("performance", Severity.INFO, Code(f"{name}_no_change"),
                    f"{said}: no change detected; the smallest change this sample could show is "
                    f"{numbers.minimum_detectable:.1%}", field=field, baseline=round(estimate.base, 3),
                    candidate=round(estimate.cand, 3), change=numbers)

@@ -22,6 +22,7 @@ from types import MappingProxyType
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.schema import observed_shapes
@@ -44,8 +45,8 @@ COMPLAINTS = (
 # What msgspec calls a value it got, by the types of the fields that send such a value.
 GOT = {"bool": ("bool",), "int": ("int",), "float": ("float",), "str": ("str",), "null": ("None",),
        "bytes": ("bytes",), "array": ("list[", "tuple[", "set["), "object": ("dict[",)}
-FAILED = ("http_failed", "replay_failed")  # a replay's failures, whose messages quote what the peer said
-REQUEST_FAILURES = ("http_failed", "http_response_differs", "request_unmatched")  # what a request's user got
+FAILED = (Code.HTTP_FAILED, Code.REPLAY_FAILED)  # a replay's failures, whose messages quote what the peer said
+REQUEST_FAILURES = (Code.HTTP_FAILED, Code.HTTP_RESPONSE_DIFFERS, Code.REQUEST_UNMATCHED)  # what a request's user got
 # A complaint's variable parts (request ids, a value dump), dropped so that one rejection is one finding.
 DETAIL = re.compile(r"; value fallback:.*|cmpl-[\w-]+|\"[^\"]{24,}\"")
 
@@ -109,7 +110,7 @@ def _finding(complaint: str, structs: list[str], schema: Schema, side: Side, rea
         place += f" at position {position}" + (f" ({field})" if field else "")
     elif field:
         place += f" (field {field})"
-    return Finding("schema", Severity.BREAKING, "reader_rejected",
+    return Finding("schema", Severity.BREAKING, Code.READER_REJECTED,
                    f"the {side} under test could not decode {place} as {schema.release} sends it: "
                    f"{DETAIL.sub('', complaint)[:300]}",
                    struct=struct, field=field, position=position, candidate=complaint[:500], breaks=(reader,))
@@ -180,7 +181,7 @@ def fold_consequences(findings: list[Finding], rules: Rules) -> list[Finding]:
     thread died on an ADD sends none): once a reader has refused a message of the link, what a request's
     user gets is no evidence of anything else (vllm-rs fails every request after the first, some with the
     complaint, some with an empty stream or none at all). With no rejection, ``findings`` as they are."""
-    rejections = [f for f in findings if f.code == "reader_rejected"]
+    rejections = [f for f in findings if f.code is Code.READER_REJECTED]
     if not rejections:
         return findings
     under: dict[int, list[str]] = {id(r): [] for r in rejections}

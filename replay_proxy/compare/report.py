@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from replay_proxy.compare.behaviour import behaviour_findings
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Report, RequestVerdict, Severity
 from replay_proxy.compare.performance import LATENCIES, latency_samples, timing_findings
 from replay_proxy.compare.rules import Rules
@@ -102,7 +103,7 @@ def build_report(comparison: Comparison, rules: Rules, added: Sequence[Finding] 
     findings += timing_findings(baseline, candidate, matching, noise, c.candidate_runs, replayed is not None, keys,
                                 rules, c.other_cpu)
     if pseudonyms:
-        findings.append(Finding("behaviour", Severity.INFO, "redacted_recording", (
+        findings.append(Finding("behaviour", Severity.INFO, Code.REDACTED_RECORDING, (
             f"the recording is redacted: the engine was sent pseudonymized tokens, so tokens, finish reasons and "
             f"utility results are judged against {judged.label}, the baseline build replayed with them"
             if judged is not baseline else
@@ -110,7 +111,7 @@ def build_report(comparison: Comparison, rules: Rules, added: Sequence[Finding] 
             "utility results are not judged (--noise-runs with --baseline-cmd judges them against the baseline "
             "build)"), field="redacted_recording"))
     if held_lengths:
-        findings.append(Finding("behaviour", Severity.INFO, "lengths_held",
+        findings.append(Finding("behaviour", Severity.INFO, Code.LENGTHS_HELD,
                                 "each request asked for its recorded number of tokens (--hold-lengths)",
                                 field="lengths_held"))
     timing = noise[0] if replayed is not None and noise else baseline
@@ -137,7 +138,8 @@ def _divergences(pairs: list[tuple[Request, Request]], findings: list[Finding], 
                  ) -> dict[str, dict[str, Any]]:
     """For the report's plot: where the tokens of a request first diverged, and each side's logprob of its own
     tokens (the first ``limit`` such requests that have logprobs)."""
-    diverged = {f.request_id: f.position for f in findings if f.code in ("token_mismatch", "divergence_not_close")}
+    diverged = {f.request_id: f.position for f in findings
+                if f.code in (Code.TOKEN_MISMATCH, Code.DIVERGENCE_NOT_CLOSE)}
     shown = [(a, b) for a, b in pairs if a.request_id in diverged and (a.logprobs or b.logprobs)][:limit]
     return {a.request_id: {"position": diverged[a.request_id], "baseline": a.logprobs, "candidate": b.logprobs}
             for a, b in shown}
@@ -160,7 +162,7 @@ def diff_sessions(baseline_db: Path, baseline: str, candidate_db: Path, candidat
     added = []
     if cut:
         how = ", ".join(f"{k} {v}" for k, v in (source.get("selection") or {}).items()) or "all requests"
-        added.append(Finding("behaviour", Severity.INFO, "cut_of_baseline", (
+        added.append(Finding("behaviour", Severity.INFO, Code.CUT_OF_BASELINE, (
             f"the candidate is a cut of the baseline ({how}): compared over the {len(kept)} requests it keeps"),
             field="cut_of_baseline"))
     return build_report(Comparison(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Request, Session
@@ -53,12 +54,13 @@ def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, 
     for key, kinds in sorted(by_key.items()):
         for kind in sorted(set(kinds) - {"same"}, key=lambda k: -SAMPLING_KINDS[k][0]):
             severity, meaning = SAMPLING_KINDS[kind]
+            code = Code(f"sampling_key_{kind.replace(' ', '_')}")
             findings.append(Finding(
-                "schema" if kind == "unknown" else "behaviour", severity, f"sampling_key_{kind.replace(' ', '_')}",
+                "schema" if kind == "unknown" else "behaviour", severity, code,
                 f"SamplingParams.{key}: {meaning} ({kinds.count(kind)} request(s))", message_kind="ADD",
                 struct="SamplingParams", field=key))
     if orders_differ:
-        findings.append(Finding("schema", Severity.INFO, "sampling_key_order",
+        findings.append(Finding("schema", Severity.INFO, Code.SAMPLING_KEY_ORDER,
                                 f"SamplingParams keys come in another order in {orders_differ} request(s) "
                                 "(msgpack maps are matched by key: compatible)", message_kind="ADD",
                                 struct="SamplingParams"))

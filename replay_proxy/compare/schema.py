@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.compare.readers import how_they_read, rejecting, requiring
 from replay_proxy.compare.rules import Rules
@@ -79,20 +80,20 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
             breaks = tuple(r for r in requiring((PYTHON_FRONTEND, RUST_FRONTEND), "EngineCoreReadyResponse", key,
                                                 release) if r in rejecting((r,), "missing_required_key"))
             findings.append(Finding(
-                "schema", Severity.BREAKING if breaks else Severity.WARNING, "registration_key_missing",
+                "schema", Severity.BREAKING if breaks else Severity.WARNING, Code.REGISTRATION_KEY_MISSING,
                 f"the registration lacks {key!r}" + (f", which a {release} {' and a '.join(breaks)} "
                                                      f"require{'s' if len(breaks) == 1 else ''} "
                                                      f"(\"missing required field `{key}`\")" if breaks else ""),
                 message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key, breaks=breaks))
         for key in sorted(keys_b - keys_a):
-            findings.append(Finding("schema", Severity.INFO, "registration_key_added",
+            findings.append(Finding("schema", Severity.INFO, Code.REGISTRATION_KEY_ADDED,
                                     f"the registration has a new key {key!r} (frontends ignore unknown keys)",
                                     message_kind="REGISTRATION", struct="EngineCoreReadyResponse", field=key))
         ignored = set(rules.ignore_registration_keys)
         for key in sorted(keys_a & keys_b - ignored):
             a, b = baseline.registrations[0].get(key), candidate.registrations[0].get(key)
             if a != b:
-                findings.append(Finding("schema", Severity.WARNING, "registration_value_changed",
+                findings.append(Finding("schema", Severity.WARNING, Code.REGISTRATION_VALUE_CHANGED,
                                         f"registration {key}: {a!r} -> {b!r}", message_kind="REGISTRATION",
                                         struct="EngineCoreReadyResponse", field=key, baseline=a, candidate=b))
     for struct in ("EngineCoreRequest", "EngineCoreOutputs", "EngineCoreOutput", "UtilityOutput"):
@@ -100,7 +101,7 @@ def schema_findings(baseline: Session, candidate: Session, shapes: tuple[Shapes,
             findings += _shape_findings(struct, baseline.schema, candidate.schema, shapes[0][struct], shapes[1][struct])
     finish_names = {k.lower() for k in baseline.schema.enums.get("FinishReason", {})}
     for reason in sorted(candidate.finish_reasons - finish_names):
-        findings.append(Finding("schema", Severity.BREAKING, "finish_reason_unknown",
+        findings.append(Finding("schema", Severity.BREAKING, Code.FINISH_REASON_UNKNOWN,
                                 f"finish reason {reason!r} is not one that {baseline.schema.release} knows",
                                 message_kind="OUTPUTS", struct="FinishReason", candidate=reason,
                                 breaks=(PYTHON_FRONTEND, RUST_FRONTEND)))
@@ -148,7 +149,7 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
     if at < end:
         moved = "inserted" if shift > 0 else "removed"
         findings.append(Finding(
-            "schema", Severity.BREAKING, f"field_{moved}",
+            "schema", Severity.BREAKING, Code(f"field_{moved}"),
             f"{struct}: {abs(shift)} element(s) {moved} at position {at}; {name_a(at)} and every later field "
             f"moved {shift:+d}: a reader of one build misreads the other's messages",
             struct=struct, field=name_a(at), position=at, baseline=length_a, candidate=length_b, breaks=who))
@@ -156,14 +157,14 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
         kinds_a, kinds_b = a.kinds.get(p, set()) - {"nil"}, b.kinds.get(q, set()) - {"nil"}
         if kinds_a and kinds_b and not kinds_a & kinds_b:
             findings.append(Finding(
-                "schema", Severity.BREAKING, "position_type_changed",
+                "schema", Severity.BREAKING, Code.POSITION_TYPE_CHANGED,
                 f"{struct} position {p} ({name_a(p)}) held {sorted(kinds_a)}, now {sorted(kinds_b)}",
                 struct=struct, field=name_a(p), position=p, baseline=sorted(kinds_a), candidate=sorted(kinds_b),
                 breaks=who))
     if at == end and shift > 0:
         breaks = rejecting(who, "extra_trailing_elements", struct, schema_a.release)
         findings.append(Finding(
-            "schema", Severity.BREAKING if breaks else Severity.INFO, "array_longer",
+            "schema", Severity.BREAKING if breaks else Severity.INFO, Code.ARRAY_LONGER,
             f"{struct} arrays grew from {length_a} to {length_b} elements (new: "
             f"{', '.join(name_b(p) for p in range(length_a, length_b))}); "
             f"{how_they_read(who, 'extra_trailing_elements', struct, schema_a.release)}",
@@ -174,7 +175,7 @@ def _shape_findings(struct: str, schema_a: Schema, schema_b: Schema, a: Shape, b
         breaks = tuple(r for r in who if any(requiring((r,), struct, name, schema_a.release) for name in missing))
         required = [n for n in missing if schema_a.structs[struct].by_name[n].required]
         findings.append(Finding(
-            "schema", Severity.BREAKING if breaks else Severity.INFO, "array_shorter",
+            "schema", Severity.BREAKING if breaks else Severity.INFO, Code.ARRAY_SHORTER,
             f"{struct} arrays shrank from {length_a} to {length_b} elements (missing: "
             f"{', '.join(name_a(p) for p in range(length_b, length_a))})"
             + (f"; {', '.join(required)} required by {' and '.join(breaks)}" if breaks else

@@ -9,6 +9,7 @@ deployment: the struct's reader of one release with its writer of the other.
 
 from __future__ import annotations
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND, Finding, Severity
 from replay_proxy.compare.readers import how_they_read, rejecting, requiring
 from replay_proxy.wire.schema import Field, Parameter, Schema, StructSchema
@@ -36,14 +37,14 @@ def diff_schemas(old: Schema, new: Schema) -> list[Finding]:
     for name in sorted(set(old.structs) | set(new.structs)):
         if name not in new.structs or name not in old.structs:
             findings.append(Finding(
-                "schema", Severity.INFO, "struct_removed" if name in old.structs else "struct_added",
+                "schema", Severity.INFO, Code.STRUCT_REMOVED if name in old.structs else Code.STRUCT_ADDED,
                 f"{name} {'no longer exists' if name in old.structs else 'is new'} in {new.release}",
                 struct=name))
             continue
         a, b = old.structs[name], new.structs[name]
         who = readers(new, name)
         if a.encoding != b.encoding:
-            findings.append(Finding("schema", Severity.BREAKING, "encoding_changed",
+            findings.append(Finding("schema", Severity.BREAKING, Code.ENCODING_CHANGED,
                                     f"{name} changed from {a.encoding} to {b.encoding}", struct=name,
                                     baseline=a.encoding, candidate=b.encoding, breaks=who))
         elif a.encoding == "array":
@@ -55,7 +56,7 @@ def diff_schemas(old: Schema, new: Schema) -> list[Finding]:
         removed = {k: v for k, v in old.enums[enum_name].items() if k not in new.enums[enum_name]}
         for label, values, severity in (("added", added, Severity.WARNING), ("removed", removed, Severity.WARNING)):
             for key, value in values.items():
-                findings.append(Finding("schema", severity, f"enum_value_{label}",
+                findings.append(Finding("schema", severity, Code(f"enum_value_{label}"),
                                         f"{enum_name}.{key} ({value!r}) {label} in {new.release}",
                                         struct=enum_name, field=key, candidate=value if label == "added" else None,
                                         baseline=value if label == "removed" else None))
@@ -71,7 +72,8 @@ def _ext_type_changes(old: Schema, new: Schema) -> list[Finding]:
         if a != b:
             renumbered = a is not None and b is not None  # else only added or removed: a warning
             findings.append(Finding("schema", Severity.BREAKING if renumbered else Severity.WARNING,
-                                    "ext_type_changed", f"msgpack extension {name}: code {a} -> {b} in {new.release}",
+                                    Code.EXT_TYPE_CHANGED,
+                                    f"msgpack extension {name}: code {a} -> {b} in {new.release}",
                                     struct="ext_types", field=name, baseline=a, candidate=b,
                                     breaks=(PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND) if renumbered else ()))
     return findings
@@ -87,7 +89,7 @@ def _utility_changes(old: Schema, new: Schema) -> list[Finding]:
         a, b = old.utility_methods.get(method), new.utility_methods.get(method)
         if a is None or b is None:
             findings.append(Finding(
-                "schema", Severity.WARNING, "utility_method_added" if a is None else "utility_method_removed",
+                "schema", Severity.WARNING, Code.UTILITY_METHOD_ADDED if a is None else Code.UTILITY_METHOD_REMOVED,
                 f"utility {method} {'is new in' if a is None else 'no longer exists in'} {new.release}: a "
                 f"{(old if a is None else new).release} engine answers a call to it with a failure",
                 struct="utility_methods", field=method, baseline=_signature(a), candidate=_signature(b)))
@@ -110,12 +112,12 @@ def _utility_changes(old: Schema, new: Schema) -> list[Finding]:
                             f"{old.release} engine takes {len(positional_a)}")
         renamed = [(p.name, q.name) for p, q in zip(positional_a, positional_b) if p.name != q.name]
         if problems:
-            findings.append(Finding("schema", Severity.BREAKING, "utility_signature_changed",
+            findings.append(Finding("schema", Severity.BREAKING, Code.UTILITY_SIGNATURE_CHANGED,
                                     f"utility {method}({_signature(a)}) -> ({_signature(b)}): {'; '.join(problems)}",
                                     struct="utility_methods", field=method, baseline=_signature(a),
                                     candidate=_signature(b), breaks=(PYTHON_ENGINE,)))
         elif a != b:
-            findings.append(Finding("schema", Severity.INFO, "utility_signature_changed",
+            findings.append(Finding("schema", Severity.INFO, Code.UTILITY_SIGNATURE_CHANGED,
                                     f"utility {method}({_signature(a)}) -> ({_signature(b)})"
                                     + (f": parameters renamed {renamed}" if renamed else ""),
                                     struct="utility_methods", field=method, baseline=_signature(a),
@@ -150,7 +152,7 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
             why = ("required: older writers cannot send it" if field.required else
                    f"{new} writers send it; of {old}'s readers, "
                    f"{how_they_read(who, 'extra_trailing_elements', name, old)}")
-            findings.append(Finding("schema", severity, "field_appended",
+            findings.append(Finding("schema", severity, Code.FIELD_APPENDED,
                                     f"{name}.{field.name} appended at position {field.position} ({why})",
                                     struct=name, field=field.name, position=field.position,
                                     candidate=field.type, breaks=breaks))
@@ -159,7 +161,7 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
         for field in a.fields[common:]:
             breaks = requiring(who, name, field.name, old) if field.required else ()
             findings.append(Finding("schema", Severity.BREAKING if breaks else Severity.WARNING,
-                                    "trailing_field_removed",
+                                    Code.TRAILING_FIELD_REMOVED,
                                     f"{name}.{field.name} (position {field.position}) removed in {new}",
                                     struct=name, field=field.name, position=field.position,
                                     baseline=field.type, breaks=breaks))
@@ -169,18 +171,18 @@ def _array_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, 
     inserted = [n for n in new_rest if n not in old_rest]
     removed = [n for n in old_rest if n not in new_rest]
     if new_rest[0] in inserted:
-        code, what = "field_inserted", f"{new_rest[0]} inserted at position {first}"
+        code, what = Code.FIELD_INSERTED, f"{new_rest[0]} inserted at position {first}"
     elif old_rest[0] in removed:
-        code, what = "field_removed", f"{old_rest[0]} removed from position {first}"
+        code, what = Code.FIELD_REMOVED, f"{old_rest[0]} removed from position {first}"
     else:
-        code, what = "fields_reordered", f"fields reordered from position {first}"
+        code, what = Code.FIELDS_REORDERED, f"fields reordered from position {first}"
     shifted = [n for n in old_rest if n in new_rest and old_names.index(n) != new_names.index(n)]
     findings.append(Finding(
         "schema", Severity.BREAKING, code,
         f"{name}: {what}; {len(shifted)} later field(s) change position "
         f"({', '.join(f'{n} {old_names.index(n)}->{new_names.index(n)}' for n in shifted[:4])}"
         f"{', ...' if len(shifted) > 4 else ''}): a reader of one release misreads the other's messages",
-        struct=name, field=new_rest[0] if code == "field_inserted" else old_rest[0], position=first,
+        struct=name, field=new_rest[0] if code is Code.FIELD_INSERTED else old_rest[0], position=first,
         baseline=old_names[first:], candidate=new_names[first:], breaks=who))
     return findings
 
@@ -189,9 +191,9 @@ def _map_changes(name: str, a: StructSchema, b: StructSchema, who: tuple[str, ..
                  old: str, new: str) -> list[Finding]:
     findings = []
     directions = (  # (code, where the key is, where it is not, why if required, why if optional, side)
-        ("key_added", b, a, f"required: {new} readers reject {old} messages without it",
+        (Code.KEY_ADDED, b, a, f"required: {new} readers reject {old} messages without it",
          f"{old} readers ignore it: what it controls is silently not applied by an {old} peer", "candidate"),
-        ("key_removed", a, b, f"required by {old} readers, which reject {new} messages",
+        (Code.KEY_REMOVED, a, b, f"required by {old} readers, which reject {new} messages",
          f"{new} readers ignore it when an {old} peer sends it", "baseline"),
     )
     for code, present, absent, if_required, if_optional, side in directions:
@@ -230,29 +232,29 @@ def _type_change(name: str, a: Field, b: Field, who: tuple[str, ...], old: str, 
     if a.required != b.required:
         if b.required:
             breaks = requiring(who, name, b.name, new)
-            findings.append(Finding("schema", Severity.BREAKING if breaks else Severity.INFO, "became_required",
+            findings.append(Finding("schema", Severity.BREAKING if breaks else Severity.INFO, Code.BECAME_REQUIRED,
                                     f"{name}.{a.name} became required in {new}" + _only(who, breaks), struct=name,
                                     field=a.name, position=position, breaks=breaks))
         else:
-            findings.append(Finding("schema", Severity.INFO, "became_optional",
+            findings.append(Finding("schema", Severity.INFO, Code.BECAME_OPTIONAL,
                                     f"{name}.{a.name} became optional in {new}", struct=name, field=a.name,
                                     position=position))
     if set(a.kinds) != set(b.kinds):
         widened = set(a.kinds) <= set(b.kinds)
         findings.append(Finding(
-            "schema", Severity.BREAKING, "type_changed",
+            "schema", Severity.BREAKING, Code.TYPE_CHANGED,
             f"{name}.{a.name} changed type {a.type} -> {b.type}"
             + (f" (widened: {old} readers reject the new {sorted(set(b.kinds) - set(a.kinds))} values)"
                if widened else ""),
             struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type,
             breaks=rejecting(who, "changed_type")))
     elif a.type != b.type:
-        findings.append(Finding("schema", Severity.INFO, "type_renamed",
+        findings.append(Finding("schema", Severity.INFO, Code.TYPE_RENAMED,
                                 f"{name}.{a.name} type {a.type} -> {b.type} (same wire kinds)",
                                 struct=name, field=a.name, position=position, baseline=a.type, candidate=b.type))
     # A nested struct's default changes whenever that struct does; that is reported on the struct.
     if a.default != b.default and not a.required and not b.required and not b.struct:
-        findings.append(Finding("schema", Severity.WARNING, "default_changed",
+        findings.append(Finding("schema", Severity.WARNING, Code.DEFAULT_CHANGED,
                                 f"{name}.{a.name} default {a.default!r} -> {b.default!r}: omitted values "
                                 f"mean different things to the two releases",
                                 struct=name, field=a.name, position=position, baseline=a.default,

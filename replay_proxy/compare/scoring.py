@@ -36,6 +36,7 @@ import math
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.compare.shift import mean_interval, paired_shift
@@ -121,7 +122,7 @@ def teacher_forced(recording: Session, baseline: list[Session], candidate: Sessi
 def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Finding], dict[str, Judgement]]:
     """The session's scoring finding and each scored request's judgement (with a finding for each failure)."""
     if scoring is None or not scoring.candidate:
-        return [Finding("behaviour", Severity.INFO, "scoring_not_judged",
+        return [Finding("behaviour", Severity.INFO, Code.SCORING_NOT_JUDGED,
                         "teacher-forced scoring not judged: it needs a baseline run (--baseline-cmd with --noise-runs)",
                         tier=SCORED, field="scoring")], {}
     limit = rules.judging.min_kl
@@ -134,7 +135,7 @@ def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Findin
         failed = s.kl > max(limit, floor)
         verdicts[rid] = Judgement(SCORED, not failed, said)
         if failed:
-            findings.append(Finding("behaviour", Severity.REGRESSION, "scores_diverge", said, tier=SCORED,
+            findings.append(Finding("behaviour", Severity.REGRESSION, Code.SCORES_DIVERGE, said, tier=SCORED,
                                     request_id=rid, baseline=round(floor, 6), candidate=round(s.kl, 6)))
     mean, low, high = mean_interval([s.kl for s in scoring.candidate.values()])
     noise_mean, _, noise_high = mean_interval([s.kl for s in scoring.noise.values()] or [0.0])
@@ -142,7 +143,7 @@ def scoring_findings(scoring: Scoring | None, rules: Rules) -> tuple[list[Findin
         s.tokens for s in scoring.candidate.values())
     beyond = low > max(limit, noise_high)
     findings.append(Finding(
-        "behaviour", Severity.REGRESSION if beyond else Severity.INFO, "scoring_kl" if beyond else "scoring_same",
+        "behaviour", Severity.REGRESSION if beyond else Severity.INFO, Code.SCORING_KL if beyond else Code.SCORING_SAME,
         f"teacher-forced scoring of {len(scoring.candidate)} requests: mean KL {mean:.3g} nats/token (95% CI "
         f"{low:.3g} to {high:.3g}) against a noise floor of {noise_mean:.3g} (up to {noise_high:.3g}); top-1 agrees "
         f"at {agree:.1%}" + (f": beyond the floor and {limit:g}" if beyond else ""),
@@ -168,7 +169,7 @@ def sampled_findings(baseline: list[Session], pairs: list[tuple[Request, Request
     shift = paired_shift([_mean(b) - _mean(a) for a, b in sampled], repeats)
     ranks = sum(_rank(b) for _, b in sampled) / len(sampled), sum(_rank(a) for a, _ in sampled) / len(sampled)
     return [shift.finding(
-        ("sampled_shift", "sampled_same"),
+        (Code.SAMPLED_SHIFT, Code.SAMPLED_SAME),
         f"the tokens sampled in {len(sampled)} sampled requests: mean raw logprob {shift.said('nats/token')} "
         f"against the baseline's; mean rank {ranks[1]:.2f} -> {ranks[0]:.2f}",
         f"{'more' if shift.mean > 0 else 'less'} likely tokens are sampled than the baseline samples: a "

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.compare.tokens import LOGPROB_SLACK
 
@@ -51,7 +52,7 @@ class Shift(msgspec.Struct, frozen=True):
         widened = f", widened by {self.repeats} repeat run(s)" if self.repeats else ""
         return f"{self.mean:+.3f} {unit} (99.9% CI {self.low:+.3f} to {self.high:+.3f}{widened}; {effect})"
 
-    def finding(self, codes: tuple[str, str], said: str, meaning: str, **where: Any) -> Finding:
+    def finding(self, codes: tuple[Code, Code], said: str, meaning: str, **where: Any) -> Finding:
         """The session's behaviour finding: a regression with the first of ``codes`` and ``meaning`` said
         after ``said`` where the shift is beyond the noise, else information with the second."""
         if self.beyond:

@@ -39,6 +39,7 @@ import functools
 import math
 from typing import Any
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Judgement, Severity
 from replay_proxy.compare.rules import Rules
 from replay_proxy.store.session import Request, Session, TokenLogprobs
@@ -79,21 +80,21 @@ def token_judgement(baseline: Session, a: Request, b: Request, reproduces: bool,
     if reproduces:
         why = f"tokens diverge at position {first} of {len(a.tokens)}, and the request reproduces (it ran alone " \
               "or was stable in every baseline run)"
-        return Judgement(EXACT, False, why), finding("behaviour", Severity.REGRESSION, "token_mismatch", why,
+        return Judgement(EXACT, False, why), finding("behaviour", Severity.REGRESSION, Code.TOKEN_MISMATCH, why,
                                                      tier=EXACT)
     ours, theirs = _at(b, first), _at(a, first)
     if ours is None or first >= min(len(a.tokens), len(b.tokens)):
         why = (f"tokens diverge at position {first} of {len(a.tokens)}; batched, so not reproducible on vLLM's CPU "
                "build, and " + ("the candidate returned no logprobs to judge the divergence" if ours is None else
                                 "one side ended there") + " (--noise-runs tell whether it is stable)")
-        return None, finding("behaviour", Severity.WARNING, "token_mismatch", why, tier=UNJUDGED)
+        return None, finding("behaviour", Severity.WARNING, Code.TOKEN_MISMATCH, why, tier=UNJUDGED)
     problem = _divergence_problem(a.tokens[first], b.tokens[first], theirs, ours, greedy(baseline, a),
                                   rules.judging.tie_logprob)
     sides = "both builds' top-k" if theirs is not None else "the candidate's top-k (the baseline has no logprobs)"
     if problem:
         why = f"tokens diverge at position {first} of {len(a.tokens)}: {problem}"
         return Judgement(FIRST_DIVERGENCE, False, why), finding(
-            "behaviour", Severity.REGRESSION, "divergence_not_close", why, tier=FIRST_DIVERGENCE)
+            "behaviour", Severity.REGRESSION, Code.DIVERGENCE_NOT_CLOSE, why, tier=FIRST_DIVERGENCE)
     return Judgement(FIRST_DIVERGENCE, True, f"batched; tokens diverge at position {first} between tokens "
                                              f"close in {sides}"), None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.drift import drift_findings
 from replay_proxy.compare.findings import PYTHON_ENGINE, Finding
 from replay_proxy.compare.readers import reader_rules, reader_schema, source as rule_source, verdict as reader_verdict
@@ -38,7 +39,7 @@ from replay_proxy.wire.schema import Schema, release_key
 
 RULE_OF_FLAG = {"extra_position": "extra_trailing_elements", "missing_required": "missing_required_key",
                 "type_mismatch": "changed_type", "not_a_struct": "changed_type", "unknown_key": "unknown_map_key"}
-SHIFTS = ("field_inserted", "field_removed", "fields_reordered", "encoding_changed")
+SHIFTS = (Code.FIELD_INSERTED, Code.FIELD_REMOVED, Code.FIELDS_REORDERED, Code.ENCODING_CHANGED)
 ROOTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.UTILITY_OUTPUT: "EngineCoreOutputs",
          Kind.REGISTRATION: "EngineCoreReadyResponse", Kind.INIT: "EngineHandshakeMetadata"}
 
@@ -110,7 +111,7 @@ def from_schemas(direction: Direction, why: str, writer: Schema, reader_schema: 
     else:
         older, newer = sorted((writer, reader_schema), key=lambda s: release_key(s.release))
         changes = [c for c in diff_schemas(older, newer) if reader in c.breaks
-                   and (c.code != "became_required" or _may_leave_out(c, writer, reader_schema))]
+                   and (c.code is not Code.BECAME_REQUIRED or _may_leave_out(c, writer, reader_schema))]
         compared = f"the schemas of {older.release} and {newer.release}"
     breaks = [Evidence(Verdict.BREAKS, direction, f"{change.message} (from the schemas: {why})", reader=reader,
                        struct=change.struct, field=change.field, position=change.position, rule=change.code)

@@ -36,6 +36,7 @@ from typing import Any
 import trio
 import zmq
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
@@ -153,12 +154,12 @@ class EnginePlayer(Player):
         new = decode_msgpack(payload)
         for key in sorted(set(recorded) ^ set(new)):
             self.outcome.findings.append(Finding(
-                "schema", Severity.WARNING, "init_key_changed",
+                "schema", Severity.WARNING, Code.INIT_KEY_CHANGED,
                 f"INIT {'lacks' if key in recorded else 'has a new key'} {key!r}", message_kind="INIT",
                 struct="EngineHandshakeMetadata", field=key))
         if recorded.get("parallel_config") != new.get("parallel_config"):
             self.outcome.findings.append(Finding(
-                "behaviour", Severity.WARNING, "init_parallel_config_changed",
+                "behaviour", Severity.WARNING, Code.INIT_PARALLEL_CONFIG_CHANGED,
                 "INIT parallel_config differs from the recording", message_kind="INIT",
                 baseline=recorded.get("parallel_config"), candidate=new.get("parallel_config")))
 
@@ -185,7 +186,7 @@ class EnginePlayer(Player):
         request_id = fields["request_id"]
         if recorded is None:
             self.outcome.findings.append(Finding(
-                "behaviour", Severity.REGRESSION, "request_unexpected",
+                "behaviour", Severity.REGRESSION, Code.REQUEST_UNEXPECTED,
                 f"the frontend sent a request ({len(token_ids(fields.get('prompt_token_ids')) or [])} prompt tokens) "
                 "that matches no recorded one", message_kind="ADD", request_id=request_id))
             return
@@ -246,7 +247,7 @@ class EnginePlayer(Player):
         recorded = self._utility_results.get(method)
         if recorded is None:
             self.outcome.findings.append(Finding(
-                "behaviour", Severity.WARNING, "utility_call_unexpected",
+                "behaviour", Severity.WARNING, Code.UTILITY_CALL_UNEXPECTED,
                 f"the frontend called {method!r}, which the recorded frontend never did; answered with a failure",
                 message_kind="UTILITY", field=method))
             utility = [None] * len(self.session.schema.structs["UtilityOutput"].fields)
@@ -321,7 +322,7 @@ class EnginePlayer(Player):
             failure = f"no answer within {self.finish_timeout:g} s"
         if failure is not None:
             self.outcome.findings.append(Finding(
-                "behaviour", Severity.REGRESSION, "http_failed",
+                "behaviour", Severity.REGRESSION, Code.HTTP_FAILED,
                 f"loading the LoRA adapter {lora['lora_name']!r} through the API failed: {failure}",
                 message_kind="UTILITY", field="add_lora"))
 
@@ -335,19 +336,19 @@ class EnginePlayer(Player):
             finish = next((_finish(o, self.decoder.schema) for o in self._recorded_outputs.get(rid, [])
                            if _finish(o, self.decoder.schema)), None)
             if seen.error is not None:
-                findings.append(Finding("behaviour", Severity.REGRESSION, "http_failed",
+                findings.append(Finding("behaviour", Severity.REGRESSION, Code.HTTP_FAILED,
                                         f"the HTTP request failed: {seen.error}", request_id=rid))
             elif seen.embedding is not None:
                 recorded = next(filter(None, map(_pooled_values, self._recorded_outputs.get(rid, []))), [])
                 if seen.embedding != recorded:  # float32 on the wire: the same floats in the JSON
                     findings.append(Finding(
-                        "behaviour", Severity.REGRESSION, "http_response_differs",
+                        "behaviour", Severity.REGRESSION, Code.HTTP_RESPONSE_DIFFERS,
                         f"the user got an embedding of {len(seen.embedding)} values, the recorded engine "
                         f"pooled {len(recorded)}, and they differ", request_id=rid,
                         baseline=recorded[:4], candidate=seen.embedding[:4]))
             elif seen.aborted_after is None and (seen.token_ids, seen.finish_reason) != (tokens, finish):
                 findings.append(Finding(
-                    "behaviour", Severity.REGRESSION, "http_response_differs",
+                    "behaviour", Severity.REGRESSION, Code.HTTP_RESPONSE_DIFFERS,
                     f"the user got {len(seen.token_ids)} tokens ({seen.finish_reason}), the recorded engine "
                     f"produced {len(tokens)} ({finish})", request_id=rid,
                     baseline=tokens[:8], candidate=seen.token_ids[:8]))

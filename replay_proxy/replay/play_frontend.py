@@ -55,6 +55,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.net.relay import Observer, local_address_like
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
@@ -444,9 +445,9 @@ class FrontendPlayer(Player):
             why = (f"stopped waiting {REJECTED_QUIET_S:g} s after the engine said it could not read what it was "
                    f"sent and nothing moved" if quiet else f"stopped waiting after {self.finish_timeout:g} s")
             self.outcome.findings.append(Finding(
-                "replay", Severity.INFO, "finish_timeout",
+                "replay", Severity.INFO, Code.FINISH_TIMEOUT,
                 f"{why}: {len(unfinished)} request(s) unfinished, {len(unanswered)} utility call(s) unanswered",
                 candidate=unfinished[:10]))
         for client in self._dead_on_api_servers:
-            self.outcome.findings.append(Finding("behaviour", Severity.REGRESSION, "engine_dead",
+            self.outcome.findings.append(Finding("behaviour", Severity.REGRESSION, Code.ENGINE_DEAD,
                                                  f"ENGINE_CORE_DEAD on the output socket of API server {client}"))

@@ -29,6 +29,7 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Report, Severity, worst_first
 from replay_proxy.compare.rejection import FAILED, fold_consequences, read_as, reader_rejections, sent_lengths
 from replay_proxy.compare.report import Comparison, Replayed, build_report
@@ -85,7 +86,7 @@ class KeptEngine:
         self.child = self.link = None
 
 
-UNCLEAN = ("finish_timeout", "engine_dead")  # a replay that ends with these leaves its engine unfit to keep
+UNCLEAN = (Code.FINISH_TIMEOUT, Code.ENGINE_DEAD)  # a replay that ends with these leaves its engine unfit to keep
 
 
 def replay_session(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions, *,
@@ -146,7 +147,7 @@ def _replay(db: Path, session: str, peer: PeerUnderTest, options: ReplayOptions,
         first = first or (run if candidate else None)
     assert first is not None and first.outcome is not None  # (the schedule runs the candidate once at least)
     outcome = first.outcome
-    cost = [Finding("behaviour", Severity.INFO, "judging_cost", (
+    cost = [Finding("behaviour", Severity.INFO, Code.JUDGING_COST, (
         f"judging asked every request for its top {options.rules.judging.top_logprobs} logprobs"
         + (f"; teacher-forced scoring took {outcome.scoring_seconds:.1f} s of the candidate's run, whose "
            f"session took {outcome.send_seconds:.1f} s to send" if options.noise_runs else "")),
@@ -211,7 +212,7 @@ def classify_failure(error: ReplayError, sent: LastSent, side: Side, child: Chil
         said = child.log_lines(log_from)
         said = peer_line(said, rules.link_broke_patterns) or peer_line(said, rules.peer_cannot_run_patterns)
         why += (f"\nits log says: {said}" if said else "") + f"\n(log: {log})"
-    return Finding("replay", Severity.REGRESSION, "replay_failed" if sent.events else "peer_not_reached", why)
+    return Finding("replay", Severity.REGRESSION, Code.REPLAY_FAILED if sent.events else Code.PEER_NOT_REACHED, why)
 
 
 def _replay_once(recording: Session, peer: PeerUnderTest, options: ReplayOptions, name: str, log: Path,
