@@ -30,8 +30,8 @@ class ChildError(ReplayProxyError):
     """A child process failed to start, exited early or did not become ready."""
 
 
-_RUNNING: set[subprocess.Popen] = set()  # run_group's children now: what stop_groups stops
-_STOPPED = threading.Event()  # set by stop_groups: no run_group starts after it (a worker thread's next replay)
+_RUNNING: set[subprocess.Popen] = set()  # every child now (run_group's, each Child): what stop_groups stops
+_STOPPED = threading.Event()  # set by stop_groups: no child starts after it (a worker thread's next replay)
 
 
 def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = None, text: bool = False
@@ -57,9 +57,9 @@ def run_group(argv: list[str], timeout: float, *, env: dict[str, str] | None = N
 
 
 def stop_groups() -> None:
-    """Every ``run_group`` child now, and what it started, killed: what ``cli.run`` does first on SIGTERM, so that
-    a command whose threads wait on replays (matrix, shrink) stops at once, not when they end, and none of them
-    starts another."""
+    """Every child now (``run_group``'s, and each ``Child``: the peers of a replay a worker thread runs), and what
+    it started, killed: what ``cli.run`` does first on SIGTERM, so that a command whose threads wait on replays
+    (matrix, shrink) stops at once, not when they end, and none of them starts another."""
     _STOPPED.set()
     for process in list(_RUNNING):
         _kill(process)
@@ -116,6 +116,8 @@ class Child:
                  name: str | None = None, cwd: Path | None = None, owns: Path | None = None):
         """``owns``: a folder only this child writes to (its scratch files), removed once it has stopped."""
         self.name = name or Path(argv[0]).name
+        if _STOPPED.is_set():
+            raise ChildError(f"not started, the command is stopping: {self.name}")
         self.owns = owns
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +131,7 @@ class Child:
         finally:
             log.close()
         self.pid = self.process.pid
+        _RUNNING.add(self.process)
 
     def running(self) -> bool:
         return self.process.poll() is None
@@ -153,6 +156,7 @@ class Child:
                 pass
         self._signal_group(signal.SIGKILL)
         code = self.process.wait(10)
+        _RUNNING.discard(self.process)
         if self.owns is not None:
             shutil.rmtree(self.owns, ignore_errors=True)
         return code

@@ -55,10 +55,13 @@ def run() -> None:
         code = ExitCode.INTERRUPTED
     except BaseExceptionGroup as group:  # from a trio nursery: say what went wrong, in one line
         error = leaf(group)
-        if not isinstance(error, (ReplayProxyError, OSError, zmq.ZMQError)):
+        if isinstance(error, KeyboardInterrupt):  # (a replay's, raised inside its nursery)
+            code = ExitCode.INTERRUPTED
+        elif isinstance(error, (ReplayProxyError, OSError, zmq.ZMQError)):
+            err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+            code = ExitCode.ERROR
+        else:
             raise
-        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
-        code = ExitCode.ERROR
     except ReplayProxyError as error:  # what the arguments name cannot be used: the input's class, exit 1
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
         code = ExitCode.ERROR

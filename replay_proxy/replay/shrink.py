@@ -7,9 +7,9 @@ another replay when its code, severity, struct, field and position are
 (request ids, times and values vary from run to run; DEMi's fingerprint).
 Then Zeller's ddmin over the session's requests, in the order they were
 added: each candidate is a ``cut`` of those requests (``store/cut.py``),
-replayed in a process of its own against a fresh peer on free ports, with
-the replay's own timeouts; the candidate fails if its replay has the
-finding. Then, request by request, its ADD is simplified: each sampling
+replayed (``replay_session``, on a thread of its own with ``jobs``) against
+a fresh peer on free ports, with the replay's own timeouts; the candidate
+fails if its replay has the finding. Then, request by request, its ADD is simplified: each sampling
 value back to its default, the prompt and max_tokens halved, each change
 kept while the finding holds. Results are kept by the candidate's content
 (its requests and edits), so no candidate runs twice, ``max_replays`` bounds
@@ -20,10 +20,7 @@ result does not depend on which finished first).
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,16 +28,18 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.compare.findings import Severity
+from replay_proxy.compare.codes import Code
+from replay_proxy.compare.findings import Finding, Severity, worst_first
 from replay_proxy.errors import ReplayProxyError
-from replay_proxy.processes import free_port, run_group, threaded
+from replay_proxy.processes import free_port, threaded
+from replay_proxy.replay.player import PeerUnderTest, ReplayOptions
+from replay_proxy.replay.run import replay_session
 from replay_proxy.store.cut import Selection, cut_database
 from replay_proxy.store.queries import QueryError, added_requests
 from replay_proxy.store.subset import Edit
 from replay_proxy.wire.messages import Side
 
-Identity = tuple[str, str, str | None, str | None, int | None]  # code, severity, struct, field, position
-_SEVERITY = {s.name.lower(): s for s in Severity}
+Identity = tuple[Code, Severity, str | None, str | None, int | None]  # code, severity, struct, field, position
 
 
 class ShrinkError(ReplayProxyError):
@@ -57,34 +56,39 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True):
     finish_timeout_s: float
     pace: str = "original"  # each replay's (``replay --pace``)
 
-    def replay_argv(self, db: Path, session: str, report_dir: Path) -> list[str]:
+    def replay(self, db: Path, session: str, report_dir: Path) -> list[Finding]:
+        """Replay ``session`` of ``db`` against a fresh peer on free ports: its findings, worst first."""
         if self.against is Side.ENGINE:
             port = free_port()
-            target = ["--listen", f"tcp://127.0.0.1:{port}", "--engine-cmd", self.command.replace("{port}", str(port))]
+            peer = PeerUnderTest(side=self.against, address=f"tcp://127.0.0.1:{port}",
+                                 command=self.command.replace("{port}", str(port)))
         else:
             http, rpc = free_port(), free_port()
-            target = ["--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
-                      self.command.replace("{http}", str(http)).replace("{rpc}", str(rpc))]
-        return [sys.executable, "-m", "replay_proxy", "replay", "--db", str(db), "--session", session,
-                "--against", str(self.against), *target, "--pace", self.pace,
-                "--ready-timeout", str(self.ready_timeout_s), "--finish-timeout", str(self.finish_timeout_s),
-                "--report-dir", str(report_dir)]
+            peer = PeerUnderTest(side=self.against, address=f"tcp://127.0.0.1:{rpc}", http=f"http://127.0.0.1:{http}",
+                                 command=self.command.replace("{http}", str(http)).replace("{rpc}", str(rpc)))
+        options = ReplayOptions(pace=self.pace, ready_timeout_s=self.ready_timeout_s,
+                                finish_timeout_s=self.finish_timeout_s, report_dir=report_dir)
+        try:
+            report, _ = replay_session(db, session, peer, options)
+        except ReplayProxyError as exc:
+            raise ShrinkError(f"a replay did not run: {exc}") from None
+        return worst_first(report.findings)
 
 
-def identity(finding: dict) -> Identity:
-    return (finding["code"], finding["severity"], finding.get("struct"), finding.get("field"), finding.get("position"))
+def identity(finding: Finding) -> Identity:
+    return finding.code, finding.severity, finding.struct, finding.field, finding.position
 
 
-def wanted(findings: list[dict], spec: str | None) -> dict | None:
+def wanted(findings: list[Finding], spec: str | None) -> Finding | None:
     """The finding to chase: the first that ``spec`` (CODE or CODE:STRUCT.FIELD) names, else the worst
     that is not about time (a replay's timing is not a request's doing)."""
     if spec is not None:
         code, _, where = spec.partition(":")
         struct, _, field = where.partition(".")
-        return next((f for f in findings if f["code"] == code and (not struct or f.get("struct") == struct)
-                     and (not field or f.get("field") == field)), None)
-    serious = [f for f in findings if f["category"] != "performance" and _SEVERITY[f["severity"]] >= Severity.WARNING]
-    return max(serious, key=lambda f: _SEVERITY[f["severity"]], default=None)
+        return next((f for f in findings if f.code == code and (not struct or f.struct == struct)
+                     and (not field or f.field == field)), None)
+    serious = [f for f in findings if f.category != "performance" and f.severity >= Severity.WARNING]
+    return max(serious, key=lambda f: f.severity, default=None)
 
 
 def session_requests(db: Path, session: str) -> tuple[int, list[dict[str, Any]]]:
@@ -118,7 +122,7 @@ class Shrinker:
     def replays(self) -> int:
         return len(self.tried) + 1  # and the whole session's
 
-    def start(self, spec: str | None) -> dict:
+    def start(self, spec: str | None) -> Finding:
         """Replay the whole session; the finding to chase (ShrinkError if there is none)."""
         self.session_id, added = session_requests(self.db, self.session)
         self.smallest = [request["request_id"] for request in added]
@@ -127,14 +131,14 @@ class Shrinker:
         copy = self.workdir / "whole" / "session.db"
         copy.parent.mkdir(parents=True)
         shutil.copy(self.db, copy)
-        findings = self._replay(copy, self.session, copy.parent)
+        findings = self.peer.replay(copy, self.session, copy.parent)
         finding = wanted(findings, spec)
         if finding is None:
-            said = ", ".join(sorted({f"{f['code']} ({f['severity']})" for f in findings})) or "no finding"
+            said = ", ".join(sorted({f"{f.code} ({f.severity.name.lower()})" for f in findings})) or "no finding"
             raise ShrinkError(f"the whole session's replay has no {spec or 'finding to shrink for'}: it "
                               f"reported {said}")
         self.target = identity(finding)
-        self.progress(f"chasing {finding['code']} ({finding['severity']}): {len(self.smallest)} requests")
+        self.progress(f"chasing {finding.code} ({finding.severity.name.lower()}): {len(self.smallest)} requests")
         return finding
 
     def ddmin(self) -> list[str]:
@@ -210,22 +214,9 @@ class Shrinker:
         folder = Path(tempfile.mkdtemp(prefix="candidate-", dir=self.workdir))
         cut = folder / "session.db"
         cut_database(self.db, cut, self.session, Selection(requests=requests, edits=edits), name="candidate")
-        found = self._replay(cut, "candidate", folder)
+        found = self.peer.replay(cut, "candidate", folder)
         shutil.rmtree(folder, ignore_errors=True)
         return any(identity(f) == self.target for f in found)
-
-    def _replay(self, db: Path, session: str, folder: Path) -> list[dict]:
-        argv = self.peer.replay_argv(db, session, folder)
-        limit = self.peer.ready_timeout_s + self.peer.finish_timeout_s + 120
-        try:
-            done = run_group(argv, limit, text=True)
-        except subprocess.TimeoutExpired:
-            raise ShrinkError(f"a replay took over {limit:g} s: {shlex.join(argv)}") from None
-        report = folder / "report.json"
-        if not report.exists():
-            said = [line for line in done.stderr.splitlines() if line.strip()] or ["no output"]
-            raise ShrinkError(f"a replay ended with {done.returncode} and no report: {said[-1]}")
-        return json.loads(report.read_text())["findings"]
 
 
 def shrink(db: Path, session: str, out: Path, peer: Peer, *, finding: str | None = None, max_replays: int = 64,
@@ -254,7 +245,8 @@ def _shrink(db: Path, session: str, out: Path, peer: Peer, finding: str | None, 
         smallest = shrinker.ddmin()
         edits = shrinker.simplify()
     cut_database(db, out / "shrunk.db", session, Selection(requests=smallest, edits=edits or None), name=session)
-    summary = {"finding": {k: chased.get(k) for k in ("code", "severity", "struct", "field", "position", "message")},
+    summary = {"finding": {"code": str(chased.code), "severity": chased.severity.name.lower(), "struct": chased.struct,
+                           "field": chased.field, "position": chased.position, "message": chased.message},
                "requests": {"before": total, "after": len(smallest)}, "kept": smallest,
                "simplified": msgspec.to_builtins(edits),
                "replays": shrinker.replays, "max_replays": max_replays,

@@ -79,11 +79,11 @@ def test_a_bisect_stopped_during_its_install_leaves_no_process_and_the_next_one_
 
 
 def test_a_shrink_stopped_while_its_replay_waits_for_a_peer_stops_the_replay_and_the_peer_at_once(tmp_path):
-    """shrink (as matrix) runs each replay as a process of its own group: SIGTERM stops them first, not after
-    the peer's ready timeout."""
+    """shrink (as matrix) starts each peer in a process group of its own: SIGTERM stops the peer first, so that
+    the replay waiting for it ends at once, not after the peer's ready timeout."""
     process = subprocess.Popen(
         [sys.executable, "-m", "replay_proxy", "shrink", "--db", str(ROOT / "recordings" / "demo.db"), "--session",
-         "demo", "--out", str(tmp_path / "shrunk"), "--against", "engine", "--engine-cmd", "sleep 600 # {port}",
+         "demo", "--out", str(tmp_path / "shrunk"), "--against", "engine", "--engine-cmd", "sleep 600 {port}",
          "--ready-timeout", "600"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, preexec_fn=ignoring_sigint)
     try:

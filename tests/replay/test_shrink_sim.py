@@ -63,7 +63,7 @@ def test_one_poisoned_request_of_500_shrinks_to_it_in_at_most_40_replays(tmp_pat
     replayed = Shrinker(tmp_path / "out" / "shrunk.db", "staging", engine({"die_on_logprobs_over": 25}),
                         tmp_path / "again")
     (tmp_path / "again").mkdir()
-    assert replayed.start("engine_dead")["code"] == "engine_dead" and replayed.smallest == ["r317"]
+    assert replayed.start("engine_dead").code == "engine_dead" and replayed.smallest == ["r317"]
 
 
 def test_a_pair_that_fails_only_together_shrinks_to_the_pair(tmp_path, sixteen):
