@@ -24,6 +24,9 @@ from replay_proxy.store.progress import Progress, Stop
 from replay_proxy.store.sample import RequestSample
 from replay_proxy.wire.capture import encode_entries
 
+__all__ = ["Batch", "Progress", "RedactorStart", "RotationSettings", "Stop", "WriterStart", "batch_message",
+           "decode_progress", "encode_progress", "header", "stop_message"]
+
 
 class RotationSettings(msgspec.Struct, frozen=True):
     """record's rotation options, for the writer, which rotates (``recorder/rotation/``)."""

@@ -55,7 +55,7 @@ class RecorderError(ReplayProxyError):
     """The writer process failed or did not finish in time."""
 
 
-class RecorderStats(WriterCounts, frozen=True, kw_only=True, array_like=False):
+class RecorderStats(WriterCounts, kw_only=True, array_like=False):
     """The counts of the status line, the summary, the ``sessions`` row, the JSON log and the metrics:
     seen = recorded + sampled out + dropped + queued, on every path. The writer's counts are its own fields
     (``WriterCounts``: frames recorded, failed, undecoded, undecodable, sampled out; requests, engines dead,
@@ -104,7 +104,7 @@ class Recorder:
     def __init__(self, db_path: str | Path, session: SessionInfo, *, on_full: OnFull = OnFull.DROP,
                  queue_size: int = 100_000, max_db_bytes: int | None = None,
                  redaction: RedactionSettings | None = None, sample: RequestSample | None = None,
-                 rotation: RotationSettings | None = None, context: zmq.Context | None = None):
+                 rotation: RotationSettings | None = None, context: zmq.Context[zmq.Socket[bytes]] | None = None):
         self.db_path = Path(db_path)
         row = {**msgspec.to_builtins(session), "started_at": utc_now(), "status": "recording",
                "proxy_version": __version__, "frames_seen": 0, "frames_recorded": 0, "frames_dropped": 0}
@@ -191,7 +191,7 @@ class Recorder:
         self.writer.kill_redactor()
         shutil.rmtree(self._folder, ignore_errors=True)
         p, tap = self.writer.progress, self._tap.counts
-        if self.writer.rotating and p.db_path is not None:  # the writer's last report: the file it ended in
+        if self.writer.rotating and p.db_path is not None and p.session_id is not None:  # the file it ended in
             self.db_path, self.session_id = Path(p.db_path), p.session_id
         if code != 0:
             self._end_for_a_dead_writer(code, error)

@@ -25,6 +25,7 @@ import gc
 import itertools
 import os
 import sys
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -60,7 +61,7 @@ class RedactorLoop:
 
     def run(self) -> None:
         while True:
-            if not self.tap.poll(PARENT_CHECK_S * 1000):
+            if not self.tap.poll(int(PARENT_CHECK_S * 1000)):
                 if os.getppid() != self.parent:  # died without Stop: the writer notices it too
                     self._pass_on(self.redactor.flush(), self.last)
                     break
@@ -83,11 +84,11 @@ class RedactorLoop:
         if next(self.redacted) % REDACTED_PER_YIELD == 0:
             os.sched_yield()
 
-    def _pass_on(self, redacted: list[CapturedFrame | EngineLoss], head: Batch) -> None:
+    def _pass_on(self, redacted: Sequence[CapturedFrame | EngineLoss], head: Batch) -> None:
         """The redacted frames (and losses), as one message of the relay's own entries."""
         if not redacted:  # all of it waits for an ADD
             return
-        entries = [[RELAY, *(relay_entry(item) if type(item) is CapturedFrame else engine_loss_entry(item))]
+        entries = [[RELAY, *(engine_loss_entry(item) if isinstance(item, EngineLoss) else relay_entry(item))]
                    for item in redacted]
         frames = sum(type(item) is CapturedFrame for item in redacted)
         self.writer.send_multipart(batch_message(entries, Batch(frames, head.frames_seen, head.bytes_seen)))

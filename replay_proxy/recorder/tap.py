@@ -49,7 +49,7 @@ _STOP_ENTRY = [RELAY, *STOP]  # STOP as the tap receives it
 
 
 class Tap:
-    def __init__(self, context: zmq.Context, writer: WriterProcess, *, queue_size: int, block: bool):
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], writer: WriterProcess, *, queue_size: int, block: bool):
         # Written by the tap's thread alone (read by others, a field at a time):
         self.counts = TapCounts()
         self.first_frame_s: float | None = None  # when the tap took the first frame (wall clock)
@@ -133,9 +133,10 @@ class Tap:
             due = None  # when the entries go: held a while, so that the writer's side wakes less
             while frames < most:
                 # (after STOP with every copy in, nothing more is waited for)
-                deadline = time.monotonic() if stop_by is not None and self._copies_in() else due or stop_by
-                if not collector.poll(PROGRESS_WAIT_MS if deadline is None
-                                      else max(0.0, deadline - time.monotonic()) * 1000):
+                deadline: float | None = (time.monotonic() if stop_by is not None and self._copies_in()
+                                          else due or stop_by)
+                if not collector.poll(PROGRESS_WAIT_MS if deadline is None  # (ms, whole: as pyzmq takes them)
+                                      else int(max(0.0, deadline - time.monotonic()) * 1000)):
                     break
                 entry = collector.recv_multipart()
                 if due is None:

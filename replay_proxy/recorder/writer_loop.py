@@ -61,7 +61,7 @@ class WriterLoop:
         self.sockets_folder = start.sockets_folder
         self.db_path = start.db_path
         self.writer = Writer(start.db_path, start.session_id, max_bytes=start.max_bytes, sample=start.sample)
-        self.series = None if start.rotation is None else Series(start, self.writer)
+        self.series = None if start.rotation is None else Series(start, start.rotation, self.writer)
         self.received = 0  # frames in the tap's messages taken so far
         self.held: list[Entries] = []  # the tap's messages waiting, in memory, oldest first
         self.held_bytes = self.held_frames = 0
@@ -82,6 +82,7 @@ class WriterLoop:
         if self.series is None:
             self.writer.finish(self.stop)
         else:
+            assert self.stop is not None  # (the loop ends once a Stop came, or was made for a proxy gone)
             self.series.finish(self.stop, self.received)
         self._report(last=True)  # the last word, after the end: a rotating recording's totals are read from it
         self.tap.close(linger=0)
@@ -152,7 +153,7 @@ class WriterLoop:
         elif self.series is not None and self.series.due():  # (SIGHUP, or the clock, while nothing comes)
             self.writer = self.series.rotate(self.received, self.last_batch)
         else:
-            self.tap.poll(PARENT_CHECK_S * 1000)
+            self.tap.poll(int(PARENT_CHECK_S * 1000))
         return True
 
 

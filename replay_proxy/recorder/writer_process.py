@@ -34,7 +34,7 @@ START_TIMEOUT_S = 60.0
 LINGER_MS = 1000  # what was sent a writer that is still busy goes on to it this long, in the background
 
 
-def _start(module: str, start: WriterStart | RedactorStart) -> subprocess.Popen:
+def _start(module: str, start: WriterStart | RedactorStart) -> subprocess.Popen[bytes]:
     """One of the recorder's processes, started with its ``start`` (JSON, its one argument), SCHED_IDLE."""
     process = subprocess.Popen(
         [sys.executable, "-m", module, msgspec.json.encode(start).decode()], stdin=subprocess.DEVNULL,
@@ -48,9 +48,9 @@ class WriterProcess:
     ``tap_address`` is where the tap sends, ``progress`` the writer's latest report, ``lost`` why either
     process is gone, if one is."""
 
-    def __init__(self, db_path: Path, session_id: int, folder: str, context: zmq.Context, *, queue_size: int,
-                 max_db_bytes: int | None, redaction: RedactionSettings | None, sample: RequestSample | None,
-                 rotation: RotationSettings | None):
+    def __init__(self, db_path: Path, session_id: int, folder: str, context: zmq.Context[zmq.Socket[bytes]], *,
+                 queue_size: int, max_db_bytes: int | None, redaction: RedactionSettings | None,
+                 sample: RequestSample | None, rotation: RotationSettings | None):
         self.tap_address = f"ipc://{folder}/tap"
         progress = f"ipc://{folder}/progress"
         # Counts are cumulative, so only the newest report matters (each read drains the queue). Not

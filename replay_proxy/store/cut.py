@@ -178,7 +178,7 @@ def cut_database(source: Path, out: Path, session: str, selection: Selection, na
         values["cut_from"] = msgspec.json.encode({"source": digest, "file": source.name,
                                                   "session": row["name"], "session_id": row["id"],
                                                   "selection": selection, "requests": len(chosen)}).decode()
-        kept = (cut for cut in map(cutter.frame, recorded_frames(db, row["id"], _frames_needed(db, row["id"], chosen)))
-                if cut is not None)
+        kept = (cut for frame in recorded_frames(db, row["id"], _frames_needed(db, row["id"], chosen))
+                if (cut := cutter.frame(frame)) is not None)
         session_id, frames = write_session(out, values, kept, copied_seqs(db, row["id"]))
     return session_id, len(chosen), frames

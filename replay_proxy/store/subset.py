@@ -11,7 +11,7 @@ keeps its bytes, and one that does not decode is kept as it was.
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
@@ -55,6 +55,12 @@ class Cutter:
         self.schema, _ = schema_for(vllm_version)
         self.calls: set[tuple[int | None, Any, Any]] = set()  # (engine, API server, call id) of the utility calls kept
         self.outputs_left_out = 0  # the outputs of requests not chosen
+
+    @overload
+    def frame(self, item: CapturedFrame) -> CapturedFrame | None: ...
+
+    @overload
+    def frame(self, item: EngineLoss) -> EngineLoss: ...
 
     def frame(self, item: CapturedFrame | EngineLoss) -> CapturedFrame | EngineLoss | None:
         if isinstance(item, EngineLoss) or item.channel in (Channel.HANDSHAKE, Channel.COORDINATOR_INPUT):

@@ -16,6 +16,7 @@ import os
 import sqlite3
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import sqlite_utils
 
@@ -294,7 +295,7 @@ def frames_kept(path: str | Path, session_id: int) -> int:
                                       {"s": session_id}).fetchone()[0])
 
 
-def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, object], int, list[str]]:
+def ended_session(path: str | Path, session_id: int) -> tuple[dict[str, Any], int, list[str]]:
     """A session's row as whoever ended it wrote it, its requests counted, and its drift alarms in order."""
     with contextlib.closing(read_recording(Path(path))) as connection:
         connection.row_factory = sqlite3.Row

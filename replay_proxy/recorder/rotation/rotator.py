@@ -44,6 +44,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -80,7 +81,8 @@ class Rotator:
         self.used = {first}  # every file this run has written
         self.start: list[CapturedFrame] = []  # what each new file begins with
         self._started = False  # an ADD has crossed: the session's start is over
-        self._calls: set[tuple] = set()  # the start-up's utility calls not answered yet: (engine, API server, id)
+        # the start-up's utility calls not answered yet: (engine, API server, id)
+        self._calls: set[tuple[int | None, Any, Any]] = set()
         self._schema, _ = schema_for(None)  # the engines' release, once a registration names it
         self.requested = False  # SIGHUP
         self.due_at = self._next_boundary(now)
@@ -211,7 +213,7 @@ class Finishing:
         ``file_bytes`` as much as it may."""
         return not self.pending or now > self._until or (self._most is not None and file_bytes > self._most)
 
-    def part(self, frame: CapturedFrame) -> CapturedFrame:
+    def part(self, frame: CapturedFrame) -> CapturedFrame | None:
         """``frame`` with only these requests' outputs (or ABORT), and no utility result."""
         return self._theirs.frame(frame)
 
@@ -229,7 +231,7 @@ class Others:
         return self._cutter.frame(frame)
 
 
-def requests_of(frame: CapturedFrame, schema: Schema) -> tuple[list, list, list]:
+def requests_of(frame: CapturedFrame, schema: Schema) -> tuple[list[str], list[str], list[str]]:
     """(the requests a frame carries outputs or an ABORT of, those of them it finishes, those it aborts)."""
     try:
         if frame.channel is Channel.INPUT and frame.direction is Direction.TO_ENGINE:

@@ -9,13 +9,14 @@ import signal
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from replay_proxy.clock import utc_now
 from replay_proxy.store import reserve
 from replay_proxy.store.counts import FrameCounts
-from replay_proxy.recorder.protocol import Batch, Progress, Stop, WriterStart
+from replay_proxy.recorder.protocol import Batch, Progress, RotationSettings, Stop, WriterStart
 from replay_proxy.recorder.rotation.files import database_bytes, holds_data, remove
 from replay_proxy.recorder.rotation.rotator import (
     FINISHING_FILES, ROTATE_RETRY_S, Finishing, Others, Rotator, requests_of)
@@ -49,16 +50,16 @@ class Series:
     """The files of a rotating recording, as the writer process holds them (``rotator.py`` decides): the
     current one, the previous ones while their requests finish, and the totals of those already closed."""
 
-    def __init__(self, start: WriterStart, first: Writer):
-        self.options = {"max_bytes": start.max_bytes, "sample": start.sample}
-        self.rotator = Rotator(start.rotation, Path(start.db_path), time.time())
+    def __init__(self, start: WriterStart, rotation: RotationSettings, first: Writer):
+        self.max_bytes, self.sample = start.max_bytes, start.sample  # (each file's writer's)
+        self.rotator = Rotator(rotation, Path(start.db_path), time.time())
         self.current = _Part(Path(start.db_path), first, 0, Batch(0, 0, 0))
         self.finishing: list[tuple[_Part, Finishing]] = []  # previous files whose requests still run, oldest first
         self.others: Others | None = None  # (made at the first rotation, when the release is known)
         self.closed_progress = Progress()  # the totals of the files already closed ...
         self.closed, self.closed_bytes = FrameCounts(), 0  # ... and where each frame they saw is
         self.dead: set[int | None] = set()
-        self.alarmed: set[tuple] = set()
+        self.alarmed: set[tuple[Any, ...]] = set()
         self.rotation_error: str | None = None  # the last rotation's, until one succeeds
         signal.signal(signal.SIGHUP, lambda *_: setattr(self.rotator, "requested", True))  # the proxy passes it on
 
@@ -76,22 +77,25 @@ class Series:
         """Write each previous file's part of these frames there (counted in the oldest that has one); return
         the current file's frames, having written its part of the others as copies."""
         schema = self.current.writer.decoder.schema
-        counted: dict[int, list] = {id(part): [] for part, _ in self.finishing}
-        copies: dict[int, list] = {id(part): [] for part, _ in self.finishing}
-        current, current_copies = [], []
+        counted: dict[int, list[CapturedFrame | EngineLoss]] = {id(part): [] for part, _ in self.finishing}
+        copies: dict[int, list[CapturedFrame | EngineLoss]] = {id(part): [] for part, _ in self.finishing}
+        current: list[CapturedFrame | EngineLoss] = []
+        current_copies: list[CapturedFrame | EngineLoss] = []
         for item in captured:
             ids, ended, aborted = requests_of(item, schema) if type(item) is CapturedFrame else ([], [], [])
             for _, finishing in self.finishing:
                 finishing.expire(item.ts_ns)
             owners = [(part, f) for part, f in self.finishing if f.pending.intersection(ids)]
-            if not owners:
+            if not owners or not isinstance(item, CapturedFrame):  # (a loss names no request)
                 current.append(item)
                 continue
+            assert self.others is not None  # (made at the first rotation, before any file was left finishing)
             rest = self.others.part(item, [f for _, f in self.finishing])  # (before the requests it ends are done)
             if rest is not None:
                 current_copies.append(rest)
             for n, (part, finishing) in enumerate(owners):
-                (copies if n else counted)[id(part)].append(finishing.part(item))
+                if (theirs := finishing.part(item)) is not None:
+                    (copies if n else counted)[id(part)].append(theirs)
                 finishing.end(ended, aborted, item.ts_ns)
         for part, _ in self.finishing:
             if counted[id(part)]:
@@ -117,7 +121,7 @@ class Series:
                 "frames_recorded": 0, "frames_dropped": 0})
             if not held:  # a file whose end could not be written is no file to begin
                 raise OSError("no room for the reserve its session's end needs")
-            writer = Writer(str(path), session_id, **self.options)
+            writer = Writer(str(path), session_id, max_bytes=self.max_bytes, sample=self.sample)
             writer.write_copies(list(self.rotator.start), Copies.WHOLE)
             if writer.frames_copied < sum(type(item) is CapturedFrame for item in self.rotator.start):
                 writer.connection.close()
