@@ -40,12 +40,13 @@ COMMANDS = {
     ("can-i-deploy", "db"): "can-i-deploy --frontend vllm==0.32.0 --engine vllm==0.32.0 --db {input}",
     ("matrix", "db"): "matrix --predict-only --frontends vllm:0.32.0..0.32.0 --engines 0.32.0 --db {input}",
     ("add-release", "db"): "add-release 9.9.9 --db {input}",
+    ("merge", "db"): "merge {out}/shard-1 --report-dir {out}/matrix --db {input}",
 }
-WRITTEN = {("record", "db"), ("matrix", "db"), ("add-release", "db")}
+WRITTEN = {("record", "db"), ("matrix", "db"), ("add-release", "db"), ("merge", "db")}
 # Paths that are not databases: where a command writes (it makes them), or sources, keys, policies and rules, whose
 # own checks their commands' tests cover.
 NOT_DATABASES = {"out", "parquet", "report_dir", "out_db", "output", "key_file", "policy", "redact_key",
-                 "redact_policy", "rules", "recordings", "python", "vllm_src", "rust_src", "schema"}
+                 "redact_policy", "rules", "recordings", "python", "vllm_src", "rust_src", "schema", "shards"}
 
 
 def path_options() -> set[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Which releases work together: ``matrix``, ``can-i-deploy``, ``bisect``."""
+"""Which releases work together: ``matrix`` (and ``merge`` of its shards), ``can-i-deploy``, ``bisect``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ def matrix(
              "keep each replay (its report, the peer's log, its database) under replays/.")] = None,
     recordings: Annotated[Path | None, typer.Option(help=RECORDINGS_HELP)] = None,
     ready_timeout: ReadyTimeout = READY_S,
+    shard: Annotated[str | None, typer.Option(
+        help="Observe only the I-th of N equal shares of the cells (I/N), for N CI runners; every shard "
+             "predicts every cell. `replay-proxy merge` makes their --report-dir folders one matrix.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print matrix.json's document on stdout, not the table.")]
         = False,
 ) -> None:
@@ -47,12 +50,16 @@ def matrix(
     """
     from replay_proxy.matrix import RECORDINGS, MatrixError
     from replay_proxy.matrix.run import run
+    from replay_proxy.matrix.shard import SHARD_JSON, parse_shard
     from replay_proxy.report.matrix import matrix_json, print_run, write_reports
 
     try:
+        part = None if shard is None else parse_shard(shard)
+        if part is not None and (report_dir is None or db is not None):
+            raise MatrixError("--shard writes its share to --report-dir, for merge (which takes --db)")
         done = run(frontends, engines, predict_only=predict_only, observe=observe or [],
                    recordings=recordings or RECORDINGS, db=db, report_dir=report_dir,
-                   ready_s=ready_timeout,
+                   ready_s=ready_timeout, shard=part,
                    command="replay-proxy matrix " + " ".join(sys.argv[2:]),
                    progress=lambda line: err.print(line, highlight=False))
     except MatrixError as exc:
@@ -63,6 +70,38 @@ def matrix(
     if report_dir is not None:
         for path in write_reports(done.cells, report_dir):
             err.print(f"wrote {path}")
+    if done.shard is not None and report_dir is not None:
+        (report_dir / SHARD_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(done.shard)))
+        err.print(f"wrote {report_dir / SHARD_JSON}")
+
+
+@app.command()
+def merge(
+    shards: Annotated[list[Path], typer.Argument(help="Each shard's --report-dir (matrix --shard I/N), once.")],
+    report_dir: Annotated[Path, typer.Option(help="Write the merged matrix.json, junit.xml, matrix.html and "
+                                                  "matrix.md here, with the replays their evidence names.")],
+    db: Annotated[Path | None, typer.Option(help="Keep the merged cells in this matrix database.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print matrix.json's document on stdout, not the table.")]
+        = False,
+) -> None:
+    """Merge the shards of one matrix run, each observed on a runner of its own, into the matrix that one
+    run would give: the same cells, verdicts and reports (docs/ci.md: Sharded across runners).
+
+    Example: replay-proxy merge shard-1/ shard-2/ shard-3/ --report-dir matrix/ --db matrix.db
+    """
+    from replay_proxy.matrix import MatrixError
+    from replay_proxy.matrix.run import merge as merge_run
+    from replay_proxy.report.matrix import matrix_json, print_run, write_reports
+
+    try:
+        done = merge_run(shards, report_dir, db=db, command="replay-proxy merge " + " ".join(sys.argv[2:]))
+    except MatrixError as exc:
+        raise fail(str(exc)) from None
+    if as_json:
+        sys.stdout.buffer.write(matrix_json(done.cells) + b"\n")
+    print_run(done, err if as_json else out, err)
+    for path in write_reports(done.cells, report_dir):
+        err.print(f"wrote {path}")
 
 
 @app.command("add-release")

@@ -13,6 +13,7 @@ from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_in, parse_build, releases_in
 from replay_proxy.matrix.observe import EngineBatch, Leg, batched_legs, judge, legs_of
 from replay_proxy.matrix.predict import predict
+from replay_proxy.matrix.shard import Shard, ShardPlan, merge_shards, name, planned, share
 from replay_proxy.peers import READY_S
 from replay_proxy.processes import threaded
 
@@ -76,6 +77,7 @@ def _observe(cells: list[Cell], wanted: list[tuple[Frontend, str]], recordings: 
 class MatrixRun(msgspec.Struct):
     cells: list[Cell]
     seconds: float
+    shard: ShardPlan | None = None  # a shard's: which, and what the whole run observes
 
     @property
     def disagreeing(self) -> list[Cell]:
@@ -85,22 +87,35 @@ class MatrixRun(msgspec.Struct):
 
 def run(frontends: str, engines: str, *, predict_only: bool = False, observe: list[str] = (),
         recordings: Path = RECORDINGS, db: Path | None = None, report_dir: Path | None = None,
-        ready_s: float = READY_S, command: str = "replay-proxy matrix",
+        ready_s: float = READY_S, shard: Shard | None = None, command: str = "replay-proxy matrix",
         progress: Callable[[str], None] = lambda line: None) -> MatrixRun:
     """``replay-proxy matrix``: the cells of ``frontends`` x ``engines`` (their specs, as ``frontends_in`` and
     ``releases_in`` read them), predicted, and observed unless ``predict_only``: every cell, or only the
-    ``observe`` ones (``FRONTEND@ENGINE``), each replay's report, log and database kept under
-    ``report_dir``/replays/ (default: not kept); the cells kept in ``db`` if given. Bad specs raise ``MatrixError``."""
+    ``observe`` ones (``FRONTEND@ENGINE``), or of those only ``shard``'s share (``matrix/shard.py``), each
+    replay's report, log and database kept under ``report_dir``/replays/ (default: not kept); the cells kept in
+    ``db`` if given. Bad specs raise ``MatrixError``."""
     started = time.monotonic()
     if db is not None:
         database.writable(db)
     builds, releases = frontends_in(frontends), releases_in(engines)
     chosen = {(parse_build(f), releases_in(e)[0]) for f, _, e in (c.partition("@") for c in observe)}
-    wanted: bool | Callable[[Frontend, str], bool] = False if predict_only else \
-        (lambda f, e: (f, e) in chosen) if chosen else True
-    cells = build(builds, releases, observe=wanted, recordings=recordings, report_dir=report_dir, ready_s=ready_s,
-                  progress=progress)
+    plan = [] if predict_only else planned([(f, e) for f in builds for e in releases if not chosen or (f, e) in chosen])
+    mine = set(plan if shard is None else share(plan, shard))
+    cells = build(builds, releases, observe=lambda f, e: (f, e) in mine, recordings=recordings,
+                  report_dir=report_dir, ready_s=ready_s, progress=progress)
     seconds = time.monotonic() - started
+    if db is not None:
+        database.save(db, cells, command, seconds)
+    return MatrixRun(cells, seconds, None if shard is None else ShardPlan(shard, [name(c) for c in plan], seconds))
+
+
+def merge(folders: list[Path], report_dir: Path, *, db: Path | None = None,
+          command: str = "replay-proxy merge") -> MatrixRun:
+    """The run whose shards wrote ``folders`` (``merge_shards``), its replays copied under ``report_dir``; its
+    cells kept in ``db`` if given, as the run would have kept them."""
+    if db is not None:
+        database.writable(db)
+    cells, seconds = merge_shards(folders, report_dir)
     if db is not None:
         database.save(db, cells, command, seconds)
     return MatrixRun(cells, seconds)
