@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,10 @@ def judge_again(replay_db: Path, model: str, unseeded: bool) -> set[str]:
     if "vocab_size" in rules.judging.__struct_fields__:  # (an older build's rules have none)
         vocab_size = json.loads((MODELS[model][0] / "config.json").read_text())["vocab_size"]
         rules = msgspec.structs.replace(rules, judging=msgspec.structs.replace(rules.judging, vocab_size=vocab_size))
-    sessions = [load_session(replay_db, str(i)) for i in (1, 2, 3)]
+    with contextlib.closing(read_recording(replay_db)) as connection:  # (the newest of each: see ``replay``)
+        names = [name for (name,) in connection.execute("SELECT name FROM sessions ORDER BY id")]
+    runs = [names[0], [n for n in names if "-noise-" in n][-1], [n for n in names if "-replay-" in n][-1]]
+    sessions = [load_session(replay_db, name) for name in runs]
     if unseeded:
         sessions = [msgspec.structs.replace(s, requests=[r for r in s.requests if r.params.get("seed") is None])
                     for s in sessions]
@@ -124,7 +128,8 @@ def replay(model: str, kind: str, noise_runs: int, folder: Path, judging: bool =
     a regression, and its wall time."""
     from tests.real.peers import injected_engine_command
 
-    folder.mkdir(parents=True, exist_ok=True)  # (a replay stopped half-way is made again)
+    shutil.rmtree(folder, ignore_errors=True)  # a replay stopped half-way is made again, from nothing
+    folder.mkdir(parents=True)
     model_dir, recording = MODELS[model]
     slot = frequent_token(recording)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
