@@ -9,9 +9,9 @@ Then Zeller's ddmin over the session's requests, in the order they were
 added: each candidate is a ``cut`` of those requests (``store/cut.py``),
 replayed (``replay_session``, on a thread of its own with ``jobs``) against
 a fresh peer on free ports, with the replay's own timeouts; the candidate
-fails if its replay has the finding. Then, request by request, its ADD is simplified: each sampling
-value back to its default, the prompt and max_tokens halved, each change
-kept while the finding holds. Results are kept by the candidate's content
+fails if its replay has the finding. Then, request by request, its ADD is
+simplified: each sampling value back to its default, the prompt and
+max_tokens halved, each change kept while the finding holds. Results are kept by the candidate's content
 (its requests and edits), so no candidate runs twice, ``max_replays`` bounds
 the work, and ``jobs`` runs a round's candidates side by side (the first failing one, in order, is taken, so the
 result does not depend on which finished first).
