@@ -380,14 +380,15 @@ def main() -> None:
                         choices=["direct", "drain", "recorder", "relay", "scraped", "busy"],
                         help="leave a case out (the C floor and the recording proxy always run)")
     args = parser.parse_args()
-    logs = Path(tempfile.mkdtemp(prefix="bench-forward-"))
     cases = [name for name in ["direct", *FLOORS, "replay-proxy relay", "replay-proxy recording", SCRAPED, BUSY]
              if name.split()[-1] not in args.skip]
     runs: dict[str, list[dict]] = {name: [] for name in cases}
-    for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
-        for name in cases:
-            runs[name].append(run_case(name, logs, args))
-            print(f"  round {round_ + 1}: measured {name}", file=sys.stderr)
+    # (its recordings take a gigabyte or more a run: removed at the end, as every run leaves them behind)
+    with tempfile.TemporaryDirectory(prefix="bench-forward-") as scratch:
+        for round_ in range(args.rounds):  # interleaved, so drift in the machine's load hits every case alike
+            for name in cases:
+                runs[name].append(run_case(name, Path(scratch), args))
+                print(f"  round {round_ + 1}: measured {name}", file=sys.stderr)
     # A figure a round could not take (a process gone before its CPU was read) is left out of that one median.
     results = {name: {k: statistics.median(r[k] for r in rs if k in r) for k in {k for r in rs for k in r}}
                for name, rs in runs.items()}
