@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def workflow(name: str = "engine-frontend link") -> dict:
-    """One of docs/ci.md's workflows, by its name."""
+    """One of docs/ci.md's GitHub Actions workflows, by its name (its Buildkite pipeline has none)."""
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)]
-    [chosen] = [b for b in blocks if b["name"] == name]
+    [chosen] = [b for b in blocks if b.get("name") == name]
     return chosen
 
 
