@@ -107,6 +107,7 @@ def merge_shards(folders: list[Path], into: Path) -> tuple[list[Cell], float]:
                 if cell.observed is not None:
                     raise MatrixError(f"{cell.frontend}@{cell.engine} observed by two shards")
                 cell.observed, cell.observed_at = shard_cell.observed, shard_cell.observed_at
+    for _, _, folder in shards.values():  # (once every check has passed: a refused merge writes nothing)
         _copy_replays(folder, into)
     return merged, max(plan.seconds for plan, _, _ in shards.values())
 

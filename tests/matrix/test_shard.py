@@ -99,3 +99,13 @@ def test_every_cell_is_in_one_share_the_shares_even_and_an_engine_whole_where_th
     assert max(map(len, shares)) - min(map(len, shares)) <= (per_engine if count <= len(engines) else 1)
     if count <= len(engines):  # (each engine's replays in one shard: one engine start serves them)
         assert all(len({e for _, e in s}) * per_engine == len(s) for s in shares)
+
+
+def test_a_cell_two_shards_observed_is_refused_and_nothing_is_written(runs):
+    first, second = (json.loads((runs / f"shard-{i}" / "matrix.json").read_text()) for i in (1, 2))
+    [taken] = [i for i, cell in enumerate(second) if cell["observed"]][:1]
+    first[taken]["observed"] = second[taken]["observed"]
+    (runs / "shard-1" / "matrix.json").write_text(json.dumps(first))
+    done = invoke("merge", *(str(runs / f"shard-{i}") for i in (1, 2, 3)), "--report-dir", str(runs / "merged"))
+    assert done.exit_code == 1 and "observed by two shards" in done.output, done.output
+    assert not (runs / "merged").exists()
