@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from replay_proxy.matrix import KINDS  # noqa: E402
 from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
 from replay_proxy.matrix.release import reads_requests  # noqa: E402
+from replay_proxy.store.migrate import migrate  # noqa: E402
 from replay_proxy.wire.registry import shipped_releases  # noqa: E402
 from tests.real import peers, workload  # noqa: E402
 
@@ -60,14 +61,9 @@ RECORDINGS = {
 
 
 def compact(db: Path) -> None:
-    """4 KB pages for a file this small (16 KB pages, made for busy engines, are mostly slack here);
-    still in WAL mode, so opening it writes nothing."""
-    connection = sqlite3.connect(db)
-    connection.execute("PRAGMA journal_mode=DELETE")
-    connection.execute("PRAGMA page_size=4096")
-    connection.execute("VACUUM")
-    connection.execute("PRAGMA journal_mode=WAL")
-    connection.close()
+    """Vacuumed, as ``replay-proxy migrate`` leaves a file: no free pages, nothing in the write-ahead log; still in
+    WAL mode, so opening it writes nothing."""
+    migrate(db)
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,

@@ -1,21 +1,26 @@
 """What several test modules share: the command line, waiting, a recorded sim session in one nursery, a
-frame as the relay reports it, a paused writer, the command that starts sim engines, a sample report."""
+frame as the relay reports it, a paused writer, the command that starts sim engines, a sample report, recorded
+frames edited in place."""
 
 import contextlib
 import json
 import os
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 from replay_proxy.compare.findings import Change, Finding, Report, Severity
 from replay_proxy.net.relay import Relay
 from replay_proxy.sim.engine import SimEngine
 from replay_proxy.sim.frontend import SimFrontend
 from replay_proxy.recorder import Recorder, SessionInfo
+from replay_proxy.store import raw
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.messages import Channel, Direction
@@ -115,3 +120,23 @@ class RecordedSession:
             self.nursery.start_soon(engine.run)
         await self.frontend.ready.wait()
         return self
+
+
+def edit_frames(path, where, change):
+    """Every frame of the recording at ``path`` that ``where`` selects (SQL over ``frames``) given the parts that
+    ``change`` makes of its parts, in place, where its bytes are (its batch, or ``frames.raw`` in a file of layout 3):
+    a recording as if a peer had sent otherwise."""
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        chosen = {(row["session_id"], row["seq"]): change(row["parts"]) for row in raw.frames_with_bytes(db, where)}
+        if "raw" in {column[1] for column in db.execute("PRAGMA table_info(frames)")}:
+            for (session_id, seq), parts in chosen.items():
+                db.execute("UPDATE frames SET raw = ? WHERE session_id = ? AND seq = ? AND raw IS NOT NULL",
+                           [msgspec.msgpack.encode(parts), session_id, seq])
+        for session_id, first_seq, frames, data in db.execute("SELECT session_id, first_seq, frames, data "
+                                                              "FROM frame_batches").fetchall():
+            held = raw.unpack(frames, data)
+            if any((session_id, f.seq) in chosen for f in held):
+                batch = raw.pack(session_id, [f.seq for f in held], [
+                    raw.item(f.seq, chosen.get((session_id, f.seq), f.parts), f.forwarded) for f in held])
+                db.execute("UPDATE frame_batches SET data = ? WHERE session_id = ? AND first_seq = ?",
+                           [batch.data, session_id, first_seq])

@@ -27,6 +27,7 @@ COMMANDS = {
     ("cut", "db"): "cut --db {input} --session demo --out {out}/c.db",
     ("sessions", "db"): "sessions --db {input}",
     ("decode", "db"): "decode --db {input}",
+    ("migrate", "db"): "migrate --db {input}",
     ("export", "db"): "export --db {input} --parquet {out}/lake",
     ("query", "db"): "query --db {input} 'SELECT 1'",
     ("datasette-metadata", "databases"): "datasette-metadata {input}",

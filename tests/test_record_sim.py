@@ -8,6 +8,7 @@ import pytest
 import sqlite_utils
 import trio
 
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.messages import RequestType
 from tests.helpers import writer_paused
@@ -93,8 +94,10 @@ async def test_the_dp_coordinator_is_passed_through_or_relayed_and_recorded(sess
     }
     waves = [json.loads(r["decoded"]) for r in db.query("SELECT decoded FROM frames WHERE kind = 'START_DP_WAVE'")]
     assert waves == [{"wave": 0, "exclude_engine_index": 0}] * 2
-    running = [json.loads(r["decoded"])["scheduler_stats"]["num_running_reqs"] for r in db.query(
-        "SELECT decoded FROM frames WHERE channel = 'coordinator_output'")]
+    running = [r["num_running_reqs"] for r in db.query(
+        "SELECT s.num_running_reqs FROM scheduler_stats s JOIN frames f ON f.session_id = s.session_id AND "
+        "f.seq = s.seq WHERE f.channel = 'coordinator_output'")]
+    assert len(running) == sum(e.stats_sent for e in session.engines)  # a row each
     assert max(running) > 0 and all(isinstance(n, int) for n in running)
 
 
@@ -160,9 +163,8 @@ async def test_undecodable_frames_are_forwarded_byte_identical_and_recorded(sess
     assert frontend.outputs_received == [(0, garbage_out)]
     db = sqlite_utils.Database(db_path)
     # The two cross the proxy independently, so match them by channel, not by order.
-    rows = {r["channel"]: r for r in db.query("SELECT channel, raw, decode_error FROM frames WHERE kind='UNKNOWN'")}
-    assert {c: msgspec.msgpack.decode(r["raw"]) for c, r in rows.items()} == {"input": garbage_in,
-                                                                              "output": garbage_out}
+    rows = {r["channel"]: r for r in frames_with_bytes(db.conn, "kind = 'UNKNOWN'")}
+    assert {c: r["parts"] for c, r in rows.items()} == {"input": garbage_in, "output": garbage_out}
     assert "unknown request type" in rows["input"]["decode_error"]
     assert "malformed" in rows["output"]["decode_error"]
 
@@ -257,8 +259,7 @@ async def test_a_0_34_frontend_is_recorded_with_its_own_release(session_factory,
     rows = {r["request_id"]: r for r in db.query("SELECT request_id, prompt_len, prompt_token_ids FROM requests")}
     assert {rid: (r["prompt_len"], json.loads(r["prompt_token_ids"])) for rid, r in rows.items()} == {
         rid: (len(prompt), prompt) for rid, prompt in prompts.items()}
-    raw = [msgspec.msgpack.decode(r["raw"]) for r in db.query("SELECT raw FROM frames WHERE kind = 'ADD' ORDER BY seq")]
-    assert raw == sent  # as the engine received them
+    assert [r["parts"] for r in frames_with_bytes(db.conn, "kind = 'ADD'")] == sent  # as the engine received them
     row = db["sessions"].get(session.recorder.session_id)
     assert (row["vllm_version"], row["frontend_release"], row["frontend_source"]) == (
         engine_release, "0.34.0", "engines" if engine_release == "0.34.0" else "newest")

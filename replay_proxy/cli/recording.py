@@ -269,6 +269,21 @@ def decode(
 
 
 @app.command()
+def migrate(
+    db: Annotated[Path, typer.Option(help="Recording database, rewritten in place.")],
+) -> None:
+    """Bring a recording made by an older release to this release's layout, in place, and compact it (its
+    frames' bytes compressed across frames). Reading never needs it: an older file is read as it is.
+
+    Example: replay-proxy migrate --db recordings/staging.db
+    """
+    from replay_proxy.store.migrate import migrate as migrate_file
+
+    before, after = migrate_file(db)
+    err.print(f"{db}: {before:,} bytes before, {after:,} after ({after / before:.2f}x)")
+
+
+@app.command()
 def export(
     db: Annotated[Path, typer.Option(help="Recording database.")],
     parquet: Annotated[Path, typer.Option(

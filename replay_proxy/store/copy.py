@@ -17,19 +17,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact.settings import Redaction
 from replay_proxy.store.counts import WriterCounts
 from replay_proxy.store.queries import QueryError, find_session
+from replay_proxy.store.raw import FrameBytes, frame_bytes
 from replay_proxy.store.tables import TABLES, insert_session, open_database, read_recording
 from replay_proxy.store.writer import DECODE_FRAMES, Copies, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
 from replay_proxy.wire.messages import Channel, Direction
 
-_parts = msgspec.msgpack.Decoder(list[bytes]).decode
 # What the writer recomputes from the frames it is given. How the source was redacted is carried: a cut or a
 # copy of a redacted session is redacted (a replay judges it so); ``redact`` sets it anew.
 # What a copy's writer makes again from the frames it writes: every count of its own but the sample's (what the
@@ -79,7 +78,7 @@ def _check_vocabulary(db: sqlite3.Connection, session_ids: list[int], vocab_size
     held = ",".join(map(str, session_ids))
     largest = db.execute(f"""SELECT MAX(id) FROM (
         SELECT MAX(t.value) AS id FROM requests r, json_each(r.prompt_token_ids) t WHERE r.session_id IN ({held})
-        UNION ALL SELECT MAX(t.value) FROM output_rows o, json_each(o.new_token_ids) t
+        UNION ALL SELECT MAX(t.value) FROM outputs o, json_each(o.new_token_ids) t
         WHERE o.session_id IN ({held}))""").fetchone()[0]
     if largest is not None and largest >= vocab_size:
         raise CopyError(f"--vocab-size {vocab_size:,} is too small for this recording: it holds token id {largest:,}"
@@ -160,7 +159,7 @@ def copied_seqs(db: sqlite3.Connection, session_id: int) -> dict[int, Copies]:
     if not copied:
         return {}
     among = f"session_id = :s AND copied IS NULL AND seq IN ({','.join(map(str, copied))})"
-    own = {seq for (seq,) in db.execute(f"SELECT seq FROM output_rows WHERE {among} UNION "
+    own = {seq for (seq,) in db.execute(f"SELECT seq FROM outputs WHERE {among} UNION "
                                         f"SELECT seq FROM utility_results WHERE {among}", {"s": session_id})}
     return {seq: Copies.FRAME if seq in own else Copies.WHOLE for seq in copied}
 
@@ -170,12 +169,11 @@ def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = 
     """A session's frames as they were captured (``only``: those whose seq that query gives), and its
     engines' losses, in seq order; then what it kept undecoded (a writer keeps the newest frames, so
     those come after the decoded ones)."""
-    frames = (CapturedFrame(seq, ts_ns, Channel(channel), Direction(direction), engine, client, _parts(raw),
-                            _parts(forwarded) if forwarded else None)
-              for seq, ts_ns, channel, direction, engine, client, raw, forwarded in db.execute(
-                  "SELECT seq, ts_ns, channel, direction, engine_index, client_index, raw, forwarded_raw "
-                  f"FROM frames WHERE session_id = ? {f'AND seq IN ({only})' if only else ''} ORDER BY seq",
-                  [session_id]))
+    where = f"session_id = ? {f'AND seq IN ({only})' if only else ''}"
+    seqs = {seq for (seq,) in db.execute(f"SELECT seq FROM frames WHERE {where}", [session_id])} if only else None
+    frames = (_captured(row, sent) for row, sent in zip(
+        db.execute(f"SELECT seq, ts_ns, channel, direction, engine_index, client_index FROM frames WHERE {where} "
+                   "ORDER BY seq", [session_id]), frame_bytes(db, session_id, seqs), strict=True))
     losses = (EngineLoss(seq, ts_ns, engine, detail) for seq, ts_ns, engine, detail in db.execute(
         "SELECT seq, ts_ns, engine_index, detail FROM engine_events WHERE session_id = ? AND event = 'lost' "
         "ORDER BY seq", [session_id]))
@@ -183,3 +181,11 @@ def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = 
     yield from merged
     for (entries,) in db.execute("SELECT batch FROM undecoded WHERE session_id = ? ORDER BY number", [session_id]):
         yield from sorted(decode_entries(entries), key=lambda item: item.seq)
+
+
+def _captured(row: tuple[int, int, str, str, int | None, int | None], sent: FrameBytes) -> CapturedFrame:
+    """A frame's row and its bytes (both in seq order) as it was captured."""
+    seq, ts_ns, channel, direction, engine, client = row
+    if sent.seq != seq:
+        raise ValueError(f"frame {seq} has no bytes in frame_batches (the next there is {sent.seq})")
+    return CapturedFrame(seq, ts_ns, Channel(channel), Direction(direction), engine, client, sent.parts, sent.forwarded)

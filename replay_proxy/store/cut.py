@@ -90,14 +90,13 @@ def chosen_requests(db: sqlite3.Connection, session_id: int, selection: Selectio
 def _sample(db: sqlite3.Connection, session_id: int, count: int, seed: int) -> list[str]:
     """``count`` requests of the pool, stratified by finish reason and sampling kind (``_stratified``):
     one pass counts the strata, a second keeps the members drawn, by their position in their stratum."""
-    # (one scan of output_rows, which has no index on request: joined in SQL, SQLite would scan it once
+    # (one scan of the outputs, which have no index on request: joined in SQL, SQLite would scan them once
     # per request id)
-    db.execute("""CREATE TEMP TABLE cut_finish AS SELECT request, MAX(finish_reason) AS finish FROM output_rows
-        WHERE session_id = ? AND finish_reason IS NOT NULL GROUP BY request""", [session_id])
+    db.execute("""CREATE TEMP TABLE cut_finish AS SELECT request_id, MAX(finish_reason) AS finish FROM outputs
+        WHERE session_id = ? AND finish_reason IS NOT NULL GROUP BY request_id""", [session_id])
     db.execute("""CREATE TEMP TABLE cut_strata AS SELECT p.request_id, f.finish,
             CASE WHEN p.temperature = 0 THEN 'greedy' WHEN p.seed IS NOT NULL THEN 'seeded' ELSE 'random' END AS kind
-        FROM temp.cut_pool p LEFT JOIN request_ids n ON n.session_id = ? AND n.request_id = p.request_id
-        LEFT JOIN temp.cut_finish f ON f.request = n.number ORDER BY p.seq""", [session_id])
+        FROM temp.cut_pool p LEFT JOIN temp.cut_finish f ON f.request_id = p.request_id ORDER BY p.seq""")
     strata = "SELECT request_id, finish, kind FROM temp.cut_strata ORDER BY rowid"
     sizes = collections.Counter((finish, kind) for _, finish, kind in db.execute(strata))
     drawn = _stratified(sizes, count, seed)
@@ -135,15 +134,12 @@ def _frames_needed(db: sqlite3.Connection, session_id: int, chosen: list[str]) -
     In temporary tables of this connection: the source file is not written."""
     db.execute("CREATE TEMP TABLE cut_requests (request_id TEXT PRIMARY KEY)")
     db.executemany("INSERT INTO temp.cut_requests VALUES (?)", [(rid,) for rid in chosen])
-    db.execute("CREATE TEMP TABLE cut_numbers (number INTEGER PRIMARY KEY)")
-    db.execute("INSERT INTO temp.cut_numbers SELECT number FROM request_ids WHERE session_id = ? AND request_id IN "
-               "temp.cut_requests", [session_id])
     db.execute("""CREATE TEMP TABLE cut_seqs AS
         SELECT seq FROM frames WHERE session_id = :s
             AND (COALESCE(kind, '') NOT IN ('ADD', 'ABORT', 'OUTPUTS') OR decode_error IS NOT NULL)
         UNION SELECT seq FROM requests WHERE session_id = :s AND request_id IN temp.cut_requests
         UNION SELECT seq FROM aborts WHERE session_id = :s AND request_id IN temp.cut_requests
-        UNION SELECT seq FROM output_rows WHERE session_id = :s AND request IN temp.cut_numbers""",
+        UNION SELECT seq FROM outputs WHERE session_id = :s AND request_id IN temp.cut_requests""",
                {"s": session_id})
     return "SELECT seq FROM temp.cut_seqs"
 

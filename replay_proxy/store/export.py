@@ -20,26 +20,33 @@ integer (a u64 utility call id) is text in that file.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay_proxy.store.queries import find_session, open_recording
+from replay_proxy.store.raw import FrameBytes, frame_bytes
 from replay_proxy.store.tables import TABLES
 
 BATCH_ROWS = 50_000  # rows read and written at once: memory stays bounded whatever the session's size
-EXPORTED = ("sessions", "frames", "handshakes", "requests", "outputs", "aborts", "utility_requests",
+EXPORTED = ("sessions", "frames", "handshakes", "requests", "outputs", "scheduler_stats", "aborts", "utility_requests",
             "utility_results", "engine_events", "findings")
 _ARROW = {int: pa.int64(), float: pa.float64(), str: pa.string(), bytes: pa.binary()}
 # Every column's type by name (the outputs view's come from its three tables; a name means one thing). A stop
 # reason is a token or a string: text here, as Parquet has no such union (the SQLite file keeps each one's type).
 # A call id is an integer, text in a session that holds one past int64 (as SQLite keeps it).
 LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns.items()} | {
-    "stop_reason": str, "call_id": int}
+    "stop_reason": str, "call_id": int, "raw": bytes, "forwarded_raw": bytes}
+# A frame's bytes in ``frames`` as exported: its parts (and the parts forwarded instead, where the proxy changed
+# them), each a msgpack array of bins, as SQLite kept them before the bytes moved to ``frame_batches`` (``raw.py``).
+RAW_COLUMNS = ("raw", "forwarded_raw")
+_msgpack = msgspec.msgpack.Encoder().encode
 
 
 def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> list[Path]:
@@ -53,18 +60,22 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
         for table in EXPORTED:
             key = "id" if table == "sessions" else "session_id"
             where = f"FROM [{table}] WHERE [{key}] = ?"
-            cursor = db.execute(f"SELECT * {where}", [row["id"]])
+            cursor = db.execute(f"SELECT * {where}{' ORDER BY seq' if table == 'frames' else ''}", [row["id"]])
             names = [d[0] for d in cursor.description]
             # Integer columns that hold something else in this session (see the docstring: u64 ids).
             checks = ", ".join(f"MAX(typeof([{n}]) NOT IN ('integer', 'null'))" if LAYOUT.get(n) is int else "0"
                                for n in names)
             text = db.execute(f"SELECT {checks} {where}", [row["id"]]).fetchone()
+            batches: Iterator[list[Any]] = iter(lambda: cursor.fetchmany(BATCH_ROWS), [])
+            if table == "frames" and "raw" not in names:  # each frame's bytes beside it, as in a file of layout 3
+                batches = _with_bytes(batches, frame_bytes(db.conn, row["id"]))
+                names, text = [*names, *RAW_COLUMNS], (*text, *[0] * len(RAW_COLUMNS))
             schema = pa.schema([(n, pa.string() if is_text else _ARROW[LAYOUT.get(n, str)])
                                 for n, is_text in zip(names, text)] + [("recording", pa.string())])
             path = folder / table / partition / f"{recording}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
             with pq.ParquetWriter(path, schema) as out:
-                while batch := cursor.fetchmany(BATCH_ROWS):
+                for batch in batches:
                     columns = [_array(values, field.type) for values, field in zip(zip(*batch), schema)]
                     out.write_table(pa.table([*columns, pa.array([recording] * len(batch), pa.string())],
                                              schema=schema))
@@ -86,3 +97,10 @@ def _array(values: Sequence[Any], arrow_type: pa.DataType) -> pa.Array:
     elif arrow_type == pa.float64():
         values = [float(v) if isinstance(v, int) else v for v in values]
     return pa.array(values, arrow_type)
+
+
+def _with_bytes(batches: Iterable[list[Any]], frames: Iterator[FrameBytes]) -> Iterator[list[Any]]:
+    """Rows of ``frames`` (in seq order) with each frame's bytes (``RAW_COLUMNS``) after its columns."""
+    for batch in batches:
+        yield [(*row, _msgpack(sent.parts), None if sent.forwarded is None else _msgpack(sent.forwarded))
+               for row, sent in zip(batch, itertools.islice(frames, len(batch)), strict=True)]

@@ -13,9 +13,9 @@ from typing import Any
 import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
+from replay_proxy.store.raw import frame_bytes
 from replay_proxy.store.tables import open_database, read_recording
 from replay_proxy.wire.messages import Channel, Direction
-from replay_proxy.wire.values import decode_msgpack
 
 
 class QueryError(ReplayProxyError):
@@ -138,11 +138,14 @@ def sent_frames(path: Path, session: str | None, direction: Direction) -> list[t
     """The frames one side sent (``direction``), in recorded order, as their parts: of ``session`` (as
     ``find_session`` finds it), or of every session in the file (None)."""
     with contextlib.closing(open_recording(path)) as db:
-        where, params = "direction = :d", {"d": str(direction)}
-        if session is not None:
-            where, params = f"{where} AND session_id = :s", {**params, "s": find_session(db, session)["id"]}
-        rows = db.execute(f"SELECT channel, raw FROM frames WHERE {where} ORDER BY session_id, seq", params).fetchall()
-    return [(Channel(channel), decode_msgpack(raw)) for channel, raw in rows]
+        sessions = [find_session(db, session)["id"]] if session is not None else [
+            sid for (sid,) in db.execute("SELECT id FROM sessions ORDER BY id")]
+        sent = []
+        for session_id in sessions:
+            channels = dict(db.execute("SELECT seq, channel FROM frames WHERE session_id = ? AND direction = ?",
+                                       [session_id, str(direction)]).fetchall())
+            sent += [(Channel(channels[f.seq]), f.parts) for f in frame_bytes(db.conn, session_id, channels.keys())]
+    return sent
 
 
 def added_requests(path: Path, session: str) -> tuple[int, list[dict[str, Any]]]:

@@ -14,15 +14,15 @@ from typing import Any
 
 import msgspec
 
-from replay_proxy.store.tables import sampling_columns, written
+from replay_proxy.store import raw
+from replay_proxy.store.tables import PREFIX_CACHE, sampling_columns, scheduler_columns, written
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import (
     ENGINE_CORE_DEAD, HANDSHAKE_KINDS, Channel, Direction, Kind, Message, WireDecoder)
-from replay_proxy.wire.schema import Flag, Schema
+from replay_proxy.wire.schema import Flag, Schema, StructSchema
 from replay_proxy.wire.typed import OUTPUT_COLUMNS, typed_outputs, typed_requests
 from replay_proxy.wire.values import decode_msgpack, to_json, token_ids
 
-_raw = msgspec.msgpack.Encoder()
 _json = msgspec.json.Encoder()
 # EngineCoreRequest fields the requests table holds as sent (sampling_params as its JSON too).
 REQUEST_COLUMNS = frozenset({"request_id", "external_req_id", "prompt_token_ids", "arrival_time",
@@ -32,9 +32,14 @@ _REQUEST_HEAD = ("session_id", "seq", "ts_ns", "engine_index", "client_index", "
                  "prompt_len", "prompt_token_ids", "arrival_time", "data_parallel_rank", "priority")
 assert written("requests") == [*_REQUEST_HEAD, *sampling_columns(), "sampling_params"]
 assert written("frames") == ["session_id", "seq", "ts_ns", "channel", "direction", "engine_index", "client_index",
-                                  "kind", "n_parts", "nbytes", "raw", "forwarded_raw", "decoded", "decode_error",
-                                  "flags", "engine_time_s"]
+                                  "kind", "n_parts", "nbytes", "decoded", "decode_error", "flags", "engine_time_s"]
 _SQLITE_AS_IS = frozenset({str, float, bool, bytes, type(None)})
+# The struct a message's fields are, for the kinds whose ``decoded`` leaves out defaults (``_compact``).
+_STRUCTS = {Kind.ADD: "EngineCoreRequest", Kind.OUTPUTS: "EngineCoreOutputs", Kind.UTILITY_OUTPUT: "EngineCoreOutputs"}
+# An EngineCoreOutputs' fields that a table or column holds: its outputs (``frame_outputs``), its time (engine_time_s).
+_STEP_HELD = frozenset({"outputs", "timestamp"})
+_STATS_HELD = frozenset({"scheduler_stats"})  # (``scheduler_stats``: a row of its own)
+_SCALARS = frozenset({int, float, bool, str})
 
 
 def _sqlite_value(value: Any) -> Any:
@@ -55,22 +60,36 @@ def _sampling_value(value: Any) -> Any:
     return None if type(value) is list or type(value) is dict else _sqlite_value(value)
 
 
+def _held_elsewhere(fields: dict[str, Any], kind: Kind, schema: Schema, held: frozenset[str]) -> str | None:
+    """``frames.decoded`` of a frame whose substance tables hold (``held``): what is left (``_compact``), or null
+    where nothing is (a busy engine's step, an ADD: most frames)."""
+    left = _compact(fields, schema.structs.get(_STRUCTS.get(kind, "")), schema, held)
+    return to_json(left) if left else None
+
+
 def _engine_time(stamp: Any) -> float | None:
     """EngineCoreOutputs.timestamp: the engine's time.monotonic() when it made the outputs (0.0: unset)."""
     return stamp if type(stamp) is float and stamp > 0 else None
 
 
-def _compact(fields: dict[str, Any], held: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """A frame's fields for ``frames.decoded`` where tables hold its substance (an ADD, an
-    EngineCoreOutputs): without what they hold, and without nil values two levels deep (for those
-    json_extract gives NULL either way, and ``raw`` keeps the frame as sent)."""
-    return {k: {k2: v2 for k2, v2 in v.items() if v2 is not None} if type(v) is dict else v
-            for k, v in fields.items() if v is not None and k not in held}
-
-
-def _stop_reason(stop: object) -> int | str | None:
-    """A stop token or stop string as it came (``output_rows.stop_reason`` keeps the type); anything else as JSON."""
-    return stop if stop is None or type(stop) is int or type(stop) is str else to_json(stop)
+def _compact(fields: dict[str, Any], struct: StructSchema | None, schema: Schema,
+             held: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A frame's fields for ``frames.decoded`` where tables hold its substance (an ADD, an EngineCoreOutputs):
+    without what they hold, and without the values that are their release's default, in nested structs too (a
+    step's scheduler stats are mostly zeros and empty maps): json_extract reads those as NULL, and the frame's
+    bytes (``raw.py``) keep them as sent."""
+    fields_of = struct.by_name if struct is not None else {}
+    compact = {}
+    for name, value in fields.items():
+        field = fields_of.get(name)
+        if value is None or name in held or (field is not None and not field.required and value == field.default):
+            continue
+        if type(value) is dict and field is not None and field.struct in schema.structs:
+            value = _compact(value, schema.structs[field.struct], schema)
+            if not value:  # (every field at its default)
+                continue
+        compact[name] = value
+    return compact
 
 
 class Rows:
@@ -85,11 +104,15 @@ class Rows:
         self.tables: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
         self.request_numbers = {} if request_numbers is None else request_numbers
         self.new_request_ids: list[str] = []
+        # Each frame's bytes, as an item of the batch its transaction writes (``raw.py``), and its seq.
+        self.raw_seqs: list[int] = []
+        self.raw_items: list[bytes] = []
         self.frames_undecodable = 0  # frames whose row has a decode error
         self.newest_ts_ns = 0  # when the newest of these frames crossed the proxy
         # Frames their schema does not describe, with that schema (the one in use when each was named).
         self.flagged: list[tuple[CapturedFrame, Kind, tuple[Flag, ...], Schema]] = []
         self._defaults: dict[int, tuple[list[Any], dict[str, int]]] = {}  # by id(schema): they outlive a batch
+        self._scheduler_columns = {name: at for at, name in enumerate(scheduler_columns())}
 
     def _add(self, table: str, **row: Any) -> None:
         self.tables[table].append(_sqlite_row(map(row.get, written(table))))
@@ -101,9 +124,11 @@ class Rows:
             typed = typed_outputs(decoder.schema)
             read = typed.read(frame.parts) if typed is not None else None
             if read is not None:
-                self._output_rows(session_id, frame.seq, read.outputs, decoder.schema)
-                self._frame(session_id, frame, Kind.OUTPUTS, to_json(_compact(read.fields)), None, read.flags,
-                            _engine_time(read.fields.get("timestamp")), decoder.schema)
+                schema = decoder.schema
+                self._frame_outputs(session_id, frame.seq, read.outputs, schema)
+                held = _STEP_HELD | self._scheduler_stats(session_id, frame.seq, read.fields, schema)
+                self._frame(session_id, frame, Kind.OUTPUTS, _held_elsewhere(read.fields, Kind.OUTPUTS, schema, held),
+                            None, read.flags, _engine_time(read.fields.get("timestamp")), schema)
                 return Kind.OUTPUTS
         schema = decoder.schema
         message = None
@@ -124,17 +149,19 @@ class Rows:
         where = dict(session_id=session_id, seq=frame.seq, ts_ns=frame.ts_ns,
                      engine_index=frame.engine_index, client_index=frame.client_index)
         error = message.error
-        fields = message.fields
+        decoded = None
         try:
             held = self._concepts(where, frame, message, schema)
             if held:  # what the concept tables hold is not kept twice
-                fields = _compact(fields, held)
+                decoded = _held_elsewhere(message.fields, message.kind, schema, held)
         except Exception as exc:  # noqa: BLE001 - an odd frame must not stop the recording
             error = f"{error}; " if error else ""
             error += f"recorder could not tabulate it: {type(exc).__name__}: {exc}"
-        engine_time = _engine_time(fields.get("timestamp")) if message.kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT) \
-            and isinstance(fields, dict) else None
-        self._frame(session_id, frame, message.kind, to_json(fields), error, message.flags, engine_time, schema)
+            held = frozenset()
+        engine_time = _engine_time(message.fields.get("timestamp")) if message.kind in (
+            Kind.OUTPUTS, Kind.UTILITY_OUTPUT) and isinstance(message.fields, dict) else None
+        self._frame(session_id, frame, message.kind, decoded if held else to_json(message.fields), error,
+                    message.flags, engine_time, schema)
 
     def _frame(self, session_id: int, frame: CapturedFrame, kind: Kind, decoded: str | None, error: str | None,
                flags: tuple[Flag, ...], engine_time: float | None, schema: Schema) -> None:
@@ -144,22 +171,49 @@ class Rows:
         self.newest_ts_ns = max(self.newest_ts_ns, frame.ts_ns)
         self.tables["frames"].append((
             session_id, frame.seq, frame.ts_ns, str(frame.channel), str(frame.direction), frame.engine_index,
-            frame.client_index, str(kind), len(frame.parts), sum(map(len, frame.parts)), _raw.encode(frame.parts),
-            _raw.encode(frame.forwarded) if frame.forwarded else None, decoded, error,
+            frame.client_index, str(kind), len(frame.parts), sum(map(len, frame.parts)), decoded, error,
             to_json(flags) if flags else None, engine_time))
+        self.raw_seqs.append(frame.seq)
+        self.raw_items.append(raw.item(frame.seq, frame.parts, frame.forwarded or None))
 
-    def _output_rows(self, session_id: int, seq: int, outputs: Sequence[tuple[Any, ...] | None], schema: Schema,
-                     others: list[str | None] | None = None) -> None:
-        """The rows of one frame's outputs, in ``output_rows``' column order (a busy engine's are made here).
+    def _scheduler_stats(self, session_id: int, seq: int, fields: dict[str, Any], schema: Schema) -> frozenset[str]:
+        """The ``scheduler_stats`` row of a step's fields, if they carry stats: the fields it holds."""
+        stats = fields.get("scheduler_stats")
+        if type(stats) is not dict:
+            return frozenset()
+        columns = self._scheduler_columns
+        values: list[Any] = [None] * len(columns)
+        rest: dict[str, Any] = {}
+        for name, value in stats.items():
+            if name == "prefix_cache_stats" and type(value) is dict:
+                for cache_name, cache_value in value.items():
+                    at = columns.get(PREFIX_CACHE + cache_name)
+                    if at is not None and type(cache_value) in _SCALARS:
+                        values[at] = cache_value
+                    else:
+                        rest.setdefault(name, {})[cache_name] = cache_value
+            elif (at := columns.get(name)) is not None and type(value) in _SCALARS:
+                values[at] = value
+            else:
+                rest[name] = value
+        rest = _compact(rest, schema.structs.get("SchedulerStats"), schema)
+        self.tables["scheduler_stats"].append((session_id, seq, *values, to_json(rest) if rest else None))
+        return _STATS_HELD
+
+    def _frame_outputs(self, session_id: int, seq: int, outputs: Sequence[tuple[Any, ...] | None], schema: Schema,
+                       others: list[dict[str, Any] | None] | None = None) -> None:
+        """The ``frame_outputs`` row of one frame's outputs (a busy engine's are made here): each output packed as
+        ``tables.py`` says.
 
         ``outputs``: per position, (request_id, new_token_ids, finish_reason, stop_reason, num_nans_in_logits)
-        as on the wire, or None for one that is not tabulated; ``others``: per position, the JSON
-        object of its other set fields, where any is set.
+        as on the wire, or None for one that is not tabulated; ``others``: per position, its other set fields,
+        where any is set (the generic path's, whose values may be any the wire holds: ``to_json`` writes them).
         """
-        numbers, append, finish_name, encode = self.request_numbers, self.tables["output_rows"].append, \
-            schema.finish_name, _json.encode
+        numbers, finish_name = self.request_numbers, schema.finish_name
+        packed: list[list[Any] | None] = []
         for position, output in enumerate(outputs):
             if output is None:
+                packed.append(None)
                 continue
             request_id, tokens, finish, stop, nans = output
             number = numbers.get(request_id)
@@ -167,9 +221,14 @@ class Rows:
                 number = numbers[request_id] = len(numbers) + 1
                 self.new_request_ids.append(request_id)
                 self.tables["request_ids"].append((session_id, number, request_id))
-            append((session_id, number, seq, position, encode(tokens).decode(), len(tokens),
-                    None if finish is None else finish_name(finish), _stop_reason(stop), nans,
-                    others[position] if others else None))
+            value = [number, tokens, None if nans == 0 else nans, None if finish is None else finish_name(finish), stop,
+                     others[position] if others else None]
+            while value[-1] is None:
+                value.pop()
+            packed.append(value)
+        if packed:
+            self.tables["frame_outputs"].append(
+                (session_id, seq, _json.encode(packed).decode() if others is None else to_json(packed)))
 
     def forget_new_request_ids(self) -> None:
         """The batch was not written: its request numbers are free again."""
@@ -196,7 +255,8 @@ class Rows:
             self._request(where, fields, schema)
             return REQUEST_COLUMNS
         elif kind in (Kind.OUTPUTS, Kind.UTILITY_OUTPUT):
-            return frozenset({"outputs"}) if self._outputs(where, fields, schema) else frozenset()
+            held = self._scheduler_stats(where["session_id"], where["seq"], fields, schema)
+            return held | _STEP_HELD if self._outputs(where, fields, schema) else held
         elif kind is Kind.ABORT:
             for position, request_id in enumerate(fields["request_ids"]):
                 self._add("aborts", **where, position=position, request_id=request_id)
@@ -250,7 +310,7 @@ class Rows:
         if not isinstance(outputs, list):
             return False
         rows: list[tuple[Any, ...] | None] = []
-        others: list[str | None] = []
+        others: list[dict[str, Any] | None] = []
         for output in outputs:
             if not (isinstance(output, dict) and isinstance(output.get("request_id"), str)
                     and isinstance(output.get("new_token_ids"), list)):
@@ -258,8 +318,9 @@ class Rows:
                 others.append(None)
                 continue
             rows.append((output["request_id"], output["new_token_ids"], output.get("finish_reason"),
-                         output.get("stop_reason"), _sqlite_value(output.get("num_nans_in_logits"))))
-            other = {k: v for k, v in output.items() if k not in OUTPUT_COLUMNS and v not in (None, 0, [], {})}
-            others.append(to_json(other) if other else None)
-        self._output_rows(where["session_id"], where["seq"], rows, schema, others)
+                         output.get("stop_reason"), output.get("num_nans_in_logits")))
+            other = _compact({k: v for k, v in output.items() if k not in OUTPUT_COLUMNS},
+                             schema.structs.get("EngineCoreOutput"), schema)
+            others.append(other or None)
+        self._frame_outputs(where["session_id"], where["seq"], rows, schema, others)
         return None not in rows

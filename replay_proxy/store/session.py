@@ -21,12 +21,12 @@ import sqlite_utils
 
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.store.queries import find_session, list_sessions, open_recording
+from replay_proxy.store.raw import frame_bytes
 from replay_proxy.store.tables import open_database
 from replay_proxy.store.writer import finish_decoding
 from replay_proxy.wire.messages import HANDSHAKE_KINDS, INPUT_KINDS, OUTPUT_KINDS, Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.schema import Schema
 from replay_proxy.wire.registry import schema_for
-from replay_proxy.wire.values import decode_msgpack
 
 
 
@@ -189,11 +189,12 @@ def _load(db_path: Path, db: sqlite_utils.Database, row: dict[str, Any]) -> Sess
             return decoder.decode(Channel.INPUT, Direction.TO_ENGINE, parts).fields
         return msgspec.json.decode(r["decoded"]) if r["decoded"] else None
 
-    frames = [RecordedFrame(r["seq"], r["ts_ns"], Kind(r["kind"]), r["engine_index"], r["client_index"], parts,
-                            decoded(r, parts), progress.get(r["seq"], {}))
-              for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, raw, decoded FROM frames "
-                                "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output') "
-                                "ORDER BY seq", [sid]) for parts in [decode_msgpack(r["raw"])]]
+    rows = {r["seq"]: r for r in db.query("SELECT seq, ts_ns, kind, engine_index, client_index, decoded FROM frames "
+                                          "WHERE session_id = ? AND channel IN ('handshake', 'input', 'output')",
+                                          [sid])}
+    frames = [RecordedFrame(f.seq, r["ts_ns"], Kind(r["kind"]), r["engine_index"], r["client_index"], f.parts,
+                            decoded(r, f.parts), progress.get(f.seq, {}))
+              for f in frame_bytes(db.conn, sid, rows.keys()) for r in [rows[f.seq]]]
     # (a recorded coordinator is neither replayed nor compared)
     handshake = [f for f in frames if f.kind in HANDSHAKE_KINDS]
     init = next((f.decoded for f in handshake if f.kind is Kind.INIT), None)

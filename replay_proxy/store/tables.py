@@ -1,7 +1,8 @@
 """The SQLite layout: the recorded traffic as people query it.
 
-One database holds many sessions. ``frames`` keeps every message exactly as
-it crossed the proxy (raw parts) beside its decoded, named form; the other
+One database holds many sessions. ``frames`` has a row for every message
+(where and when it crossed, its decoded, named form), ``frame_batches`` its
+bytes exactly as they crossed, compressed across frames (``raw.py``); the other
 tables are views of the same frames by protocol concept (handshakes,
 requests, outputs, aborts, utility calls, engine events), with one column
 per scalar field. Sampling-parameter columns come from the shipped release
@@ -30,16 +31,33 @@ SCALAR_KINDS = {"nil", "bool", "int", "float", "str"}
 _SQL_TYPES = {"bool": int, "int": int, "float": float, "str": str}
 
 
+def _scalar_columns(struct: str, prefix: str = "") -> dict[str, type]:
+    """The scalar fields of ``struct`` in every shipped release, each a column (named ``prefix`` + its name), and
+    their SQL type."""
+    columns: dict[str, type] = {}
+    for release in shipped_releases():
+        for field in load_schema(release).structs[struct].fields:
+            kinds = set(field.kinds) - {"nil"}
+            if kinds and kinds <= SCALAR_KINDS and prefix + field.name not in columns:
+                columns[prefix + field.name] = _SQL_TYPES[sorted(kinds)[0]] if len(kinds) == 1 else float
+    return columns
+
+
 @functools.cache
 def sampling_columns() -> dict[str, type]:
     """Scalar SamplingParams fields of every shipped release, and their SQL type."""
-    columns: dict[str, type] = {}
-    for release in shipped_releases():
-        for field in load_schema(release).structs["SamplingParams"].fields:
-            kinds = set(field.kinds) - {"nil"}
-            if kinds and kinds <= SCALAR_KINDS and field.name not in columns:
-                columns[field.name] = _SQL_TYPES[sorted(kinds)[0]] if len(kinds) == 1 else float
-    return columns
+    return _scalar_columns("SamplingParams")
+
+
+# The SchedulerStats field whose own scalar fields are columns of ``scheduler_stats`` too, named with this prefix.
+PREFIX_CACHE = "prefix_cache_"
+
+
+@functools.cache
+def scheduler_columns() -> dict[str, type]:
+    """Scalar SchedulerStats fields of every shipped release, and its prefix cache stats' (``PREFIX_CACHE``), and
+    their SQL type."""
+    return {**_scalar_columns("SchedulerStats"), **_scalar_columns("PrefixCacheStats", PREFIX_CACHE)}
 
 
 TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
@@ -70,10 +88,15 @@ TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
     "frames": ({
         "session_id": int, "seq": int, "ts_ns": int, "channel": str, "direction": str,
         "engine_index": int, "client_index": int, "kind": str, "n_parts": int, "nbytes": int,
-        "raw": bytes, "forwarded_raw": bytes, "decoded": str, "decode_error": str, "flags": str,
-        "engine_time_s": float,
+        "decoded": str, "decode_error": str, "flags": str, "engine_time_s": float,
         "copied": int,
     }, ["session_id", "seq"]),
+    # The frames' bytes as they crossed (parts, and the parts forwarded where the proxy changed them), in batches
+    # compressed with zstd: ``raw.py``. A file of layout 3 or before keeps them in ``frames.raw`` and
+    # ``frames.forwarded_raw`` instead (read there; ``replay-proxy migrate`` moves them here).
+    "frame_batches": ({
+        "session_id": int, "first_seq": int, "last_seq": int, "frames": int, "data": bytes,
+    }, ["session_id", "first_seq"]),
     "handshakes": ({
         "session_id": int, "seq": int, "ts_ns": int, "engine_index": int, "client_index": int,
         "kind": str, "payload": str, "rewritten": str, "vllm_version": str,
@@ -87,17 +110,34 @@ TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
         "sampling_params": str,
         "copied": int,
     }, ["session_id", "seq"]),
-    # One row per per-request output, the bulk of a recording: kept small (the view ``outputs`` adds
-    # what its frame and its request id say). request: the request's number in ``request_ids``;
-    # other: a JSON object of the fields that are set and have no column (logprobs, events, ...),
-    # one column because a busy engine's outputs have none and each column costs every row.
-    # No key and no index: rows are appended in the order they crossed, the cheapest insert there is
-    # (a key by request cost the writer a third of its rate). The views below aggregate in one pass.
+    # One row per frame whose outputs are tabulated (an EngineCoreOutputs: a busy engine's step, the bulk of a
+    # recording), its outputs packed into one JSON array: per position, [request, new_token_ids, num_nans_in_logits,
+    # finish_reason, stop_reason, other] with its trailing nulls left out, or null for an output that is not
+    # tabulated (the frame's ``decoded`` keeps it). request: the request's number in ``request_ids``;
+    # num_nans_in_logits: null where 0, every release's default and nearly every output's; stop_reason: a
+    # stop token (integer) or a stop string (text), as the wire has it, each keeping its JSON type (typeof() tells
+    # token 852 from the string "852"); other: the set fields with no place of their own (logprobs, events, ...),
+    # without the values at their release's default, as in ``frames.decoded``. The view ``outputs`` unpacks it. A
+    # row a step rather than an output: the key, the seq and a row's header once a step (a busy engine's file a
+    # third of the size). No key and no index: rows are appended in the order they crossed, the cheapest insert
+    # there is (a key by request cost the writer a third of its rate).
+    "frame_outputs": ({
+        "session_id": int, "seq": int, "outputs": str,
+        "copied": int,
+    }, None),
+    # What outputs were stored as up to layout 3, a row each (``frame_outputs``' values as columns; ``other`` a
+    # JSON object): read in an older file, written no more.
     "output_rows": ({
         "session_id": int, "request": int, "seq": int, "position": int, "new_token_ids": str,
-        # stop_reason: a stop token (integer) or a stop string (text), as the wire has it. Declared BLOB, which
-        # converts nothing, so each keeps its own type (typeof() tells token 852 from the string "852").
         "num_new_tokens": int, "finish_reason": str, "stop_reason": bytes, "num_nans_in_logits": int, "other": str,
+        "copied": int,
+    }, None),
+    # An engine step's scheduler stats (EngineCoreOutputs.scheduler_stats, sent with each step when the engine logs
+    # stats): a column each of its scalar fields and of its prefix cache stats' (``prefix_cache_hits``, ...) as
+    # sent, the rest (maps, lists, other structs) as a JSON object in ``other`` without the values at their
+    # default. A tenth of the same as JSON in ``frames.decoded``, where it was, and no key name to type.
+    "scheduler_stats": ({
+        "session_id": int, "seq": int, **scheduler_columns(), "other": str,
         "copied": int,
     }, None),
     # Each request id a session's outputs name, numbered in order of first sight.
@@ -167,8 +207,22 @@ INDEXES = {
 }
 
 VIEWS = {
-    # Every output with its frame's time, engine, API server and engine clock, and its request id.
+    # Every output with its frame's time, engine, API server and engine clock, and its request id: unpacked from
+    # ``frame_outputs``, and from an older file's ``output_rows``.
     "outputs": """
+        SELECT o.session_id, o.seq, e.key AS position, f.ts_ns, f.engine_index, f.client_index, f.engine_time_s,
+               r.request_id, json_extract(e.value, '$[1]') AS new_token_ids,
+               json_array_length(e.value, '$[1]') AS num_new_tokens, json_extract(e.value, '$[3]') AS finish_reason,
+               json_extract(e.value, '$[4]') AS stop_reason,
+               COALESCE(json_extract(e.value, '$[2]'), 0) AS num_nans_in_logits,
+               json_extract(e.value, '$[5].new_logprobs') AS new_logprobs,
+               json_extract(e.value, '$[5].events') AS events,
+               NULLIF(json_remove(json_extract(e.value, '$[5]'), '$.new_logprobs', '$.events'), '{}') AS other, o.copied
+        FROM frame_outputs o JOIN json_each(o.outputs) e
+        JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
+        LEFT JOIN request_ids r ON r.session_id = o.session_id AND r.number = json_extract(e.value, '$[0]')
+        WHERE e.type = 'array'
+        UNION ALL
         SELECT o.session_id, o.seq, o.position, f.ts_ns, f.engine_index, f.client_index, f.engine_time_s,
                r.request_id, o.new_token_ids, o.num_new_tokens, o.finish_reason, o.stop_reason,
                o.num_nans_in_logits, json_extract(o.other, '$.new_logprobs') AS new_logprobs,
@@ -187,14 +241,12 @@ VIEWS = {
                        AND a.request_id = t.request_id) AS frontend_aborted
         FROM (
             SELECT r.session_id, r.request_id, r.engine_index, r.client_index, r.ts_ns AS added_ns,
-                   MIN(CASE WHEN o.num_new_tokens > 0 THEN f.ts_ns END) AS first_token_ns,
-                   MAX(f.ts_ns) AS last_ns,
+                   MIN(CASE WHEN o.num_new_tokens > 0 THEN o.ts_ns END) AS first_token_ns,
+                   MAX(o.ts_ns) AS last_ns,
                    COALESCE(SUM(o.num_new_tokens), 0) AS tokens,
                    MAX(o.finish_reason) AS finish_reason
             FROM requests r
-            LEFT JOIN request_ids i ON i.session_id = r.session_id AND i.request_id = r.request_id
-            LEFT JOIN output_rows o ON o.session_id = i.session_id AND o.request = i.number
-            LEFT JOIN frames f ON f.session_id = o.session_id AND f.seq = o.seq
+            LEFT JOIN outputs o ON o.session_id = r.session_id AND o.request_id = r.request_id
             GROUP BY r.session_id, r.seq
         ) AS t""",
     # Where each ABORT landed: per request it names, the tokens the request had produced (outputs
@@ -203,8 +255,7 @@ VIEWS = {
         SELECT a.session_id, a.seq, a.ts_ns, a.engine_index, a.client_index, a.request_id,
                COALESCE(SUM(o.num_new_tokens), 0) AS tokens_before_abort
         FROM aborts a
-        LEFT JOIN request_ids i ON i.session_id = a.session_id AND i.request_id = a.request_id
-        LEFT JOIN output_rows o ON o.session_id = i.session_id AND o.request = i.number AND o.seq < a.seq
+        LEFT JOIN outputs o ON o.session_id = a.session_id AND o.request_id = a.request_id AND o.seq < a.seq
         GROUP BY a.session_id, a.seq, a.position""",
     # The gap before each output that carried tokens, per request: as the proxy saw it (itl_ms)
     # and by the engine's own clock (engine_itl_ms, from the time it stamped on its outputs).
@@ -225,7 +276,10 @@ VIEWS = {
 }
 
 
-PAGE_BYTES = 16384
+# SQLite's default. A file of layout 3 or before had 16 KB pages, made for a busy engine's frames (a few KB each, which
+# left a 4 KB page a quarter empty): their bytes are in compressed batches now, and every table and index takes a
+# page at least, so a small recording was mostly slack (600 KB for 216 KB of wire, 150 KB with 4 KB pages).
+PAGE_BYTES = 4096
 
 
 def open_database(path: str | Path) -> sqlite_utils.Database:
@@ -239,7 +293,7 @@ def open_database(path: str | Path) -> sqlite_utils.Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
     db = sqlite_utils.Database(path)
-    if new:  # only before the first table: a busy engine's frames (a few KB each) leave a 4 KB page a quarter empty
+    if new:  # (only before the first table)
         db.execute(f"PRAGMA page_size={PAGE_BYTES}")
     db.enable_wal()
     ensure_schema(db)
@@ -319,8 +373,10 @@ def read_recording(path: Path) -> sqlite3.Connection:
 
 
 # PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied;
-# 3, every count of the writer's in the session's row.
-SCHEMA_VERSION = 3
+# 3, every count of the writer's in the session's row; 4, the frames' bytes in compressed batches (a file of 3 or before
+# migrated keeps its earlier frames' bytes in ``frames.raw``, where ``raw.frame_bytes`` reads them).
+SCHEMA_VERSION = 4
+LEGACY_BYTES = ("raw", "forwarded_raw")  # the ``frames`` columns that held each frame's bytes up to layout 3
 
 # What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
 # file it writes with them (INSERT ... SELECT), ``view_as_current`` reads a file it may not write through them.
@@ -344,14 +400,16 @@ _ENGINE_TIME = """CASE WHEN kind IN ('OUTPUTS', 'UTILITY_OUTPUT') AND json_extra
 def _select_as_current(table: str, have: set[str]) -> str | None:
     """A SELECT of ``table``'s rows in this version's columns from a file where it has the columns ``have``
     (None: it has them all as they are). A missing column is null, or made from what the row holds; a file
-    whose ``output_rows`` had logprobs and events columns of their own has them folded into ``other``."""
+    whose ``output_rows`` had logprobs and events columns of their own has them folded into ``other``; the
+    frames' bytes of a file of layout 3 or before stay where they are (``LEGACY_BYTES``)."""
     columns = TABLES[table][0]
     folded = {"other": _OTHER_WITH_COLUMNS} if table == "output_rows" and "new_logprobs" in have else {}
     if have >= columns.keys() and not folded:
         return None
     made = {"engine_time_s": _ENGINE_TIME} if table == "frames" and "decoded" in have else {}
-    picked = ", ".join(f"{folded[c]} AS [{c}]" if c in folded else f"[{c}]" if c in have
-                       else f"{made.get(c, 'NULL')} AS [{c}]" for c in columns)
+    picked = ", ".join([f"{folded[c]} AS [{c}]" if c in folded else f"[{c}]" if c in have
+                        else f"{made.get(c, 'NULL')} AS [{c}]" for c in columns] +
+                       [f"[{c}]" for c in LEGACY_BYTES if table == "frames" and c in have])
     return f"SELECT {picked} FROM main.[{table}]" if have else f"SELECT {picked} WHERE 0"
 
 

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from replay_proxy.redact.settings import Redaction, redaction_counts
+from replay_proxy.store import raw
 from replay_proxy.store.counts import FrameCounts, WriterCounts
 from replay_proxy.store.progress import Progress, Stop
 from replay_proxy.store.rows import Rows
@@ -124,6 +125,7 @@ class Writer:
         self.decoded_through_ns = 0
         self.sampler = Sampler(sample) if sample is not None else None
         self.frames_copied = 0  # rows counted in another file of a rotating recording (recorder/rotation/)
+        self.small_batch_frames = 0  # frames in batches written since the last merge, each smaller than a merged one
         self.dead: set[int | None] = {e for (e,) in self.connection.execute(  # sent ENGINE_CORE_DEAD or vanished
             "SELECT DISTINCT engine_index FROM engine_events WHERE session_id = ?", (session_id,))}
         self.write_error: str | None = None
@@ -168,13 +170,16 @@ class Writer:
                     schema.release, announced, self.last_alarm))
 
     def _commit(self, rows: Rows, *, done: tuple[int, int] | None = None, copies: Copies = Copies.NONE) -> bool:
-        """Write the rows in one transaction; ``done``: the kept messages they replace (a number range);
-        ``copies``: which of them are marked as copies of rows another file counts."""
+        """Write the rows, and their frames' bytes as a batch, in one transaction; ``done``: the kept messages they
+        replace (a number range); ``copies``: which of them are marked as copies of rows another file counts."""
+        batch = raw.pack(self.session_id, rows.raw_seqs, rows.raw_items, os.sched_yield) if rows.raw_items else None
         try:
             with self.connection:
                 for table, values in rows.tables.items():
                     copy = copies is Copies.WHOLE or (copies is Copies.FRAME and table == "frames")
                     self.connection.executemany((self.copy_statements if copy else self.statements)[table], values)
+                if batch is not None:
+                    self.connection.execute(self.statements["frame_batches"], batch)
                 if done is not None:
                     self.connection.execute("DELETE FROM undecoded WHERE session_id = ? AND number BETWEEN ? AND ?",
                                             (self.session_id, *done))
@@ -182,7 +187,31 @@ class Writer:
             self.write_error = f"{type(exc).__name__}: {exc}"
             rows.forget_new_request_ids()
             return False
+        if batch is not None and batch.frames < raw.BATCH_FRAMES:
+            self.small_batch_frames += batch.frames
+            if self.small_batch_frames >= raw.BATCH_FRAMES:
+                self._merge_small_batches()
         return True
+
+    def _merge_small_batches(self) -> None:
+        """The session's small batches (a quiet recording writes a few frames a transaction) as one, in the
+        transaction that deletes them: they compress together as a batch of ``raw.BATCH_FRAMES`` does."""
+        self.small_batch_frames = 0
+        small = self.connection.execute("SELECT first_seq, frames, data FROM frame_batches WHERE session_id = ? "
+                                        "AND frames < ? ORDER BY first_seq", (self.session_id, raw.BATCH_FRAMES))
+        firsts, batches = [], []
+        for first_seq, frames, data in small:
+            firsts.append((self.session_id, first_seq))
+            batches.append((frames, data))
+        if len(batches) < 2:
+            return
+        batch = raw.merged(self.session_id, batches, os.sched_yield)
+        try:
+            with self.connection:
+                self.connection.executemany("DELETE FROM frame_batches WHERE session_id = ? AND first_seq = ?", firsts)
+                self.connection.execute(self.statements["frame_batches"], batch)
+        except Exception:  # noqa: BLE001 - a full disk: the small batches stay as they are, all of them read
+            return
 
     def _tabulate(self, captured: Iterable[CapturedFrame | EngineLoss]) -> tuple[Rows, int]:
         """Every row of these frames, in seq order; and how many were ADDs."""
@@ -205,8 +234,7 @@ class Writer:
         """This session's requests added and neither finished nor aborted yet (one pass over its outputs)."""
         return {rid for (rid,) in self.connection.execute(
             """SELECT request_id FROM requests WHERE session_id = :s
-               EXCEPT SELECT i.request_id FROM output_rows o JOIN request_ids i ON i.session_id = o.session_id
-                   AND i.number = o.request WHERE o.session_id = :s AND o.finish_reason IS NOT NULL
+               EXCEPT SELECT request_id FROM outputs WHERE session_id = :s AND finish_reason IS NOT NULL
                EXCEPT SELECT request_id FROM aborts WHERE session_id = :s""", {"s": self.session_id})}
 
     def _decoded(self, rows: Rows, added: int) -> None:

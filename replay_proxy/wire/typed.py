@@ -109,7 +109,8 @@ class _TokenArray(msgspec.Struct, array_like=True, frozen=True, gc=False):
     data: msgspec.msgpack.Ext | int
 
 
-# The EngineCoreOutput fields a row of output_rows holds as columns, in the order ``read`` gives them.
+# The EngineCoreOutput fields an output's packed value in frame_outputs holds (store/tables.py), in the order ``read``
+# gives them.
 OUTPUT_COLUMNS = ("request_id", "new_token_ids", "finish_reason", "stop_reason", "num_nans_in_logits")
 
 

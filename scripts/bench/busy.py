@@ -383,7 +383,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
                     "SELECT frames_seen, frames_recorded, COALESCE(frames_sampled_out, 0), frames_dropped, "
                     "frames_undecoded, bytes_seen, status FROM sessions").fetchone()
                 tables = connection.execute(
-                    "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(*) FROM output_rows), (SELECT COUNT(*) FROM "
+                    "SELECT (SELECT COUNT(*) FROM frames), (SELECT COALESCE(SUM(json_array_length(outputs)), 0) FROM "
+                    "frame_outputs), (SELECT COUNT(*) FROM "
                     "requests), (SELECT COALESCE(SUM(frames), 0) FROM undecoded)").fetchone()
             for name, value in zip(("seen", "recorded", "sampled_out", "dropped", "undecoded", "bytes"), row):
                 session[name] = session.get(name, 0) + (value or 0)

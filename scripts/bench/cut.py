@@ -17,6 +17,7 @@ reading the same frames' bytes with one SELECT, nothing decoded or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import resource
 import sqlite3
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from replay_proxy.store.raw import frame_bytes  # noqa: E402
 from scripts.bench.redact import frames, written  # noqa: E402
 
 
@@ -41,7 +43,7 @@ def main() -> None:
     if not args.db.exists():  # in a process of its own: the peak memory read below is the cut's alone
         subprocess.run([sys.executable, __file__, "make", str(args.db), str(args.total), str(args.outputs)], check=True)
     with sqlite3.connect(args.db) as db:
-        output_rows = db.execute("SELECT COUNT(*) FROM output_rows").fetchone()[0]
+        output_rows = db.execute("SELECT SUM(json_array_length(outputs)) FROM frame_outputs").fetchone()[0]
     with tempfile.TemporaryDirectory(prefix="bench-cut-") as folder:
         out = Path(folder) / "cut.db"
         started = time.perf_counter()
@@ -53,11 +55,8 @@ def main() -> None:
             kept = cut.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
             seqs = [seq for (seq,) in cut.execute("SELECT seq FROM frames")]
         started = time.perf_counter()
-        with sqlite3.connect(args.db) as db:
-            db.execute("CREATE TEMP TABLE wanted (seq INTEGER PRIMARY KEY)")
-            db.executemany("INSERT INTO temp.wanted VALUES (?)", [(s,) for s in seqs])
-            read = sum(len(raw) for (raw,) in db.execute(
-                "SELECT raw FROM frames WHERE session_id = 1 AND seq IN temp.wanted ORDER BY seq"))
+        with contextlib.closing(sqlite3.connect(args.db)) as db:
+            read = sum(len(part) for frame in frame_bytes(db, 1, set(seqs)) for part in frame.parts)
         floor_s = time.perf_counter() - started
     print(f"{args.db.name}: {output_rows:,} output rows; cut of {kept} requests ({len(seqs):,} frames)")
     print(f"replay-proxy cut: {cut_s:.1f} s (target <= 60 s), peak {peak_mb:.0f} MB resident (target <= 256 MB)")

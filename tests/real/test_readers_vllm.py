@@ -13,13 +13,14 @@ import sqlite3
 
 import msgspec
 import pytest
-import sqlite_utils
 
 from replay_proxy.compare.findings import PYTHON_ENGINE, PYTHON_FRONTEND, RUST_FRONTEND
 from replay_proxy.compare.readers import reader_schema, verdict
 from replay_proxy.wire.registry import load_schema
 from replay_proxy.compare.rejection import REQUEST_FAILURES
+from replay_proxy.store.raw import frames_with_bytes
 from tests.real import peers
+from tests.helpers import edit_frames as edit_in_place
 from tests.real.vllm_reads import oracle
 
 pytestmark = pytest.mark.real_vllm
@@ -28,11 +29,9 @@ UNSET = object()
 
 def recorded(kind):
     """The first recorded frame of ``kind`` with something in it: (session_id, seq, parts)."""
-    db = sqlite3.connect(peers.RECORDING)
-    where = " AND length(raw) > 100" if kind == "OUTPUTS" else ""
-    session, seq, raw = db.execute(f"SELECT session_id, seq, raw FROM frames WHERE kind = ?{where} ORDER BY seq",
-                                   [kind]).fetchone()
-    return session, seq, msgspec.msgpack.decode(raw)
+    where = " AND nbytes > 100" if kind == "OUTPUTS" else ""
+    row = frames_with_bytes(sqlite3.connect(peers.RECORDING), f"kind = ?{where}", [kind])[0]
+    return row["session_id"], row["seq"], row["parts"]
 
 
 def changed(value, path, new=UNSET, append=UNSET, cut=None):
@@ -101,11 +100,8 @@ def replay_vllm_rs(tmp_path, release, edit):
 def edit_frames(kind, change):
     """An edit of every recorded frame of ``kind``: its first part decoded, ``change``d, encoded again."""
     def edit(path):
-        db = sqlite_utils.Database(path)
-        for row in list(db.query("SELECT session_id, seq, raw FROM frames WHERE kind = ?", [kind])):
-            parts = msgspec.msgpack.decode(row["raw"])
-            parts[0] = msgspec.msgpack.encode(change(msgspec.msgpack.decode(parts[0])))
-            db["frames"].update((row["session_id"], row["seq"]), {"raw": msgspec.msgpack.encode(parts)})
+        edit_in_place(path, f"kind = '{kind}'", lambda parts: [
+            msgspec.msgpack.encode(change(msgspec.msgpack.decode(parts[0]))), *parts[1:]])
     return edit
 
 

@@ -126,7 +126,7 @@ def test_every_value_of_the_rich_session_is_what_vllm_0_32_0s_own_decoder_reads(
     assert [f["sampling_params"]["structured_outputs"]["json"] for f in adds
             if f["sampling_params"].get("structured_outputs")] != []
     # vLLM's engine reports a stop token (a stop string is the frontend's to find): stored as the integer it is.
-    stops = sqlite3.connect(plain).execute("SELECT typeof(stop_reason), stop_reason FROM output_rows "
+    stops = sqlite3.connect(plain).execute("SELECT typeof(stop_reason), stop_reason FROM outputs "
                                            "WHERE stop_reason IS NOT NULL").fetchall()
     [choice] = recorded[3]["stop token"]["choices"]
     assert choice["finish_reason"] == "stop" and stops == [("integer", choice["stop_reason"])], (stops, choice)

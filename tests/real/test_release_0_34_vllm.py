@@ -9,11 +9,11 @@ import json
 import time
 import urllib.error
 
-import msgspec
 import pytest
 import sqlite_utils
 
 from replay_proxy.processes import Child, free_port
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
 from replay_proxy.wire.registry import load_schema
 from tests.real import peers
@@ -55,8 +55,7 @@ def assert_prompts_recorded_as_sent(db: sqlite_utils.Database) -> None:
     requests = db.query("SELECT prompt_len, prompt_token_ids FROM requests")
     assert sorted((r["prompt_len"], json.loads(r["prompt_token_ids"])) for r in requests) == [
         (len(p), p) for p in PROMPTS.values()]
-    adds = sorted((msgspec.msgpack.decode(r["raw"]) for r in db.query("SELECT raw FROM frames WHERE kind = 'ADD'")),
-                  key=len)
+    adds = sorted((r["parts"] for r in frames_with_bytes(db.conn, "kind = 'ADD'")), key=len)
     assert [len(parts) for parts in adds] == [2, 3]  # the long prompt in an aux frame
     decoder = WireDecoder(load_schema("0.34.0"))
     prompts = [decoder.decode(Channel.INPUT, Direction.TO_ENGINE, parts).fields["prompt_token_ids"] for parts in adds]

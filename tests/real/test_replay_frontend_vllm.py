@@ -8,9 +8,9 @@ import json
 
 import msgspec
 import pytest
-import sqlite_utils
 
 from replay_proxy.compare.rejection import REQUEST_FAILURES
+from tests.helpers import edit_frames
 from tests.real import peers
 
 pytestmark = pytest.mark.real_vllm
@@ -49,14 +49,13 @@ def test_vllm_rs_accepts_the_registration_and_serves_the_recorded_tokens(tmp_pat
 
 def without_registration_key(key):
     """Edit a recording as if its engine had not sent ``key`` in its registration (vLLM's real break)."""
-    def edit(path):
-        db = sqlite_utils.Database(path)
-        row = next(db.query("SELECT session_id, seq, raw FROM frames WHERE kind = 'REGISTRATION'"))
-        [payload] = msgspec.msgpack.decode(row["raw"])
-        registration = msgspec.msgpack.decode(payload)
+    def without(parts):
+        registration = msgspec.msgpack.decode(parts[0])
         del registration[key]
-        db["frames"].update((row["session_id"], row["seq"]), {
-            "raw": msgspec.msgpack.encode([msgspec.msgpack.encode(registration)])})
+        return [msgspec.msgpack.encode(registration)]
+
+    def edit(path):
+        edit_frames(path, "kind = 'REGISTRATION'", without)
     return edit
 
 

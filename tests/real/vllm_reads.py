@@ -1,14 +1,15 @@
 """A release's own vLLM as the oracle of what frames say: tests/real/oracle.py run in its interpreter."""
 
+import contextlib
 import json
 import os
 import sqlite3
 import subprocess
 from pathlib import Path
 
-import msgspec
 
 from replay_proxy.releases import message_classes
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
 from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.values import Tensor
@@ -61,13 +62,11 @@ def read_as_vllm_does(db: Path, release: str = "0.32.0") -> list[tuple[str, dict
     ``release``'s schema, is what that release's own decoder reads from the same frames; return (kind, what
     we named) of each."""
     decoder = WireDecoder(load_schema(release))
-    connection = sqlite3.connect(db)
-    recorded = connection.execute("SELECT kind, channel, direction, raw FROM frames WHERE kind IN "
-                                  "('ADD', 'UTILITY', 'OUTPUTS', 'UTILITY_OUTPUT') ORDER BY seq").fetchall()
-    connection.close()
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        recorded = [(r["kind"], r["channel"], r["direction"], r["parts"]) for r in frames_with_bytes(
+            connection, "kind IN ('ADD', 'UTILITY', 'OUTPUTS', 'UTILITY_OUTPUT')")]
     ours, messages = [], []
-    for kind, channel, direction, raw in recorded:
-        parts = msgspec.msgpack.decode(raw)
+    for kind, channel, direction, parts in recorded:
         message = decoder.decode(Channel(channel), Direction(direction), parts)
         assert (message.kind, message.flags, message.error) == (Kind(kind), (), None)
         ours.append((kind, message.fields))

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# As a user found it: 1,000 steps a second of 32 outputs into a 30 MB filesystem, full within about 10 s.
+# As a user found it: 1,000 steps a second of 32 outputs into a 30 MB filesystem, full within about 10 s. The file
+# is 0.4x the wire since (store/raw.py: the frames' bytes compressed; a row of outputs a step), so the filesystem is
+# 16 MB (8 of them the room kept for the session's end); rotating, 30 MB, room for two files' ends.
 # Before the room kept for the session's end (store/reserve.py), the writer's last transaction failed, then the
 # recorder's, and the session stayed 'recording' with every count 0.
-SECONDS, RATE, MEGABYTES = 15, 1000, 30
+SECONDS, RATE, MEGABYTES, ROTATING_MEGABYTES = 15, 1000, 16, 30
 
 
 @contextlib.contextmanager
@@ -65,7 +67,7 @@ def test_a_full_filesystem_at_a_rotation_keeps_forwarding_and_every_file_ends_co
     """Rotating every second into a filesystem that fills: the rotations that find no room fail, are counted and
     tried again, forwarding goes on, and every file's session ends with its counts, which add up to what crossed."""
     steps = SECONDS * RATE
-    with small_filesystem(tmp_path / "small", MEGABYTES) as small:
+    with small_filesystem(tmp_path / "small", ROTATING_MEGABYTES) as small:
         db = small / "rotating.db"
         run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "busy.py"), "--seconds", str(SECONDS),
                               "--rate", str(RATE), "--outputs", "32", "--json", "--db", str(db),

@@ -45,8 +45,9 @@ def test_200k_frames_through_record_are_all_recorded_and_counted_once(tmp_path):
     assert decode.returncode == 0, decode.stderr
     connection = sqlite3.connect(db)
     counts = connection.execute(
-        "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(DISTINCT seq) FROM frames), (SELECT COUNT(*) FROM "
-        "output_rows), (SELECT COUNT(*) FROM requests), (SELECT COUNT(*) FROM undecoded), (SELECT frames_undecoded "
+        "SELECT (SELECT COUNT(*) FROM frames), (SELECT COUNT(DISTINCT seq) FROM frames), (SELECT SUM("
+        "json_array_length(outputs)) FROM frame_outputs), (SELECT COUNT(*) FROM requests), (SELECT COUNT(*) FROM "
+        "undecoded), (SELECT frames_undecoded "
         "FROM sessions)").fetchone()
     assert counts == (frames, frames, 4 * STEPS, STEPS, 0, 0)
     # Numbered as forwarded: no gap, no repeat.

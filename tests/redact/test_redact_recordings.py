@@ -10,6 +10,7 @@ import sqlite_utils
 
 from replay_proxy.redact.settings import Redaction, RedactionSettings
 from replay_proxy.store.copy import redact_database
+from replay_proxy.store.raw import frames_with_bytes
 from tests.redact.leaks import leaks, shape, tokens_of
 
 RECORDINGS = sorted((Path(__file__).parents[2] / "recordings").glob("vllm-*.db"))
@@ -78,8 +79,8 @@ def test_the_fast_paths_redact_every_recording_as_the_walk_does(tmp_path, monkey
     monkeypatch.setattr(frames.Kept, "of", lambda schema, policy, name: None)
     for recording in RECORDINGS:
         redact_database(recording, tmp_path / f"walked-{recording.name}", redaction_for(recording, key))
-        raw = [sqlite_utils.Database(tmp_path / f"{way}-{recording.name}").execute(
-            "SELECT seq, raw FROM frames ORDER BY seq").fetchall() for way in ("fast", "walked")]
+        raw = [[(r["seq"], r["parts"]) for r in frames_with_bytes(sqlite_utils.Database(
+            tmp_path / f"{way}-{recording.name}").conn)] for way in ("fast", "walked")]
         assert raw[0] == raw[1], recording.name
     assert len(taken) == len(RECORDINGS)  # each took the fast path where it could:
     assert all(of(schema, redaction.policy) is not None for schema in taken)  # and it could, for every release

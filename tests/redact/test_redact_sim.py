@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-import msgspec
 import pytest
 import sqlite_utils
 import trio
@@ -19,6 +18,7 @@ from replay_proxy.replay.run import replay_session
 from replay_proxy.sim.drift import EngineDrift
 from replay_proxy.sim.engine import VOCAB, token_at
 from replay_proxy.store.copy import redact_database
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.wire.handshake import engine_identity
 from replay_proxy.wire.messages import Side
 from tests.helpers import RecordedSession
@@ -189,8 +189,8 @@ def test_a_frame_that_does_not_decode_is_forwarded_as_it_was_and_recorded_blank(
     assert trio.run(main) == [(0, garbage)]
     assert leaks(db, [], ["acme-secret-in-garbage"]) == []
     database = sqlite_utils.Database(db)
-    [frame] = database.query("SELECT raw, kind FROM frames WHERE kind = 'UNKNOWN'")
-    assert msgspec.msgpack.decode(frame["raw"]) == [b"", b""]
+    [frame] = frames_with_bytes(database.conn, "kind = 'UNKNOWN'")
+    assert frame["parts"] == [b"", b""]
     assert json.loads(database["sessions"].get(1)["redaction_counts"])["blanked"] == {"frame (ValueError)": 1}
 
 

@@ -1,5 +1,6 @@
 """Replay against an engine, with sim peers: a faithful engine gives nothing, each drift its finding."""
 
+import json
 import re
 import shlex
 import shutil
@@ -82,8 +83,11 @@ def test_an_abort_that_cannot_land_where_it_was_recorded_is_a_warning_with_both_
     # request (500 tokens) finishes first, so the ABORT goes after the finish, short of the recorded point.
     [recorded_at] = landings(recorded)
     def abort_later(db):
-        db.execute("UPDATE output_rows SET num_new_tokens = 150 * num_new_tokens WHERE request = "
-                   "(SELECT number FROM request_ids WHERE request_id = 'long')")
+        [(long,)] = db.execute("SELECT number FROM request_ids WHERE request_id = 'long'").fetchall()
+        for session_id, seq, packed in db.execute("SELECT session_id, seq, outputs FROM frame_outputs").fetchall():
+            outputs = [o if o is None or o[0] != long else [long, o[1] * 150, *o[2:]] for o in json.loads(packed)]
+            db.execute("UPDATE frame_outputs SET outputs = ? WHERE session_id = ? AND seq = ?",
+                       [json.dumps(outputs), session_id, seq])
         db.conn.commit()
     report, _, db = replay_baseline(tmp_path, recorded, edit=abort_later)
     later = 150 * recorded_at  # at least 600

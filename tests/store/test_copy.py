@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from replay_proxy.store.copy import CopyError, copy_session, redact_database
+from replay_proxy.store.raw import frames_with_bytes
 
 RECORDINGS = Path(__file__).parents[2] / "recordings"
 
@@ -21,8 +22,9 @@ def test_the_copy_is_the_session_as_recorded_and_the_recording_is_only_read(tmp_
     out = tmp_path / "replay.db"
     assert copy_session(source, "1", out) == "python-frontend"
     assert hashlib.sha256(source.read_bytes()).hexdigest() == before
-    for sql in ("SELECT seq, ts_ns, kind, raw FROM frames ORDER BY seq",
-                "SELECT request_id, seq, prompt_len, max_tokens FROM requests ORDER BY seq",
+    assert [(r["seq"], r["ts_ns"], r["kind"], r["parts"]) for r in frames_with_bytes(sqlite3.connect(out))] == [
+        (r["seq"], r["ts_ns"], r["kind"], r["parts"]) for r in frames_with_bytes(sqlite3.connect(source))]
+    for sql in ("SELECT request_id, seq, prompt_len, max_tokens FROM requests ORDER BY seq",
                 "SELECT request_id, position, new_token_ids, finish_reason FROM outputs ORDER BY seq, position",
                 "SELECT name, mode, vllm_version, status, frames_recorded FROM sessions"):
         assert rows(out, sql) == rows(source, sql), sql
@@ -67,7 +69,7 @@ def test_a_copy_or_a_cut_of_a_redacted_session_says_it_is_redacted(tmp_path):
 
 def largest_token_id(db):
     return rows(db, """SELECT MAX(id) FROM (SELECT MAX(t.value) AS id FROM requests, json_each(prompt_token_ids) t
-                       UNION ALL SELECT MAX(t.value) FROM output_rows, json_each(new_token_ids) t)""")[0][0]
+                       UNION ALL SELECT MAX(t.value) FROM outputs, json_each(new_token_ids) t)""")[0][0]
 
 
 def test_a_vocabulary_smaller_than_the_recordings_token_ids_is_refused_before_anything_is_written(tmp_path):

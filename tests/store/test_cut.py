@@ -13,6 +13,7 @@ import trio
 
 from replay_proxy.compare.findings import Severity
 from replay_proxy.store.cut import CutError, Selection, cut_database
+from replay_proxy.store.raw import frames_with_bytes
 from tests.replay.sim_sessions import record_baseline, replay_baseline
 
 REAL = Path(__file__).parents[2] / "recordings" / "vllm-0.32.0-python.db"
@@ -27,8 +28,8 @@ def recorded(tmp_path_factory):
 
 
 def frames(db, session_id=1):
-    return sqlite3.connect(db).execute("SELECT seq, kind, raw FROM frames WHERE session_id = ? ORDER BY seq",
-                                       [session_id]).fetchall()
+    return [(r["seq"], r["kind"], r["parts"])
+            for r in frames_with_bytes(sqlite3.connect(db), "session_id = ?", [session_id])]
 
 
 def outputs_by_request(db, session_id=1):

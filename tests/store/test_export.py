@@ -4,7 +4,9 @@ import sqlite3
 from pathlib import Path
 
 import duckdb
+import msgspec
 
+from replay_proxy.store.raw import frames_with_bytes
 from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +17,7 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     lake = tmp_path / "lake"
     for db in RECORDINGS:  # as two proxies' files would be
         result = cli("export", "--db", str(db), "--parquet", str(lake))
-        assert result.returncode == 0 and "wrote 10 Parquet files" in result.stderr, result.stderr
+        assert result.returncode == 0 and "wrote 11 Parquet files" in result.stderr, result.stderr
     # docs/database.md's query: outputs and tokens per session, with each session's release.
     rows = duckdb.sql(f"""
         SELECT s.session, s.vllm_version, COUNT(*) AS outputs, SUM(o.num_new_tokens) AS tokens
@@ -32,8 +34,8 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     # Every column keeps its type, bytes included: the raw frames are the recorded bytes.
     [(raw,)] = duckdb.sql(f"SELECT raw FROM read_parquet('{lake}/frames/*/session=demo/*.parquet') ORDER BY seq "
                           "LIMIT 1").fetchall()
-    first = sqlite3.connect(RECORDINGS[0]).execute("SELECT raw FROM frames ORDER BY session_id, seq LIMIT 1")
-    assert raw == first.fetchone()[0]
+    first = frames_with_bytes(sqlite3.connect(RECORDINGS[0]))[0]
+    assert msgspec.msgpack.decode(raw) == first["parts"]
 
 
 def test_a_bad_session_is_one_line(tmp_path):

@@ -5,9 +5,9 @@ scripts/make_recordings.py --shapes), each holding every shape its workload send
 
 from pathlib import Path
 
-import msgspec
 import pytest
 
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.store.session import load_session
 from replay_proxy.store.tables import read_recording
 from replay_proxy.wire.messages import Channel, Direction, Kind, WireDecoder
@@ -72,8 +72,8 @@ def test_a_release_recording_decodes_under_its_own_schema_without_flags(recordin
     db = read_recording(recording)
     decoder = WireDecoder()
     kinds = set()
-    for channel, direction, raw in db.execute("SELECT channel, direction, raw FROM frames ORDER BY session_id, seq"):
-        message = decoder.decode(Channel(channel), Direction(direction), msgspec.msgpack.decode(raw))
+    for row in frames_with_bytes(db):
+        message = decoder.decode(Channel(row["channel"]), Direction(row["direction"]), row["parts"])
         assert (message.flags, message.error) == ((), None), (release, message.kind, message.flags, message.error)
         kinds.add(message.kind.name)
     assert {"REGISTRATION", "ADD", "OUTPUTS", "UTILITY", "UTILITY_OUTPUT"} <= kinds

@@ -7,6 +7,7 @@ of a conforming one (a position more or less, another kind in a field,
 logprobs, events, nested structs, tensors), each decoded both ways.
 """
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -15,13 +16,14 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replay_proxy.store.raw import frames_with_bytes
 from replay_proxy.store.rows import Rows
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.encode import encode, struct_value
 from replay_proxy.wire.messages import Channel, Direction, WireDecoder
 from replay_proxy.wire.registry import load_schema
 from replay_proxy.wire.typed import typed_outputs, typed_requests
-from replay_proxy.wire.values import Tensor, decode_msgpack
+from replay_proxy.wire.values import Tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = load_schema("0.32.0")
@@ -41,9 +43,8 @@ def both_ways(parts: list[bytes], channel: Channel = Channel.OUTPUT,
 def recorded_frames(where: str) -> list[list[bytes]]:
     frames = []
     for path in sorted((ROOT / "recordings").glob("vllm-0.32.0-*.db")):
-        connection = sqlite3.connect(path)
-        frames += [decode_msgpack(raw) for (raw,) in connection.execute(f"SELECT raw FROM frames WHERE {where}")]
-        connection.close()
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            frames += [row["parts"] for row in frames_with_bytes(connection, where)]
     return frames
 
 
