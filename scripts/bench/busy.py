@@ -33,6 +33,11 @@ and its redactor, read from /proc, and the cores each took at that rate: a
 process that needs less than one core keeps up live on a host that gives it
 one, whatever the lag on a machine whose cores the peers share.
 
+The file's size against the wire's: ``db_mb`` and ``wal_mb`` at the end against
+``wire_mb``, and ``live_disk_to_wire_max``, the most the recording took on disk
+while recording for the wire bytes that had crossed by then (sampled with the
+lag, from a tenth of the run on).
+
 Rotating (``--rotate-mb``, ``--rotate-every``, ``--keep``), the session's figures
 are summed over the files left, the proxy's own totals are in ``summary`` (its
 JSON log's last line), and the disk the files took is sampled with the lag
@@ -263,6 +268,18 @@ def run_files(db: Path) -> list[Path]:
                    p.stem.removeprefix(f"{db.stem}-").isdigit()), key=lambda p: (len(p.name), p.name))
 
 
+def live_ratio(db: Path, recorded_bytes: list[tuple[int, int]]) -> float | None:
+    """The most the recording took on disk (its file and write-ahead log, not the room kept for its end) for the
+    wire bytes that had crossed by then, from a tenth of the run on (before, the log's few MB are most of it)."""
+    if len(recorded_bytes) < 10:
+        return None
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        ratios = [size / crossed for when, size in recorded_bytes[len(recorded_bytes) // 10:]
+                  for (crossed,) in [connection.execute("SELECT SUM(nbytes) FROM frames WHERE ts_ns <= ?",
+                                                        [when]).fetchone()] if crossed]
+    return round(max(ratios), 3) if ratios else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=2000, help="engine steps (output frames) a second")
@@ -341,11 +358,14 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
         processes = {"proxy": proxy.process.pid, "writer": writer, "redactor": redactor}
         started_cpu, cpu = read_cpu(processes), {}
         lags_ms, memory_mb, redactor_mb, disk_mb = [], [], [], []
+        recorded_bytes: list[tuple[int, int]] = []  # (when, the recording's bytes on disk then)
         deadline = time.monotonic() + steps / args.rate + 600
         while front.running() and time.monotonic() < deadline:
             time.sleep(0.5)
             files = run_files(db)
             disk_mb.append(sum(map(_bytes, db.parent.glob(f"{db.stem}*"))) / 2**20)
+            recorded_bytes.append((time.time_ns(), sum(_bytes(f) for f in db.parent.glob(f"{db.stem}*")
+                                                      if not f.name.endswith(".reserve"))))
             newest = []  # of the two files written last (a file just begun holds only copies of the start)
             for path in sorted(files, key=lambda f: f.stat().st_mtime)[-2:]:
                 try:
@@ -409,6 +429,7 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
                                                       "frames_dropped", "rotations", "rotations_failed",
                                                       "files_deleted")},
               **({"disk_mb_max": round(max(disk_mb), 1)} if rotating and disk_mb else {}),
+              **({} if rotating else {"live_disk_to_wire_max": live_ratio(db, recorded_bytes)}),
               "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,
