@@ -146,9 +146,8 @@ def replay_against_engine(db, tmp_path):
     connection = sqlite3.connect(replayed)
     replay_id = connection.execute("SELECT MAX(id) FROM sessions").fetchone()[0]
     hits, queries = connection.execute(
-        "SELECT SUM(json_extract(decoded, '$.scheduler_stats.prefix_cache_stats.hits')), "
-        "SUM(json_extract(decoded, '$.scheduler_stats.prefix_cache_stats.queries')) FROM frames "
-        "WHERE session_id = ? AND kind = 'OUTPUTS'", [replay_id]).fetchone()
+        "SELECT SUM(prefix_cache_hits), SUM(prefix_cache_queries) FROM scheduler_stats WHERE session_id = ?",
+        [replay_id]).fetchone()
     lengths = shape(replayed, replay_id)
     return result, json.loads((tmp_path / "report.json").read_text()), (hits, queries), lengths
 

@@ -1,5 +1,6 @@
-"""What a redacted file must not hold, searched in every byte of it (its -wal included)."""
+"""What a redacted file must not hold, searched in every byte of it (its -wal included) and in its frames' bytes."""
 
+import contextlib
 import itertools
 import json
 import struct
@@ -8,13 +9,19 @@ from pathlib import Path
 
 import msgspec
 
+from replay_proxy.store.raw import frames_with_bytes
+
 WINDOW = 8  # consecutive original tokens that must appear nowhere
 
 
 def file_bytes(db: Path) -> bytes:
-    """The database and whatever SQLite keeps beside it."""
-    return b"".join(Path(f"{db}{suffix}").read_bytes() for suffix in ("", "-wal", "-journal")
-                    if Path(f"{db}{suffix}").exists())
+    """The database and whatever SQLite keeps beside it, and its frames' bytes as they crossed: compressed in the
+    file (store/raw.py), where a scan of the file alone would not see them."""
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        frames = b"".join(b"".join([*row["parts"], *(row["forwarded"] or [])])
+                          for row in frames_with_bytes(connection))
+    return frames + b"".join(Path(f"{db}{suffix}").read_bytes() for suffix in ("", "-wal", "-journal")
+                             if Path(f"{db}{suffix}").exists())
 
 
 def token_windows(sequence: list[int]) -> set[bytes]:
