@@ -23,7 +23,7 @@ from replay_proxy.errors import ReplayProxyError
 from replay_proxy.redact.settings import Redaction
 from replay_proxy.store.counts import WriterCounts
 from replay_proxy.store.queries import QueryError, find_session
-from replay_proxy.store.raw import FrameBytes, frame_bytes
+from replay_proxy.store.raw import FrameBytes, frame_bytes, matched
 from replay_proxy.store.tables import TABLES, insert_session, open_database, read_recording
 from replay_proxy.store.writer import DECODE_FRAMES, Copies, Writer
 from replay_proxy.wire.capture import CapturedFrame, EngineLoss, decode_entries
@@ -186,6 +186,5 @@ def recorded_frames(db: sqlite3.Connection, session_id: int, only: str | None = 
 def _captured(row: tuple[int, int, str, str, int | None, int | None], sent: FrameBytes) -> CapturedFrame:
     """A frame's row and its bytes (both in seq order) as it was captured."""
     seq, ts_ns, channel, direction, engine, client = row
-    if sent.seq != seq:
-        raise ValueError(f"frame {seq} has no bytes in frame_batches (the next there is {sent.seq})")
+    sent = matched(seq, sent)
     return CapturedFrame(seq, ts_ns, Channel(channel), Direction(direction), engine, client, sent.parts, sent.forwarded)

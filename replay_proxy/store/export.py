@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from replay_proxy.store.queries import find_session, open_recording
-from replay_proxy.store.raw import FrameBytes, frame_bytes
+from replay_proxy.store.raw import FrameBytes, frame_bytes, matched
 from replay_proxy.store.tables import TABLES
 
 BATCH_ROWS = 50_000  # rows read and written at once: memory stays bounded whatever the session's size
@@ -68,7 +68,7 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
             text = db.execute(f"SELECT {checks} {where}", [row["id"]]).fetchone()
             batches: Iterator[list[Any]] = iter(lambda: cursor.fetchmany(BATCH_ROWS), [])
             if table == "frames" and "raw" not in names:  # each frame's bytes beside it, as in a file of layout 3
-                batches = _with_bytes(batches, frame_bytes(db.conn, row["id"]))
+                batches = _with_bytes(batches, names.index("seq"), frame_bytes(db.conn, row["id"]))
                 names, text = [*names, *RAW_COLUMNS], (*text, *[0] * len(RAW_COLUMNS))
             schema = pa.schema([(n, pa.string() if is_text else _ARROW[LAYOUT.get(n, str)])
                                 for n, is_text in zip(names, text)] + [("recording", pa.string())])
@@ -99,8 +99,10 @@ def _array(values: Sequence[Any], arrow_type: pa.DataType) -> pa.Array:
     return pa.array(values, arrow_type)
 
 
-def _with_bytes(batches: Iterable[list[Any]], frames: Iterator[FrameBytes]) -> Iterator[list[Any]]:
-    """Rows of ``frames`` (in seq order) with each frame's bytes (``RAW_COLUMNS``) after its columns."""
+def _with_bytes(batches: Iterable[list[Any]], seq_at: int, frames: Iterator[FrameBytes]) -> Iterator[list[Any]]:
+    """Rows of ``frames`` (in seq order, the seq at ``seq_at``) with each frame's bytes (``RAW_COLUMNS``) after its
+    columns."""
     for batch in batches:
         yield [(*row, _msgpack(sent.parts), None if sent.forwarded is None else _msgpack(sent.forwarded))
-               for row, sent in zip(batch, itertools.islice(frames, len(batch)), strict=True)]
+               for row, read in zip(batch, itertools.islice(frames, len(batch)), strict=True)
+               for sent in [matched(row[seq_at], read)]]

@@ -110,6 +110,14 @@ def frame_bytes(connection: sqlite3.Connection, session_id: int, seqs: Collectio
             yield frame
 
 
+def matched(seq: int, sent: FrameBytes) -> FrameBytes:
+    """``sent``, read beside frame ``seq``'s row (both in seq order): a row without its bytes is an error, never a
+    frame given its neighbour's."""
+    if sent.seq != seq:
+        raise ValueError(f"frame {seq} has no bytes in frame_batches (the next there is {sent.seq})")
+    return sent
+
+
 def parts(raw: bytes) -> list[bytes]:
     """A frame's parts as a file of layout 3 or before kept them (``frames.raw``: a msgpack array of bins)."""
     return _parts(raw)
