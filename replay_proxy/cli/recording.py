@@ -36,6 +36,9 @@ def record(
     db: Annotated[Path, typer.Option(help="SQLite file to record into (created if missing); it may hold strftime "
                                           "fields (staging-%Y%m%d-%H%M%S.db), filled in as each file is begun.")],
     session: Annotated[str | None, typer.Option(help="Session name (default: record-DATE-TIME).")] = None,
+    instance: Annotated[str | None, typer.Option(
+        help="This proxy's name among its host's, kept with the host's name in each session and a partition of "
+             "export's dataset (default: the --listen port, or the ipc socket's file name).")] = None,
     on_full: Annotated[OnFull, typer.Option(
         help="When the recorder queue is full: 'drop' counts the frame as dropped from the recording "
              "(it is still forwarded); 'block' waits, lossless at the cost of latency.")] = OnFull.DROP,
@@ -119,7 +122,7 @@ def record(
                                                       record_coordinator=record_coordinator, max_db_mb=max_db_mb,
                                                       redaction=redaction, sample=sample, rotation=rotation,
                                                       metrics=metrics, frontend_release=frontend_release,
-                                                      log=log))
+                                                      instance=instance, log=log))
     except OSError as exc:  # (a ReplayProxyError is cli.run's to say)
         raise fail(str(exc)) from None
     so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"

@@ -20,12 +20,15 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
                  on_full: OnFull = OnFull.DROP, record_coordinator: bool = False, max_db_mb: float | None = None,
                  redaction: RedactionSettings | None = None, sample: RequestSample | None = None,
                  rotation: RotationSettings | None = None, metrics: str | None = None,
-                 frontend_release: str | None = None, log: StatusLog) -> tuple[Recorder, RecorderStats]:
+                 frontend_release: str | None = None, instance: str | None = None, log: StatusLog
+                 ) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM (or SIGHUP, when not rotating: a hangup); return the finished
     recorder and its final statistics. Rotating, SIGHUP begins the next file. With ``metrics`` (HOST:PORT),
-    serve ``/metrics`` and ``/healthz`` there meanwhile."""
+    serve ``/metrics`` and ``/healthz`` there meanwhile. ``instance`` names this proxy among its host's (default:
+    ``default_instance``)."""
     info = SessionInfo(name=session, listen=listen, upstream=upstream, frontend_release=frontend_release,
-                       frontend_source="given" if frontend_release else None)
+                       frontend_source="given" if frontend_release else None,
+                       proxy_instance=instance or default_instance(listen))
     recorder = Recorder(db, info, on_full=on_full,
                         max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None, redaction=redaction,
                         sample=sample, rotation=rotation)
@@ -58,3 +61,9 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
         if server is not None:  # last: a scrape while the session ends still gets an answer
             server.close()
     return recorder, stats
+
+
+def default_instance(listen: str) -> str:
+    """A proxy's name among its host's where none is given: its handshake port (``tcp://HOST:PORT``), as
+    Prometheus names an instance, or its socket's file name (``ipc://PATH``)."""
+    return listen.rsplit(":", 1)[-1] if listen.startswith("tcp://") else Path(listen.split("://", 1)[-1]).name

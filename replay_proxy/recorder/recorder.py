@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +93,10 @@ class SessionInfo(msgspec.Struct, frozen=True):
     baseline_session_id: int | None = None
     frontend_release: str | None = None  # what the frontend writes as, where the user knows it (else found)
     frontend_source: str | None = None
+    # Which proxy of a fleet recorded it: the machine, and the proxy on it (record --instance), the partitions of
+    # export's dataset (store/export.py).
+    proxy_host: str = msgspec.field(default_factory=socket.gethostname)
+    proxy_instance: str | None = None
 
 
 class Recorder:

@@ -81,6 +81,8 @@ TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
         # One file of a rotating recording (recorder/rotation/): the files before and after it, and the rows that
         # are copies counted in another file (the session's start; the other part of a split frame).
         "continues": str, "continued_in": str, "frames_copied": int,
+        # Which proxy of a fleet recorded it: its machine's host name and the proxy there (record --instance).
+        "proxy_host": str, "proxy_instance": str,
         # Every count the writer keeps (counts.WriterCounts), a column each: those above, and the requests it
         # decoded, the frames it could not write or decode, the drift alarms raised.
         **dict.fromkeys(WriterCounts.__struct_fields__, int),
@@ -374,8 +376,9 @@ def read_recording(path: Path) -> sqlite3.Connection:
 
 # PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied;
 # 3, every count of the writer's in the session's row; 4, the frames' bytes in compressed batches (a file of 3 or before
-# migrated keeps its earlier frames' bytes in ``frames.raw``, where ``raw.frame_bytes`` reads them).
-SCHEMA_VERSION = 4
+# migrated keeps its earlier frames' bytes in ``frames.raw``, where ``raw.frame_bytes`` reads them); 5, the proxy's
+# host and instance in the session's row.
+SCHEMA_VERSION = 5
 LEGACY_BYTES = ("raw", "forwarded_raw")  # the ``frames`` columns that held each frame's bytes up to layout 3
 
 # What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a
