@@ -19,8 +19,10 @@
 #                         peaked distributions, as a real model's (the verdicts of sampled traffic need them)
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 #     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
-# Five jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
-# classes, the Rust frontends), since most of it waits on pip; each job's log is printed if it fails.
+#     spark/              venv with pyspark (Spark in local mode; it runs on the machine's Java, 17 or newer):
+#                         the fleet dataset's queries are checked in Spark too (tests/store/test_fleet.py)
+# Six jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
+# classes, the Rust frontends, Spark), since most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -120,6 +122,17 @@ rust_frontends() {
   done
 }
 
+PYSPARK=4.3.0  # Spark 4: Java 17 or newer
+spark() {
+  local venv=$CACHE/spark
+  [ -f "$venv/.complete" ] && return
+  step "venv with pyspark $PYSPARK (450 MB of jars)"
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
+  timeout 900 "$venv/bin/pip" install --quiet "pyspark==$PYSPARK" 2> >(grep -v "is ignored: it is neither" >&2)
+  touch "$venv/.complete"
+}
+
 # Each job, its log, and how long it took: most of it waits on pip and the network, so they run at once.
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
@@ -131,8 +144,9 @@ timed older_engine older_engine >"$LOGS/older_engine.log" 2>&1 & JOBS[older_engi
 timed engines engines "$@" >"$LOGS/engines.log" 2>&1 & JOBS[engines]=$!
 timed classes classes >"$LOGS/classes.log" 2>&1 & JOBS[classes]=$!
 timed rust_frontends rust_frontends >"$LOGS/rust_frontends.log" 2>&1 & JOBS[rust_frontends]=$!
+timed spark spark >"$LOGS/spark.log" 2>&1 & JOBS[spark]=$!
 failed=0
-for job in models older_engine engines classes rust_frontends; do
+for job in models older_engine engines classes rust_frontends spark; do
   if ! wait "${JOBS[$job]}"; then
     failed=1
     step "$job failed:"

@@ -18,6 +18,7 @@ BENCHES = {
     "replay.py": (["--requests", "60", "--rate", "200"], "requests/s"),
     "forward.py": (["--round-trips", "100", "--pipelined", "300", "--rate", "500", "--rate-seconds", "0.3",
                     "--rounds", "1", "--busy-rate", "100"], "recording beside the minimal recorder"),
+    "fleet.py": (["--days", "1", "--hosts", "1", "--proxies", "1", "--files", "2"], "the floor's"),
 }
 
 

@@ -288,18 +288,20 @@ def migrate(
 
 @app.command()
 def export(
-    db: Annotated[Path, typer.Option(help="Recording database.")],
+    db: Annotated[list[Path], typer.Option(help="Recording database; again for more (a fleet's, a rotation's).")],
     parquet: Annotated[Path, typer.Option(
-        help="Folder to write into: DIR/TABLE/day=DAY/session=NAME/RECORDING.parquet (docs/database.md).")],
+        help="Dataset folder to add to: DIR/TABLE/day=DAY/host=HOST/instance=INSTANCE/RECORDING.parquet "
+             "(docs/database.md).")],
     session: Annotated[str | None, typer.Option(help="Session name or id (default: every session).")] = None,
 ) -> None:
-    """Write each table of each session as Parquet, partitioned by session, for DuckDB, Spark or pandas.
+    """Add each table of each session to a Parquet dataset partitioned by day and proxy, which DuckDB, Spark or
+    pandas read in place.
 
-    Example: replay-proxy export --db recordings/staging.db --parquet lake/
+    Example: replay-proxy export --db staging-20261207-0000.db --db staging-20261207-0100.db --parquet lake/
     """
     from replay_proxy.store.export import export_parquet
 
-    files = export_parquet(db, parquet, session)
+    files = [path for one in db for path in export_parquet(one, parquet, session)]
     err.print(f"wrote {len(files)} Parquet files under {parquet}")
 
 

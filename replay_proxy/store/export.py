@@ -1,26 +1,32 @@
-"""``replay-proxy export``: a recording's tables as Parquet, for analytics engines beyond one SQLite file.
+"""``replay-proxy export``: recordings' tables as one Parquet dataset, for analytics engines beyond one SQLite file.
 
 Each table a user queries (the ``outputs`` view included, not its storage
 tables or the writer's scratch) becomes, per session,
-``DIR/<table>/day=<day>/session=<name>/<recording>.parquet``: Hive
-partitioning (the session's name as it is, percent-encoded in the path as
-Hive does and its readers decode), so DuckDB, Spark or pandas read one table
-of many recordings (a fleet's proxies, day after day, exported into one
-folder) as one, and filter on the day and the session. ``<recording>``,
-also a column of every row, is ``<file>-<id>-<digest>``: the digest of the
-session's name, start and addresses, so two proxies' ``staging.db`` with a
-session of the same name land side by side (nothing is overwritten, but
-the same session exported again) and join on it. The
-columns are typed from the recording's layout (``tables.py``), so every
-file of a table has the same schema whatever its session held; a column
-that holds anything but integers in a session where the layout says
-integer (a u64 utility call id) is text in that file.
+``DIR/<table>/day=<day>/host=<host>/instance=<instance>/<recording>.parquet``:
+Hive partitions by the session's start day and the proxy that recorded it
+(``sessions.proxy_host`` and ``proxy_instance``; ``unknown`` in a file made
+before they were kept), each value as it is, percent-encoded in the path as
+Hive does and its readers decode. A fleet's proxies, their rotated files and
+their days, exported into one folder (or object storage), are one dataset
+that DuckDB, Spark or pandas read in place and filter by day and proxy.
+``<recording>``, also a column of every row, is ``<file>-<id>-<digest>``:
+the digest of the session's name, start, addresses and proxy, so no two
+writers' files collide (two proxies' ``staging.db``, with sessions of one
+name, land side by side) and tables join on it. The dataset grows by
+appending: a file is written beside its place and renamed into it, so a
+reader never sees half of one; the same session exported again (a live file,
+then closed) replaces its own files and nothing else. The columns are typed
+from the recording's layout (``tables.py``), so every file of a table has
+the same schema whatever its session held; a column that holds anything but
+integers in a session where the layout says integer (a u64 utility call id)
+is text in that file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,7 @@ LAYOUT = {name: kind for columns, _ in TABLES.values() for name, kind in columns
 # A frame's bytes in ``frames`` as exported: its parts (and the parts forwarded instead, where the proxy changed
 # them), each a msgpack array of bins, as SQLite kept them before the bytes moved to ``frame_batches`` (``raw.py``).
 RAW_COLUMNS = ("raw", "forwarded_raw")
+UNKNOWN = "unknown"  # a partition's value where the session does not say (a file made before it was kept)
 _msgpack = msgspec.msgpack.Encoder().encode
 
 
@@ -56,7 +63,7 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
     written = []
     for row in sessions:
         recording = recording_of(Path(db_path), row)
-        partition = Path(f"day={(row['started_at'] or 'unknown')[:10]}", f"session={quote(row['name'], safe='')}")
+        partition = Path(*(f"{key}={quote(value, safe='')}" for key, value in partition_of(row).items()))
         for table in EXPORTED:
             key = "id" if table == "sessions" else "session_id"
             where = f"FROM [{table}] WHERE [{key}] = ?"
@@ -74,11 +81,17 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
                                 for n, is_text in zip(names, text)] + [("recording", pa.string())])
             path = folder / table / partition / f"{recording}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            with pq.ParquetWriter(path, schema) as out:
-                for batch in batches:
-                    columns = [_array(values, field.type) for values, field in zip(zip(*batch), schema)]
-                    out.write_table(pa.table([*columns, pa.array([recording] * len(batch), pa.string())],
-                                             schema=schema))
+            # (a dot-file until whole: Hive's readers, DuckDB's and Spark's, skip names that begin with one)
+            part = path.with_name(f".{path.name}.{os.getpid()}.part")
+            try:
+                with pq.ParquetWriter(part, schema) as out:
+                    for batch in batches:
+                        columns = [_array(values, field.type) for values, field in zip(zip(*batch), schema)]
+                        out.write_table(pa.table([*columns, pa.array([recording] * len(batch), pa.string())],
+                                                 schema=schema))
+                part.replace(path)
+            finally:
+                part.unlink(missing_ok=True)
             written.append(path)
     db.close()
     return written
@@ -86,8 +99,15 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
 
 def recording_of(db_path: Path, row: dict[str, Any]) -> str:
     """``<file>-<id>-<digest>``: a session of one proxy's file among a fleet's (see the module's docstring)."""
-    identity = "\0".join(str(row.get(k)) for k in ("name", "started_at", "listen", "upstream", "proxy_version"))
+    identity = "\0".join(str(row.get(k)) for k in ("name", "started_at", "listen", "upstream", "proxy_version",
+                                                   "proxy_host", "proxy_instance"))
     return f"{db_path.stem}-{row['id']}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+
+
+def partition_of(row: dict[str, Any]) -> dict[str, str]:
+    """A session's partition of the dataset: the day it began, and the proxy that recorded it."""
+    return {"day": (row["started_at"] or UNKNOWN)[:10], "host": row.get("proxy_host") or UNKNOWN,
+            "instance": row.get("proxy_instance") or UNKNOWN}
 
 
 def _array(values: Sequence[Any], arrow_type: pa.DataType) -> pa.Array:
