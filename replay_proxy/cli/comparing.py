@@ -56,11 +56,13 @@ def diff(
 
 @app.command()
 def replay(
-    db: Annotated[Path, typer.Option(help="The recording (it is only read).")],
-    session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],
+    db: Annotated[list[Path], typer.Option(help="The recording (it is only read); again for more.")],
     against: Annotated[Side, typer.Option(
         help="The side under test: 'engine' (the proxy plays the recorded frontend) or 'frontend' (it plays "
              "the recorded engines).")],
+    session: Annotated[str | None, typer.Option(help=(
+        "The recorded session to replay: name or id (default: every recorded session of each --db, one after "
+        "another, each in its own folder under --report-dir)."))] = None,
     listen: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_address,
         help="--against engine: the handshake address the engine dials.")] = None,
     upstream: Annotated[str | None, typer.Option(rich_help_panel=PEER, callback=check_address,
@@ -95,11 +97,14 @@ def replay(
         "Record the replay here, beside a copy of the session (default: replay.db in --report-dir, else "
         "replay-SESSION.db here); an earlier replay's file takes more. --out equal to --db records into the "
         "recording itself."))] = None,
+    shard: Annotated[str | None, typer.Option(help=(
+        "Replay only the I-th of N equal runs of the sessions (I/N), for N CI runners; `replay-proxy merge` makes "
+        "their --report-dir folders the report one run would give."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr: only errors and the result.")]
         = False,
 ) -> None:
-    """Replay a recorded session against a new engine or frontend build and report what changed.
+    """Replay a recorded session (or several) against a new engine or frontend build and report what changed.
 
     Exit code 0 when nothing regressed; 3, 4, 5 for schema-breaking, behaviour and
     performance regressions; 6 when the replay could not run (docs/replay.md).
@@ -109,6 +114,8 @@ def replay(
     """
     from replay_proxy.replay.player import PeerUnderTest, ReplayError, ReplayOptions
     from replay_proxy.replay.run import replay_session
+    from replay_proxy.replay.shard import ShardError, folder, parse_shard, planned, replay_sessions
+    from replay_proxy.report.render import write_reports
     from replay_proxy.store.copy import copy_session
 
     if against is Side.ENGINE and listen is None:
@@ -128,14 +135,31 @@ def replay(
                                 baseline_command=baseline_cmd, report_dir=report_dir, hold_lengths=hold_lengths)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
-    if out_db is None:
-        out_db = report_dir / "replay.db" if report_dir else Path("replay-" + re.sub(r"[^\w.-]", "_", session) + ".db")
-    if out_db.resolve() != db.resolve():
-        session = copy_session(db, session, out_db)
-    if not quiet:
-        err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
-                  highlight=False)
-    report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
+    if shard is None and len(db) == 1 and session is not None:
+        if out_db is None:
+            out_db = report_dir / "replay.db" if report_dir else Path("replay-" + re.sub(r"[^\w.-]", "_", session)
+                                                                      + ".db")
+        if out_db.resolve() != db[0].resolve():
+            session = copy_session(db[0], session, out_db)
+        if not quiet:
+            err.print(f"replaying {session!r} against the {against} at {peer.address}, recorded into {out_db}",
+                      highlight=False)
+        report, _ = replay_session(out_db, session, peer, options, console=None if quiet else err)
+        finish_report(report, report_dir, as_json=as_json)
+    if report_dir is None or out_db is not None:
+        raise fail("several sessions (or --shard) replay each into a folder of its own: give --report-dir, not --out",
+                   ExitCode.USAGE)
+    try:
+        part = parse_shard(shard) if shard else None
+    except ShardError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    plan = planned(db, session)
+    if not plan:
+        raise fail(f"no recorded session in {', '.join(map(str, db))}")
+    report, replays = replay_sessions(plan, part, peer, options, report_dir, progress=(lambda _: None) if quiet
+                                      else lambda line: err.print(line, highlight=False))
+    for one in replays:
+        write_reports(one.report, folder(report_dir, one))
     finish_report(report, report_dir, as_json=as_json)
 
 

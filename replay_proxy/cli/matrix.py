@@ -9,7 +9,7 @@ from typing import Annotated
 import msgspec
 import typer
 
-from replay_proxy.cli.common import app, err, fail, out
+from replay_proxy.cli.common import app, err, fail, finish_report, out
 from replay_proxy.errors import ExitCode
 from replay_proxy.peers import READY_S
 from replay_proxy.wire.messages import Side
@@ -50,7 +50,7 @@ def matrix(
     """
     from replay_proxy.matrix import RECORDINGS, MatrixError
     from replay_proxy.matrix.run import run
-    from replay_proxy.matrix.shard import SHARD_JSON, parse_shard
+    from replay_proxy.replay.shard import SHARD_JSON, ShardError, parse_shard
     from replay_proxy.report.matrix import matrix_json, print_run, write_reports
 
     try:
@@ -62,7 +62,7 @@ def matrix(
                    ready_s=ready_timeout, shard=part,
                    command="replay-proxy matrix " + " ".join(sys.argv[2:]),
                    progress=lambda line: err.print(line, highlight=False))
-    except MatrixError as exc:
+    except (MatrixError, ShardError) as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     if as_json:
         sys.stdout.buffer.write(matrix_json(done.cells) + b"\n")
@@ -77,21 +77,34 @@ def matrix(
 
 @app.command()
 def merge(
-    shards: Annotated[list[Path], typer.Argument(help="Each shard's --report-dir (matrix --shard I/N), once.")],
+    shards: Annotated[list[Path], typer.Argument(
+        help="Each shard's --report-dir (matrix or replay --shard I/N), once.")],
     report_dir: Annotated[Path, typer.Option(help="Write the merged matrix.json, junit.xml, matrix.html and "
-                                                  "matrix.md here, with the replays their evidence names.")],
+                                                  "matrix.md here, with the replays their evidence names (a "
+                                                  "replay's: report.json, junit.xml, report.html and each "
+                                                  "session's folder).")],
     db: Annotated[Path | None, typer.Option(help="Keep the merged cells in this matrix database.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print matrix.json's document on stdout, not the table.")]
         = False,
 ) -> None:
-    """Merge the shards of one matrix run, each observed on a runner of its own, into the matrix that one
-    run would give: the same cells, verdicts and reports (docs/ci.md: Sharded across runners).
+    """Merge the shards of one matrix run (or one replay), each on a runner of its own, into what one run
+    would give: the same cells, verdicts, findings, reports and exit code (docs/ci.md: Sharded across runners).
 
     Example: replay-proxy merge shard-1/ shard-2/ shard-3/ --report-dir matrix/ --db matrix.db
     """
     from replay_proxy.matrix import MatrixError
     from replay_proxy.matrix.run import merge as merge_run
+    from replay_proxy.replay.shard import ShardError, holds_replay_shard, merge_replays
     from replay_proxy.report.matrix import matrix_json, print_run, write_reports
+
+    if holds_replay_shard(shards[0]):
+        if db is not None:
+            raise fail("--db keeps a matrix's cells: a replay's shards merge into --report-dir alone", ExitCode.USAGE)
+        try:
+            report = merge_replays(shards, report_dir)
+        except ShardError as exc:
+            raise fail(str(exc)) from None
+        finish_report(report, report_dir, as_json=as_json)
 
     try:
         done = merge_run(shards, report_dir, db=db, command="replay-proxy merge " + " ".join(sys.argv[2:]))

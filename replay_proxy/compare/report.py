@@ -202,3 +202,37 @@ def _side_by_side(a: Schema, b: Schema, findings: list[Finding],
             side: [f"{k}: {to_json(held[k])}" if k in held else f"{k}: (missing)" for k in keys]
             for side, held in zip(("baseline", "candidate"), sent)}
     return shown
+
+
+def combine(title: str, reports: Sequence[tuple[str, Report]]) -> Report:
+    """One report of the replays of several sessions, each ``(label, report)`` in order: their findings, verdicts,
+    checks and evidence, each named with its session's label (a request ``LABEL/ID``, a finding of no request
+    ``LABEL: message``), their samples pooled. One replay's report is its own."""
+    if len(reports) == 1:
+        return reports[0][1]
+
+    def named(label: str, finding: Finding) -> Finding:
+        if finding.request_id is not None:
+            return msgspec.structs.replace(finding, request_id=f"{label}/{finding.request_id}")
+        return msgspec.structs.replace(finding, message=f"{label}: {finding.message}")
+
+    samples: dict[str, dict[str, list[float]]] = {}
+    kl: dict[str, list[float]] = {}
+    for _, report in reports:
+        for metric, sides in report.samples.items():
+            for side, values in sides.items():
+                samples.setdefault(metric, {}).setdefault(side, []).extend(values)
+        for side, values in report.kl.items():
+            kl.setdefault(side, []).extend(values)
+    return Report(
+        title=title, baseline="; ".join(r.baseline for _, r in reports),
+        candidate="; ".join(r.candidate for _, r in reports),
+        findings=[named(label, f) for label, r in reports for f in r.findings], samples=samples,
+        schemas={struct: lines for _, r in reversed(reports) for struct, lines in r.schemas.items()},  # (the first's)
+        noise=[f"{label}: {n}" for label, r in reports for n in r.noise],
+        checks=[f"{label}: {c}" for label, r in reports for c in r.checks],
+        performance_threshold=next((r.performance_threshold for _, r in reports
+                                    if r.performance_threshold is not None), None),
+        verdicts=[msgspec.structs.replace(v, request_id=f"{label}/{v.request_id}") for label, r in reports
+                  for v in r.verdicts],
+        kl=kl, divergences={f"{label}/{request}": d for label, r in reports for request, d in r.divergences.items()})

@@ -13,7 +13,8 @@ from replay_proxy.clock import utc_now
 from replay_proxy.matrix import Cell, Frontend, RECORDINGS, database, frontends_in, parse_build, releases_in
 from replay_proxy.matrix.observe import EngineBatch, Leg, batched_legs, judge, legs_of
 from replay_proxy.matrix.predict import predict
-from replay_proxy.matrix.shard import Shard, ShardPlan, merge_shards, name, planned, share
+from replay_proxy.matrix.shard import ShardPlan, merge_shards, name, planned, share
+from replay_proxy.replay.shard import Shard
 from replay_proxy.peers import READY_S
 from replay_proxy.processes import threaded
 

@@ -18,24 +18,15 @@ merged reports, so that every reference still opens.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import msgspec
 
 from replay_proxy.matrix import Cell, Frontend, MatrixError
+from replay_proxy.replay.shard import SHARD_JSON, Shard, cut
 from replay_proxy.wire.schema import release_key
 
-SHARD_JSON = "shard.json"
-
-
-class Shard(msgspec.Struct, frozen=True):
-    index: int  # 1 to count
-    count: int
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 class ShardPlan(msgspec.Struct, frozen=True):
@@ -44,14 +35,6 @@ class ShardPlan(msgspec.Struct, frozen=True):
     shard: Shard
     observe: list[str]  # every cell the whole run observes, FRONTEND@ENGINE, in the order shards cut
     seconds: float  # this shard's wall time
-
-
-def parse_shard(text: str) -> Shard:
-    """``I/N`` with 1 <= I <= N."""
-    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if match is None or not 1 <= int(match[1]) <= int(match[2]):
-        raise MatrixError(f"--shard takes I/N, the I-th of N shards (1 <= I <= N), not {text!r}")
-    return Shard(int(match[1]), int(match[2]))
 
 
 def planned(cells: list[tuple[Frontend, str]]) -> list[tuple[Frontend, str]]:
@@ -65,7 +48,7 @@ def share(plan: list[tuple[Frontend, str]], shard: Shard) -> list[tuple[Frontend
     for cell in plan:
         engines.setdefault(cell[1], []).append(cell)
     if len(engines) < shard.count:
-        return plan[(shard.index - 1) * len(plan) // shard.count:shard.index * len(plan) // shard.count]
+        return cut(plan, shard)
     shares: list[list[tuple[Frontend, str]]] = [[] for _ in range(shard.count)]
     for cells in sorted(engines.values(), key=len, reverse=True):  # (stable: engine order among equals)
         min(shares, key=len).extend(cells)  # (the first of the least loaded)

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from replay_proxy.cli import app
 from replay_proxy.matrix import Evidence, Judgement, Verdict, frontends_in, releases_in
-from replay_proxy.matrix.shard import Shard, planned, share
+from replay_proxy.matrix.shard import planned, share
+from replay_proxy.replay.shard import Shard
 
 FRONTENDS, ENGINES = "vllm-rs:0.30.0..0.32.0,vllm:0.31.0", "0.28.0,0.31.0,0.32.0"
 
