@@ -194,6 +194,8 @@ class Rows:
                         rest.setdefault(name, {})[cache_name] = cache_value
             elif (at := columns.get(name)) is not None and type(value) in _SCALARS:
                 values[at] = value
+            elif type(value) is dict and value and all(type(count) is int for count in value.values()):
+                rest[name] = {key: count for key, count in value.items() if count}  # counts by stage: zeros left out
             else:
                 rest[name] = value
         rest = _compact(rest, schema.structs.get("SchedulerStats"), schema)

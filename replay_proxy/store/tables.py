@@ -280,7 +280,8 @@ VIEWS = {
 
 # SQLite's default. A file of layout 3 or before had 16 KB pages, made for a busy engine's frames (a few KB each, which
 # left a 4 KB page a quarter empty): their bytes are in compressed batches now, and every table and index takes a
-# page at least, so a small recording was mostly slack (600 KB for 216 KB of wire, 150 KB with 4 KB pages).
+# page at least, so a small recording was mostly slack (600 KB for 216 KB of wire, 150 KB with 4 KB pages). 1 KB
+# pages would make a small file smaller still and a busy one larger: a step's packed outputs are most of such a page.
 PAGE_BYTES = 4096
 
 
@@ -377,7 +378,7 @@ def read_recording(path: Path) -> sqlite3.Connection:
 # PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied;
 # 3, every count of the writer's in the session's row; 4, the frames' bytes in compressed batches (a file of 3 or before
 # migrated keeps its earlier frames' bytes in ``frames.raw``, where ``raw.frame_bytes`` reads them); 5, the proxy's
-# host and instance in the session's row.
+# host and instance in the session's row (and, in a file made since, the keyed tables WITHOUT ROWID).
 SCHEMA_VERSION = 5
 LEGACY_BYTES = ("raw", "forwarded_raw")  # the ``frames`` columns that held each frame's bytes up to layout 3
 
@@ -473,6 +474,8 @@ def ensure_schema(db: sqlite_utils.Database) -> None:
             for column, column_type in columns.items():
                 if column not in existing:
                     table.add_column(column, column_type)
+        elif isinstance(pk, list):  # the key is the row's place: one b-tree, no rowid and no index beside it
+            db.execute(db.create_table_sql(name, columns, pk=pk).rstrip().rstrip(";") + " WITHOUT ROWID")
         else:
             table.create(columns, pk=pk)
     if "outputs" in db.table_names():  # a table, not the view

@@ -55,6 +55,8 @@ from replay_proxy.wire.messages import Kind, WireDecoder
 from replay_proxy.wire.schema import release_key
 
 DECODE_FRAMES = 2_000  # frames a transaction, about: the tap is looked at again after each
+# SQLite checkpoints its log at 1,000 pages, 4 MB: most of what a busy recording took on disk in its first seconds.
+WAL_BYTES = 2**20
 SQLITE_STEPS_PER_YIELD = 1_000  # about 50 inserted rows (20 steps each): a tenth of a millisecond
 DECODED_PER_YIELD = 32  # frames unpacked from the tap's messages (about 2 us each)
 
@@ -101,8 +103,11 @@ class Writer:
         self.connection.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints
         self.connection.set_progress_handler(os.sched_yield, SQLITE_STEPS_PER_YIELD)  # (returns None: go on)
         self.connection.execute("PRAGMA cache_size=-32768")  # 32 MB: the tables' B-tree pages stay in memory
-        if max_bytes:  # the file's own page size: an older file may have another
-            page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]
+        page_bytes = self.connection.execute("PRAGMA page_size").fetchone()[0]  # (an older file may have others)
+        # The write-ahead log checkpointed at WAL_BYTES, and cut back to them after a bigger transaction.
+        self.connection.execute(f"PRAGMA wal_autocheckpoint={WAL_BYTES // page_bytes}")
+        self.connection.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
+        if max_bytes:
             self.connection.execute(f"PRAGMA max_page_count={max(1, max_bytes // page_bytes)}")
         self.statements = {table: _insert(table, copy=False) for table in TABLES}
         self.copy_statements = {table: _insert(table, copy=True) for table in TABLES}

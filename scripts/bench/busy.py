@@ -36,7 +36,9 @@ one, whatever the lag on a machine whose cores the peers share.
 The file's size against the wire's: ``db_mb`` and ``wal_mb`` at the end against
 ``wire_mb``, and ``live_disk_to_wire_max``, the most the recording took on disk
 while recording for the wire bytes that had crossed by then (sampled with the
-lag, from a tenth of the run on).
+lag, from a tenth of the run on), and ``live_max_at``, when in the run (0 to 1).
+With ``--parquet``, the recording is exported too: ``parquet_mb``, what
+``replay-proxy export`` writes of it.
 
 Rotating (``--rotate-mb``, ``--rotate-every``, ``--keep``), the session's figures
 are summed over the files left, the proxy's own totals are in ``summary`` (its
@@ -54,6 +56,7 @@ import re
 import shutil
 import signal
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -268,16 +271,29 @@ def run_files(db: Path) -> list[Path]:
                    p.stem.removeprefix(f"{db.stem}-").isdigit()), key=lambda p: (len(p.name), p.name))
 
 
-def live_ratio(db: Path, recorded_bytes: list[tuple[int, int]]) -> float | None:
+def live_ratio(db: Path, recorded_bytes: list[tuple[int, int]]) -> dict[str, float] | None:
     """The most the recording took on disk (its file and write-ahead log, not the room kept for its end) for the
-    wire bytes that had crossed by then, from a tenth of the run on (before, the log's few MB are most of it)."""
+    wire bytes that had crossed by then, from a tenth of the run on (before, the log's few MB are most of it), and
+    when in the run (0 to 1) that was."""
     if len(recorded_bytes) < 10:
         return None
     with contextlib.closing(sqlite3.connect(db)) as connection:
-        ratios = [size / crossed for when, size in recorded_bytes[len(recorded_bytes) // 10:]
+        ratios = [(size / crossed, k / len(recorded_bytes))
+                  for k, (when, size) in enumerate(recorded_bytes) if k >= len(recorded_bytes) // 10
                   for (crossed,) in [connection.execute("SELECT SUM(nbytes) FROM frames WHERE ts_ns <= ?",
                                                         [when]).fetchone()] if crossed]
-    return round(max(ratios), 3) if ratios else None
+    if not ratios:
+        return None
+    most, at = max(ratios)
+    return {"live_disk_to_wire_max": round(most, 3), "live_max_at": round(at, 2)}
+
+
+def parquet_bytes(db: Path) -> int:
+    """What ``export`` writes of the recording: its Parquet files' bytes."""
+    with tempfile.TemporaryDirectory() as lake:
+        subprocess.run([sys.executable, "-m", "replay_proxy", "export", "--db", str(db), "--parquet", lake],
+                       check=True, capture_output=True, cwd=ROOT)
+        return sum(p.stat().st_size for p in Path(lake).rglob("*.parquet"))
 
 
 def main() -> None:
@@ -289,6 +305,7 @@ def main() -> None:
     parser.add_argument("--finishing", action="store_true",
                         help="each request its own id, finishing after --outputs steps (one ends in each step)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--parquet", action="store_true", help="also export the recording: its Parquet's size")
     parser.add_argument("--on-full", choices=["drop", "block"], default="drop", help="record's --on-full")
     parser.add_argument("--db", type=Path, help="record into this file and keep it (default: a temporary one)")
     parser.add_argument("--redact-key", type=Path, help="record's --redact-key: redact every frame as it is written")
@@ -429,7 +446,8 @@ def run(args: argparse.Namespace, option: list[str]) -> dict:
                                                       "frames_dropped", "rotations", "rotations_failed",
                                                       "files_deleted")},
               **({"disk_mb_max": round(max(disk_mb), 1)} if rotating and disk_mb else {}),
-              **({} if rotating else {"live_disk_to_wire_max": live_ratio(db, recorded_bytes)}),
+              **({} if rotating else live_ratio(db, recorded_bytes) or {}),
+              **({"parquet_mb": round(parquet_bytes(db) / 2**20, 1)} if args.parquet and not rotating else {}),
               "db_mb": round(db_bytes / 2**20, 1), "wal_mb": round(wal_bytes / 2**20, 1),
               "wire_mb": round(session["bytes"] / 2**20, 1) if session["bytes"] else None,
               "decode_lag_ms_max": round(max(lags_ms), 1) if lags_ms else None,

@@ -4,6 +4,7 @@ half-way, and after the writer is SIGKILLed mid-write."""
 
 import contextlib
 import hashlib
+import os
 import shutil
 import signal
 import sqlite3
@@ -19,7 +20,7 @@ from replay_proxy.store import migrate as migrating
 from replay_proxy.store import raw
 from replay_proxy.store.raw import frame_bytes, frames_with_bytes
 from replay_proxy.store.tables import SCHEMA_VERSION, begin_session, open_database
-from replay_proxy.store.writer import Writer
+from replay_proxy.store.writer import WAL_BYTES, Writer
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import Channel, Direction
 from tests.helpers import ROOT, cli, frame
@@ -161,6 +162,23 @@ def _merged(db):
             return connection.execute("SELECT COUNT(*) FROM frame_batches WHERE frames >= ?",
                                       [raw.BATCH_FRAMES]).fetchone()[0]
     return 0
+
+
+def test_the_write_ahead_log_stays_near_its_megabyte_however_much_is_written(tmp_path):
+    """SQLite's own checkpoint, at 4 MB of log, was most of what a busy recording took on disk early on."""
+    db = tmp_path / "r.db"
+    session_id, _ = begin_session(db, {"name": "busy", "mode": "record", "status": "recording"})
+    writer = Writer(str(db), session_id)
+    seq = 0
+    for _ in range(40):  # 12 MB of frames that do not compress, 300 KB a transaction
+        frames = []
+        for _ in range(75):
+            seq += 1
+            frames.append(CapturedFrame(seq, seq, Channel.INPUT, Direction.TO_ENGINE, 0, 0, [os.urandom(4096)]))
+        writer.write_frames(frames)
+    wal = db.with_name(db.name + "-wal").stat().st_size
+    assert db.stat().st_size > 12 * 2**20 and wal <= 2 * WAL_BYTES, wal
+    writer.connection.close()
 
 
 def test_a_frame_helper_frame_is_stored_like_any_other(tmp_path):

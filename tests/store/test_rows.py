@@ -152,3 +152,24 @@ def test_any_value_in_any_field_of_a_real_frame_is_written_with_its_batch(shape,
         writer.finish()
         assert (writer.counts.frames_recorded, writer.counts.frames_failed, writer.write_error) == (2, 0, None)
         assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM frames").fetchone() == (2,)
+
+
+def test_a_steps_counts_by_stage_keep_what_is_not_zero(db_path):
+    """A step's scheduler stats carry counts by stage, mostly zeros (0.32.0's num_kv_fetch_reqs_by_stage, each
+    step's): scheduler_stats.other keeps the counts that are not, and nothing where none is; the frame's bytes keep
+    every one as sent."""
+    schema = load_schema("0.32.0")
+
+    def step(seq, by_stage):
+        stats = struct_value(schema, "SchedulerStats", {"num_running_reqs": 1, "num_kv_fetch_reqs_by_stage": by_stage})
+        value = struct_value(schema, "EngineCoreOutputs", {"timestamp": 1.0, "scheduler_stats": stats, "outputs": []})
+        return CapturedFrame(seq, seq, Channel.OUTPUT, Direction.TO_FRONTEND, 0, 0, [encode(value)])
+
+    session_id = open_database(db_path)["sessions"].insert({"name": "stats", "status": "recording"}).last_pk
+    writer = Writer(str(db_path), session_id)
+    writer.write_frames([step(1, {"waiting_to_start": 0, "in_progress": 0}),
+                         step(2, {"waiting_to_start": 0, "in_progress": 3})])
+    writer.finish()
+    rows = sqlite3.connect(db_path).execute(
+        "SELECT num_running_reqs, other FROM scheduler_stats ORDER BY seq").fetchall()
+    assert rows == [(1, None), (1, '{"num_kv_fetch_reqs_by_stage":{"in_progress":3}}')]

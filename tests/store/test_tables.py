@@ -119,3 +119,13 @@ def test_a_read_only_query_can_neither_attach_nor_set(recording_copy, query):
     with pytest.raises(QueryError, match="read-only"):
         run_query(recording_copy, query)
     assert not (recording_copy.parent / "other.db").exists()
+
+
+def test_a_new_files_keyed_tables_are_stored_by_their_key(tmp_path):
+    """A table keyed by (session, seq) is one b-tree in its key's order, without a rowid and an index beside it:
+    every table and index takes a page at least, and a small recording was a third such pages."""
+    db = open_database(tmp_path / "new.db")
+    keyed = {name for name, (_, pk) in TABLES.items() if isinstance(pk, list)}
+    tables = {row["name"]: row["sql"] for row in db.query("SELECT name, sql FROM sqlite_master WHERE type = 'table'")}
+    assert keyed and all(tables[name].endswith("WITHOUT ROWID") for name in keyed)
+    assert not db.execute("SELECT name FROM sqlite_master WHERE name LIKE 'sqlite_autoindex%'").fetchall()
