@@ -84,7 +84,7 @@ def export_parquet(db_path: Path, folder: Path, session: str | None = None) -> l
             # (a dot-file until whole: Hive's readers, DuckDB's and Spark's, skip names that begin with one)
             part = path.with_name(f".{path.name}.{os.getpid()}.part")
             try:
-                with pq.ParquetWriter(part, schema) as out:
+                with pq.ParquetWriter(part, schema, compression="zstd") as out:  # (0.83x snappy's, the default)
                     for batch in batches:
                         columns = [_array(values, field.type) for values, field in zip(zip(*batch), schema)]
                         out.write_table(pa.table([*columns, pa.array([recording] * len(batch), pa.string())],
