@@ -159,7 +159,7 @@ def replay(
     report, replays = replay_sessions(plan, part, peer, options, report_dir, progress=(lambda _: None) if quiet
                                       else lambda line: err.print(line, highlight=False))
     for one in replays:
-        write_reports(one.report, folder(report_dir, one))
+        write_reports(one.report, folder(report_dir, one.label))
     finish_report(report, report_dir, as_json=as_json)
 
 

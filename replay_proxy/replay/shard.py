@@ -70,9 +70,9 @@ class SessionReplay(msgspec.Struct, frozen=True):
     report: Report
 
 
-def folder(report_dir: Path, replay: SessionReplay) -> Path:
-    """Where a session's replay keeps its database, its peers' logs and its reports."""
-    return report_dir / REPLAYS / replay.label
+def folder(report_dir: Path, label: str) -> Path:
+    """Where a session's replay (``SessionReplay.label``) keeps its database, its peers' logs and its reports."""
+    return report_dir / REPLAYS / label
 
 
 class ReplayShard(msgspec.Struct, frozen=True):
@@ -104,7 +104,7 @@ def replay_sessions(plan: list[tuple[Path, str]], shard: Shard | None, peer: Pee
     mine = cut(list(zip(labels, plan)), shard) if shard is not None else list(zip(labels, plan))
     replays = []
     for label, (db, session) in mine:
-        where = report_dir / REPLAYS / label
+        where = folder(report_dir, label)
         progress(f"session {label[:3]} of {len(plan)}: {session!r} of {db}")
         out = where / "replay.db"
         report, _ = replay_session(out, copy_session(db, session, out), peer,
@@ -142,7 +142,7 @@ def merge_replays(folders: list[Path], into: Path) -> Report:
     for shard, there in shards.values():  # (once every check has passed: a refused merge writes nothing)
         for replay in shard.replays:
             if there.resolve() != into.resolve():
-                shutil.copytree(folder(there, replay), folder(into, replay), dirs_exist_ok=True)
+                shutil.copytree(folder(there, replay.label), folder(into, replay.label), dirs_exist_ok=True)
     return combine(first.title, [(r.label, r.report) for r in replays])
 
 
