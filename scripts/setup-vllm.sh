@@ -129,7 +129,9 @@ spark() {
   step "venv with pyspark $PYSPARK (450 MB of jars)"
   rm -rf "$venv"
   "$PYTHON" -m venv "$venv"
-  timeout 900 "$venv/bin/pip" install --quiet "pyspark==$PYSPARK" 2> >(grep -v "is ignored: it is neither" >&2)
+  # Not byte-compiled: it runs beside the tests that need no vLLM, and one test imports a few of its modules.
+  timeout 900 "$venv/bin/pip" install --quiet --no-compile "pyspark==$PYSPARK" \
+    2> >(grep -v "is ignored: it is neither" >&2)
   touch "$venv/.complete"
 }
 

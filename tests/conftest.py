@@ -39,10 +39,13 @@ def pytest_addoption(parser):
                      help="also run the tests of every release (release_matrix), installing each on demand")
 
 
-# The test files whose real peers take the longest (in this order, about 10, 8, 5, 4, 5, 3 and 3 minutes of one
-# worker), run first so that both workers stay busy to the end (scripts/test.sh: xdist, a file a worker).
+# The test files that take the longest, run first so that both workers stay busy to the end (scripts/test.sh:
+# xdist): those whose real peers do (in this order, about 10, 8, 5, 4, 5, 3 and 3 minutes of one worker, a file a
+# worker), then the part without vLLM's (about a minute each), which would otherwise come last, one worker idle.
 LONGEST_FIRST = ("test_matrix_vllm.py", "test_verdicts_vllm.py", "test_dp_vllm.py", "test_record_vllm.py",
-                 "test_replay_engine_vllm.py", "test_lora_vllm.py", "test_shrink_vllm.py")
+                 "test_replay_engine_vllm.py", "test_lora_vllm.py", "test_shrink_vllm.py",
+                 "test_shrink_sim.py", "test_performance_replay_sim.py", "test_rows.py", "test_soak.py",
+                 "test_wheel.py", "test_rotation.py", "test_shard_sim.py")
 
 
 def pytest_collection_modifyitems(config, items):
