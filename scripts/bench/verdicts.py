@@ -19,7 +19,11 @@ replays the same build with and without judging (no logprobs and no
 scoring, ``rules: judging.top_logprobs 0``) and prints the wall times.
 ``--into FOLDER`` keeps the replays there
 and counts those it already holds instead of replaying them again, so that a
-long measurement (20 replays a kind) can be made a few hours at a time.
+long measurement (20 replays a kind) can be made a few hours at a time;
+``--tally FILE`` (JSON lines, a line a finished replay: model, kind, run,
+how it was made, what it found, the commit that judged it) does the same across machines: a replay the
+file holds is counted, not made again, and the file is small enough to
+commit (docs/verdicts-bench.jsonl is this project's).
 ``--judge-again FOLDER`` replays nothing: it judges the replays an earlier
 run kept in FOLDER again, with whatever ``replay_proxy`` is first on the
 path (``PYTHONPATH=OLD_CHECKOUT`` for an older build's verdicts on the very
@@ -27,7 +31,7 @@ same replays), ``--unseeded`` on the requests without a seed alone (what
 OpenAI-style clients send).
 
     .venv/bin/python scripts/bench/verdicts.py [--runs 3] [--models trained flat] [--kinds same stop-ignored]
-        [--noise-runs 1] [--beside] [--cost] [--into FOLDER] [--judge-again FOLDER [--unseeded]]
+        [--noise-runs 1] [--beside] [--cost] [--into FOLDER] [--tally FILE] [--judge-again FOLDER [--unseeded]]
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ def main() -> None:
     parser.add_argument("--beside", action="store_true", help="two replays at a time on the same cores")
     parser.add_argument("--cost", action="store_true", help="only the wall time with and without judging")
     parser.add_argument("--into", type=Path, metavar="FOLDER", help="keep the replays here; count those it holds")
+    parser.add_argument("--tally", type=Path, metavar="FILE", help="a line a finished replay; count those it holds")
     parser.add_argument("--judge-again", type=Path, metavar="FOLDER", help="judge an earlier run's replays again")
     parser.add_argument("--unseeded", action="store_true", help="with --judge-again: the unseeded requests alone")
     args = parser.parse_args()
@@ -193,24 +198,39 @@ def main() -> None:
                 print(f"{model}, judging {'on ' if judging else 'off'}: {took:.1f} s (--noise-runs {args.noise_runs})",
                       flush=True)
         return
+    tallied = {(t["model"], t["kind"], t["run"]): t["found"] for t in map(json.loads, _lines(args.tally))
+               if {k: t[k] for k in how} == how}
+    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
     counts: dict[tuple[str, str], collections.Counter] = {}
     for model in args.models:
         for kind in args.kinds:
             counts[model, kind] = collections.Counter()
             runs = {run: folder / f"{model}-{kind}-{run}" for run in range(args.runs)}
             for run, kept in runs.items():
-                if (kept / "found.json").exists():
+                if (model, kind, run) in tallied:
+                    counts[model, kind].update(tallied[model, kind, run])
+                elif (kept / "found.json").exists():
                     counts[model, kind].update(json.loads((kept / "found.json").read_text()))
             with concurrent.futures.ThreadPoolExecutor(2 if args.beside else 1) as pool:
-                futures = {pool.submit(replay, model, kind, args.noise_runs, kept): run
-                           for run, kept in runs.items() if not (kept / "found.json").exists()}
+                futures = {pool.submit(replay, model, kind, args.noise_runs, kept): run for run, kept in runs.items()
+                           if (model, kind, run) not in tallied and not (kept / "found.json").exists()}
                 for future in concurrent.futures.as_completed(futures):
                     found, took = future.result()
                     counts[model, kind].update(found)
                     print(f"{model} {kind} run {futures[future] + 1}: {', '.join(sorted(found)) or 'nothing'} "
                           f"({took:.0f} s)", flush=True)
+                    if args.tally is not None:
+                        with args.tally.open("a") as tally:
+                            tally.write(json.dumps({"model": model, "kind": kind, "run": futures[future], **how,
+                                                    "found": sorted(found), "seconds": round(took), "build": build})
+                                        + "\n")
     print_table(counts, collections.Counter({key: args.runs for key in counts}),
                 f"--noise-runs {args.noise_runs}{', two at a time' if args.beside else ''}")
+
+
+def _lines(path: Path | None) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path and path.exists() else []
 
 
 def print_table(counts: dict[tuple[str, str], collections.Counter], runs: collections.Counter, how: str) -> None:
