@@ -300,7 +300,10 @@ def export(
     Example: replay-proxy export --db staging-20261207-0000.db --db staging-20261207-0100.db --parquet lake/
     """
     from replay_proxy.store.export import export_parquet
+    from replay_proxy.store.tables import read_recording
 
+    for one in db:  # every file read before any is exported: a bad one adds nothing to the dataset
+        read_recording(one).close()
     files = [path for one in db for path in export_parquet(one, parquet, session)]
     err.print(f"wrote {len(files)} Parquet files under {parquet}")
 

@@ -41,6 +41,13 @@ def test_two_proxies_recordings_exported_into_one_folder_are_one_table_to_duckdb
     assert msgspec.msgpack.decode(raw) == first["parts"]
 
 
+def test_a_bad_file_among_several_is_one_line_and_adds_nothing(tmp_path):
+    result = cli("export", "--db", str(RECORDINGS[0]), "--db", str(tmp_path / "missing.db"), "--parquet",
+                 str(tmp_path / "lake"))
+    assert result.returncode == 1 and "missing.db" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "lake").exists()
+
+
 def test_a_bad_session_is_one_line(tmp_path):
     result = cli("export", "--db", str(RECORDINGS[0]), "--parquet", str(tmp_path), "--session", "nope")
     assert result.returncode == 1 and "no session 'nope'" in result.stderr and "Traceback" not in result.stderr
