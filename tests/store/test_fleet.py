@@ -122,7 +122,8 @@ def test_every_rows_partition_is_its_sessions(fleet):
 
 def test_the_dataset_grows_by_appending(fleet, tmp_path):
     """Another file adds its own files and changes none; the same session exported again replaces only its own."""
-    files, lake = fleet
+    files, shared = fleet
+    lake = Path(shutil.copytree(shared, tmp_path / "lake"))  # (the other tests' dataset stays as exported)
     before = {p: p.read_bytes() for p in lake.rglob("*.parquet")}
     assert not [p for p in lake.rglob(".*")]  # (no file left half-written)
     again = cli("export", "--db", str(files[0]), "--parquet", str(lake))
