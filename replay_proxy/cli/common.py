@@ -131,6 +131,16 @@ def check_http(value: str | None) -> str | None:
     return value
 
 
+def check_frontend(value: str | None) -> str | None:
+    """``NAME==VERSION`` or ``NAME``: a frontend as pip names a package (``smg==1.13.0``, ``vllm-rs==0.32.0``)."""
+    if value is None:
+        return None
+    name, _, version = value.partition("==")
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or "==" in value and not version:
+        raise typer.BadParameter(f"{value!r} is not NAME==VERSION (e.g. smg==1.13.0) or NAME")
+    return value
+
+
 def check_host_port(value: str | None) -> str | None:
     if value is None:
         return None

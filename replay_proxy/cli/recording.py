@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import trio
 import typer
 
-from replay_proxy.cli.common import app, check_address, check_host_port, err, fail, out
+from replay_proxy.cli.common import app, check_address, check_frontend, check_host_port, err, fail, out
 from replay_proxy.errors import ExitCode
 from replay_proxy.store import queries
 from replay_proxy.record.status import LogFormat
@@ -52,6 +52,10 @@ def record(
         metavar="RELEASE",
         help="The vLLM release of the frontend (Python or vllm-rs), which no handshake names: its frames are "
              "decoded with it. By default it is found from its first request.")] = None,
+    frontend: Annotated[str | None, typer.Option(rich_help_panel=LINK, callback=check_frontend,
+        metavar="NAME==VERSION",
+        help="Which frontend this is (smg==1.13.0, vllm-rs==0.32.0), kept with the session: no handshake or "
+             "request names it. vllm==X and vllm-rs==X also set --frontend-release X.")] = None,
     fail_on_drift: Annotated[bool, typer.Option(rich_help_panel=LINK,
         help="Exit 3 at the end if any frame disagreed with the schema of the release its engine announced "
              "(the drift alarms, in the drift_alarms table).")] = False,
@@ -113,8 +117,12 @@ def record(
                                     every_s=duration_s(rotate_every, "--rotate-every") if rotate_every else None,
                                     keep=keep, max_total_bytes=int(max_total_gb * 1e9) if max_total_gb else None)
         db = first_file(str(db))
+    frontend_name, _, frontend_version = (frontend or "").partition("==")
+    option = f"--frontend-release {frontend_release}"
+    if frontend_name in ("vllm", "vllm-rs") and frontend_release is None and frontend_version:
+        frontend_release, option = frontend_version, f"--frontend {frontend}"
     if frontend_release is not None and frontend_release not in shipped_releases():
-        raise fail(f"--frontend-release {frontend_release}: no schema for it (known: "
+        raise fail(f"{option}: no schema for it (known: "
                    f"{', '.join(shipped_releases())}; replay-proxy schema extract --release adds one)", ExitCode.USAGE)
     log = StatusLog(err, log_format, status_every)
     try:
@@ -122,7 +130,8 @@ def record(
                                                       record_coordinator=record_coordinator, max_db_mb=max_db_mb,
                                                       redaction=redaction, sample=sample, rotation=rotation,
                                                       metrics=metrics, frontend_release=frontend_release,
-                                                      instance=instance, log=log))
+                                                      instance=instance, frontend_name=frontend_name or None,
+                                                      frontend_version=frontend_version or None, log=log))
     except OSError as exc:  # (a ReplayProxyError is cli.run's to say)
         raise fail(str(exc)) from None
     so_far = "" if stats.final else f" so far ({stats.queue_depth_frames:,} still being written)"

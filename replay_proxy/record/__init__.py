@@ -20,15 +20,17 @@ async def record(listen: str, upstream: str, db: Path, *, session: str,
                  on_full: OnFull = OnFull.DROP, record_coordinator: bool = False, max_db_mb: float | None = None,
                  redaction: RedactionSettings | None = None, sample: RequestSample | None = None,
                  rotation: RotationSettings | None = None, metrics: str | None = None,
-                 frontend_release: str | None = None, instance: str | None = None, log: StatusLog
+                 frontend_release: str | None = None, instance: str | None = None,
+                 frontend_name: str | None = None, frontend_version: str | None = None, log: StatusLog
                  ) -> tuple[Recorder, RecorderStats]:
     """Relay and record until SIGINT/SIGTERM (or SIGHUP, when not rotating: a hangup); return the finished
     recorder and its final statistics. Rotating, SIGHUP begins the next file. With ``metrics`` (HOST:PORT),
     serve ``/metrics`` and ``/healthz`` there meanwhile. ``instance`` names this proxy among its host's (default:
-    ``default_instance``)."""
+    ``default_instance``); ``frontend_name`` and ``frontend_version`` say which frontend it is."""
     info = SessionInfo(name=session, listen=listen, upstream=upstream, frontend_release=frontend_release,
                        frontend_source="given" if frontend_release else None,
-                       proxy_instance=instance or default_instance(listen))
+                       proxy_instance=instance or default_instance(listen), frontend_name=frontend_name,
+                       frontend_version=frontend_version)
     recorder = Recorder(db, info, on_full=on_full,
                         max_db_bytes=int(max_db_mb * 2**20) if max_db_mb else None, redaction=redaction,
                         sample=sample, rotation=rotation)

@@ -93,6 +93,8 @@ class SessionInfo(msgspec.Struct, frozen=True):
     baseline_session_id: int | None = None
     frontend_release: str | None = None  # what the frontend writes as, where the user knows it (else found)
     frontend_source: str | None = None
+    frontend_name: str | None = None  # which frontend, where the user says (record --frontend smg==1.13.0)
+    frontend_version: str | None = None
     # Which proxy of a fleet recorded it: the machine, and the proxy on it (record --instance), the partitions of
     # export's dataset (store/export.py).
     proxy_host: str = msgspec.field(default_factory=socket.gethostname)

@@ -65,7 +65,9 @@ def datasette_metadata(databases: list[Path]) -> dict[str, Any]:
             "databases": {Path(db).stem: {"queries": queries} for db in databases}}
 
 
+# (the frontend as record --frontend named it: NAME==VERSION, or NAME)
 SESSION_COLUMNS = ("id", "name", "mode", "status", "started_at", "ended_at", "vllm_version",
+                   "frontend_name || COALESCE('==' || frontend_version, '') AS frontend", "frontend_release",
                    "schema_release", "frames_seen", "frames_recorded", "frames_dropped", "frames_undecoded")
 
 

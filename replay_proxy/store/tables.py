@@ -71,6 +71,9 @@ TABLES: dict[str, tuple[dict[str, type], list[str] | str | None]] = {
         # how it was found: given (record --frontend-release), the engines' (its first ADD reads as theirs),
         # newest (the newest shipped release that reads it without flags), unread (none does).
         "frontend_release": str, "frontend_source": str,
+        # Which frontend it is, where the user says (record --frontend smg==1.13.0): no handshake or request names
+        # its sender, and a third-party client writes as some vLLM release without being one.
+        "frontend_name": str, "frontend_version": str,
         # A redacted session: its policy's digest and its key's fingerprint (never the key), and what
         # the redaction blanked (default deny) and dropped (the policy), as JSON counts.
         "redaction_policy": str, "redaction_key": str, "redaction_counts": str,
@@ -378,8 +381,9 @@ def read_recording(path: Path) -> sqlite3.Connection:
 # PRAGMA user_version of a file laid out as TABLES and VIEWS say: 0, an older proxy's file; 2, rows marked copied;
 # 3, every count of the writer's in the session's row; 4, the frames' bytes in compressed batches (a file of 3 or before
 # migrated keeps its earlier frames' bytes in ``frames.raw``, where ``raw.frame_bytes`` reads them); 5, the proxy's
-# host and instance in the session's row (and, in a file made since, the keyed tables WITHOUT ROWID).
-SCHEMA_VERSION = 5
+# host and instance in the session's row (and, in a file made since, the keyed tables WITHOUT ROWID); 6, the frontend's
+# name and version there.
+SCHEMA_VERSION = 6
 LEGACY_BYTES = ("raw", "forwarded_raw")  # the ``frames`` columns that held each frame's bytes up to layout 3
 
 # What each version of the layout changed, as SELECTs over the older file's tables: ``ensure_schema`` migrates a

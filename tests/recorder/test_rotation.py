@@ -160,7 +160,7 @@ def test_sighup_to_the_proxy_begins_the_next_file_named_by_the_pattern(tmp_path)
     pattern = tmp_path / "hup-%Y.db"
     upstream, listen = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proxy = Child([*CLI, "record", "--listen", listen, "--upstream", upstream, "--db", str(pattern), "--session", "s",
-                   "--instance", "api-0", "--log-format", "json"], tmp_path / "proxy.log")
+                   "--instance", "api-0", "--frontend", "smg==1.13.0", "--log-format", "json"], tmp_path / "proxy.log")
     peers = []
     try:
         proxy.wait_for_log('"event":"listening"', timeout=30)
@@ -183,9 +183,9 @@ def test_sighup_to_the_proxy_begins_the_next_file_named_by_the_pattern(tmp_path)
     assert code == 0 and files == [f"hup-{year}-1.db", f"hup-{year}.db"], proxy.log_tail()
     [second] = rows(tmp_path / f"hup-{year}-1.db", "SELECT continues, status, frames_copied FROM sessions")
     assert second[:2] == (f"hup-{year}.db", "complete") and second[2] > 0  # it begins with the handshake
-    # Each file says which proxy of the fleet recorded it (export's partitions).
-    assert {rows(tmp_path / f, "SELECT proxy_host, proxy_instance FROM sessions")[0] for f in files} == {
-        (socket.gethostname(), "api-0")}
+    # Each file says which proxy of the fleet recorded it (export's partitions), and which frontend.
+    assert {rows(tmp_path / f, "SELECT proxy_host, proxy_instance, frontend_name, frontend_version FROM sessions")[0]
+            for f in files} == {(socket.gethostname(), "api-0", "smg", "1.13.0")}
 
 
 def test_an_aborted_request_stays_in_its_file_for_the_grace_by_the_frames_own_times(tmp_path):

@@ -199,7 +199,8 @@ class Series:
 
 # What a new file's session row takes from the one before it.
 _CARRIED = ("name", "mode", "listen", "upstream", "proxy_version", "proxy_host", "proxy_instance", "redaction_policy",
-            "redaction_key", "sample_requests", "sample_seed", "frontend_release", "frontend_source")
+            "redaction_key", "sample_requests", "sample_seed", "frontend_release", "frontend_source",
+            "frontend_name", "frontend_version")
 
 
 def _sum(a: Progress, b: Progress) -> Progress:
