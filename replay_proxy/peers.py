@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import itertools
 import json
 import os
 import shlex
@@ -33,7 +34,7 @@ from typing import Literal
 import msgspec
 
 from replay_proxy import releases
-from replay_proxy.processes import Child, ChildError, last_line, run_group
+from replay_proxy.processes import Child, ChildError, free_port, last_line, run_group
 from replay_proxy.releases import ReleaseError, cache_dir
 
 INSTALL_S = 1200  # one engine venv from nothing, at most (about 2 minutes measured)
@@ -285,15 +286,53 @@ def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1
     return [*vllm_cli(frontend.release), "serve", str(model_dir or model()), *where, *COMMON, *PYTHON_ONLY]
 
 
-def wait_http_ready(port: int, children: list[Child], timeout: float = READY_S) -> None:
-    """Wait for a frontend's /v1/models to answer 200; fail early if any of ``children`` exits."""
+# smg (PyPI smg), a third-party frontend: its EngineCore mode binds the handshake at a tcp port it derives from
+# its worker's ipc:// URL (smg's derive_handshake_port: FNV-1a of the path, folded into 20000-29999), and the
+# engine, started with that --data-parallel-rpc-port, dials in.
+SMG = "1.13.0"
+SMG_PORTS = range(20000, 30000)
+SMG_READY = "/readiness"  # (its /v1/models answers before any engine has dialled in)
+
+
+def smg_program(version: str = SMG) -> Path:
+    """smg's command, in the venv scripts/setup-vllm.sh installs it into."""
+    return cache_dir() / f"smg-{version}" / "bin" / "smg"
+
+
+def smg_handshake_port(worker_url: str) -> int:
+    """The tcp port smg binds its handshake at for ``worker_url`` (ipc://PATH)."""
+    digest = 0xCBF29CE484222325
+    for byte in worker_url.removeprefix("ipc://").encode():
+        digest = ((digest ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return SMG_PORTS.start + digest % len(SMG_PORTS)
+
+
+def smg_worker_url(rpc_port: int, folder: Path) -> str:
+    """An ipc:// worker URL in ``folder`` from which smg derives the handshake port ``rpc_port`` (one of
+    ``SMG_PORTS``): found by trying names, about 10,000 of them."""
+    if rpc_port not in SMG_PORTS:
+        raise ValueError(f"smg binds its handshake at a port of {SMG_PORTS.start}-{SMG_PORTS.stop - 1}, not {rpc_port}")
+    return next(url for n in itertools.count() if smg_handshake_port(url := f"ipc://{folder}/w{n}") == rpc_port)
+
+
+def smg_argv(http_port: int, worker_url: str, model_dir: Path | None = None, version: str = SMG) -> list[str]:
+    """smg serving HTTP on ``http_port`` from the engine that dials the handshake ``worker_url`` derives (and its
+    metrics on a free port: by default every smg takes 29000)."""
+    return [str(smg_program(version)), "launch", "--backend", "vllm", "--worker-urls", worker_url, "--model-path",
+            str(model_dir or model()), "--host", "127.0.0.1", "--port", str(http_port), "--prometheus-host",
+            "127.0.0.1", "--prometheus-port", str(free_port())]
+
+
+def wait_http_ready(port: int, children: list[Child], timeout: float = READY_S, path: str = "/v1/models") -> None:
+    """Wait for a frontend's ``path`` to answer 200 (vLLM's /v1/models answers once its engines registered;
+    smg's once a worker is healthy: ``SMG_READY``); fail early if any of ``children`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for child in children:
             if not child.running():
                 raise ChildError(f"{child.name} exited with {child.process.returncode}:\n{child.log_tail(30)}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, socket.timeout):

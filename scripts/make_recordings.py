@@ -24,6 +24,9 @@ the same release, or of the nearest installed one where that cannot run here
 (0.22.0 to 0.26.0, 0.33.0), or with the sim engine of its release where no
 installed engine reads its requests (0.34.0): the compatibility matrix replays
 what each frontend sends against every engine.
+`--smg` records smg-1.13.0.db: a third-party frontend (smg, its EngineCore
+mode) with a 0.32.0 engine, the session named `--frontend smg==1.13.0`, the
+workload every client is compared on (tests/real/workload.py: clients).
 `--kind lora` (or pooling) records that kind's workload (tests/real/workload.py:
 lora, pooling) instead, the frontend and engine serving it, into
 vllm-X-python-lora.db (-pooling.db): the matrix judges each kind of request from
@@ -46,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replay_proxy.matrix import KINDS  # noqa: E402
-from replay_proxy.peers import SERVING, engine_installed  # noqa: E402
+from replay_proxy.peers import SERVING, SMG, SMG_READY, engine_installed  # noqa: E402
 from replay_proxy.matrix.release import reads_requests  # noqa: E402
 from replay_proxy.store.migrate import migrate  # noqa: E402
 from replay_proxy.wire.registry import shipped_releases  # noqa: E402
@@ -67,13 +70,14 @@ def compact(db: Path) -> None:
 
 
 def record(name: str, session: str, frontend, release: str = "0.32.0", work=None,
-           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = (), sim: bool = False, model=peers.MODEL) -> Path:
+           serving=peers.NO_KIND, engine_flags: tuple[str, ...] = (), sim: bool = False, model=peers.MODEL,
+           **pair) -> Path:
     db = ROOT / "recordings" / name
     db.unlink(missing_ok=True)
     logs = Path(tempfile.mkdtemp(prefix=f"recording-{session}-"))
     try:
         seen = peers.run_pair(logs, frontend, db, session, engine_release=release, work=work,
-                              engine_flags=engine_flags, serving=serving, sim=sim, model=model)
+                              engine_flags=engine_flags, serving=serving, sim=sim, model=model, **pair)
     except peers.ChildError as exc:  # a pair that breaks is recorded as far as it got: that is the fact
         seen = f"the pair broke: {str(exc).splitlines()[0]}"
     compact(db)
@@ -109,6 +113,8 @@ def main() -> None:
                         help="record the 30-request staging session (vllm-0.32.0-staging.db) instead")
     parser.add_argument("--bench-serve", action="store_true",
                         help="record a real client's session (vllm-0.32.0-bench-serve.db) instead")
+    parser.add_argument("--smg", action="store_true",
+                        help=f"record smg {SMG} with a 0.32.0 engine (smg-{SMG}.db) instead")
     parser.add_argument("--kind", choices=list(KINDS), default="completion",
                         help="with --release: the kind of request whose workload is recorded")
     parser.add_argument("--shapes", action="store_true",
@@ -116,6 +122,10 @@ def main() -> None:
     args = parser.parse_args()
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
+    if args.smg:
+        record(f"smg-{SMG}.db", "smg-frontend", peers.smg_frontend, work=workload.clients, upstream=peers.smg_port(),
+               proxy_flags=("--frontend", f"smg=={SMG}"), ready_path=SMG_READY)
+        return
     if args.staging:
         record("vllm-0.32.0-staging.db", "staging", peers.python_frontend, work=workload.staging)
         return

@@ -19,10 +19,12 @@
 #                         peaked distributions, as a real model's (the verdicts of sampled traffic need them)
 #     tiny-moe/           random Mixtral (fails under DP on the CPU build: ENGINE_CORE_DEAD)
 #     tiny-lora/          a random rank-8 LoRA adapter of tiny-model, in PEFT's format
+#     smg-1.13.0/         venv with smg 1.13.0 (a third-party frontend: its EngineCore mode dials no engine,
+#                         the engine dials its handshake), from PyPI
 #     spark/              venv with pyspark (Spark in local mode; it runs on the machine's Java, 17 or newer):
 #                         the fleet dataset's queries are checked in Spark too (tests/store/test_fleet.py)
-# Six jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
-# classes, the Rust frontends, Spark), since most of it waits on pip; each job's log is printed if it fails.
+# Seven jobs run at once (the 0.32.0 venv then the models, the 0.31.0 venv, the other venvs, the message
+# classes, the Rust frontends, Spark, smg), since most of it waits on pip; each job's log is printed if it fails.
 # Idempotent: each step leaves a marker and is skipped when present.
 # Every download and wait is bounded by `timeout`.
 set -euo pipefail
@@ -122,6 +124,17 @@ rust_frontends() {
   done
 }
 
+SMG=1.13.0  # the newest smg; its EngineCore mode is in 1.10.0 on
+smg() {
+  local venv=$CACHE/smg-$SMG
+  [ -f "$venv/.complete" ] && return
+  step "venv with smg $SMG (37 MB)"
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
+  timeout 600 "$venv/bin/pip" install --quiet "smg==$SMG" 2> >(grep -v "is ignored: it is neither" >&2)
+  touch "$venv/.complete"
+}
+
 PYSPARK=4.3.0  # Spark 4: Java 17 or newer
 spark() {
   local venv=$CACHE/spark
@@ -147,8 +160,9 @@ timed engines engines "$@" >"$LOGS/engines.log" 2>&1 & JOBS[engines]=$!
 timed classes classes >"$LOGS/classes.log" 2>&1 & JOBS[classes]=$!
 timed rust_frontends rust_frontends >"$LOGS/rust_frontends.log" 2>&1 & JOBS[rust_frontends]=$!
 timed spark spark >"$LOGS/spark.log" 2>&1 & JOBS[spark]=$!
+timed smg smg >"$LOGS/smg.log" 2>&1 & JOBS[smg]=$!
 failed=0
-for job in models older_engine engines classes rust_frontends spark; do
+for job in models older_engine engines classes rust_frontends spark smg; do
   if ! wait "${JOBS[$job]}"; then
     failed=1
     step "$job failed:"

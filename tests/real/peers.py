@@ -40,7 +40,7 @@ REPLAY_S = READY_TIMEOUT_S + 180
 
 
 def installed() -> bool:
-    return all((m / ".complete").exists() for m in (MODEL, MOE_MODEL, TRAINED)) and all(
+    return all((m / ".complete").exists() for m in (MODEL, MOE_MODEL, TRAINED)) and real.smg_program().exists() and all(
         p.exists() for p in VLLM_RS.values()) and all(real.engine_installed(r) for r in ENGINE_RELEASES)
 
 
@@ -62,6 +62,19 @@ def python_frontend(logs: Path, http_port: int, rpc_port: int, dp: int = 1, mode
 def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.32.0", dp: int = 1) -> Child:
     return real_child(rust_frontend_argv(http_port, rpc_port, version, dp), logs / f"vllm-rs-{version}.log",
                       f"vllm-rs {version}")
+
+
+def smg_frontend(logs: Path, http_port: int, rpc_port: int, model: Path = MODEL) -> Child:
+    """smg (a third-party frontend) binding its handshake at ``rpc_port`` (one of ``real.SMG_PORTS``: see
+    ``smg_port``), its ipc sockets in a scratch folder removed when it stops."""
+    scratch = real.scratch_dir()
+    return Child(real.smg_argv(http_port, real.smg_worker_url(rpc_port, scratch), model), logs / "smg.log",
+                 name=f"smg {real.SMG}", owns=scratch)
+
+
+def smg_port() -> int:
+    """A free port smg can bind its handshake at (``free_port``'s are mostly in its band)."""
+    return next(port for port in iter(free_port, None) if port in real.SMG_PORTS)
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,
@@ -104,8 +117,9 @@ def proxy(logs: Path, listen_port: int, upstream_port: int, db: Path, session: s
     return child
 
 
-def wait_http_ready(port: int, children: list[Child], timeout: float = READY_TIMEOUT_S) -> None:
-    real.wait_http_ready(port, children, timeout)  # (the suite's wait: longer, for a second suite beside it)
+def wait_http_ready(port: int, children: list[Child], timeout: float = READY_TIMEOUT_S, path: str = "/v1/models"
+                    ) -> None:
+    real.wait_http_ready(port, children, timeout, path)  # (the suite's wait: longer, for a second suite beside it)
 
 
 def post(port: int, path: str, body: dict, timeout: float = 60, text: bool = False) -> dict | str:
@@ -144,26 +158,29 @@ def sim_engine(logs: Path, rpc_port: int, release: str) -> Child:
 
 def run_pair(logs: Path, frontend, db: Path | None = None, session: str | None = None,
              engine_release: str = "0.32.0", work=None, engine_flags: tuple[str, ...] = (),
-             serving: real.Serving = NO_KIND, sim: bool = False, model: Path = MODEL) -> dict:
+             serving: real.Serving = NO_KIND, sim: bool = False, model: Path = MODEL, upstream: int | None = None,
+             proxy_flags: tuple[str, ...] = (), ready_path: str = "/v1/models") -> dict:
     """Frontend + headless engine of ``engine_release`` (with ``engine_flags``, serving ``model`` as ``serving`` says;
-    a sim engine of that release with ``sim``; + the recording proxy between them when ``db`` is given).
+    a sim engine of that release with ``sim``; + the recording proxy between them, with ``proxy_flags``, when ``db``
+    is given). The frontend binds its handshake at ``upstream`` (default: a free port), and is ready when its
+    ``ready_path`` answers.
 
     Runs the HTTP workload (``work``: another of tests/real/workload.py's) and returns what the user saw;
     every process is stopped by PID before returning.
     """
     from tests.real import workload
 
-    http, upstream = free_port(), free_port()
+    http, upstream = free_port(), upstream or free_port()
     children = [frontend(logs, http, upstream)]
     try:
         listen = upstream
         if db is not None:
             listen = free_port()
-            children.append(proxy(logs, listen, upstream, db, session))
+            children.append(proxy(logs, listen, upstream, db, session, *proxy_flags))
         engine = sim_engine(logs, listen, engine_release) if sim else \
             headless_engine(logs, listen, release=engine_release, flags=engine_flags, serving=serving, model=model)
         children.append(engine)
-        wait_http_ready(http, children)
+        wait_http_ready(http, children, path=ready_path)
         return (work or workload.run)(http, hold_engine=engine.held,
                                       abort_seen=db and functools.partial(abort_recorded, db))
     finally:

@@ -178,6 +178,16 @@ NGRAM = ("--speculative-config", json.dumps({"method": "ngram", "num_speculative
                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
 
 
+def clients(http_port: int, model: Path = MODEL, **kw) -> dict[str, object]:
+    """What every client of the engine is recorded doing, vLLM's frontends and third-party ones alike: ``run``'s
+    requests, then an n=2 completion sampled with top-p alone (each frontend fans it out in its own way)."""
+    seen = run(http_port, model, **kw)
+    seen["n2"] = _each({"n2": lambda: [_choice(c) for c in post(http_port, "/v1/completions", {
+        "model": str(model), "prompt": "one two three", "max_tokens": 5, "n": 2, "temperature": 0.8,
+        "top_p": 0.9})["choices"]]})["n2"]
+    return seen
+
+
 def fan_out(http_port: int, model: Path = MODEL, **_) -> dict[str, object]:
     """Requests the frontend fans out (beam search, n=2) and one an ngram drafter proposes for (its prompt
     repeats itself): each step's JSON answer, or its HTTP status. (No abort: ``run``'s keywords are accepted
