@@ -38,6 +38,7 @@ COMMANDS = {
     ("shrink", "db"): "shrink --db {input} --session demo --out {out}/shrunk --against engine --engine-cmd "
                       "'false {{port}}'",
     ("bisect", "db"): "bisect --db {input} --session demo --against engine --releases 0.30.0..0.31.0",
+    ("readers", "db"): "readers --db {input} --session demo",
     ("can-i-deploy", "db"): "can-i-deploy --frontend vllm==0.32.0 --engine vllm==0.32.0 --db {input}",
     ("matrix", "db"): "matrix --predict-only --frontends vllm:0.32.0..0.32.0 --engines 0.32.0 --db {input}",
     ("add-release", "db"): "add-release 9.9.9 --db {input}",

@@ -73,6 +73,7 @@ def test_every_reading_command_works_on_a_read_only_mount(mounted, tmp_path):
         "export": ["export", "--db", f"{ro}/vllm-0.32.0-python.db", "--parquet", f"{out}/lake"],
         "redact": ["redact", "--db", f"{ro}/demo.db", "--out", f"{out}/redacted.db", "--key-file", f"{out}/key",
                    "--vocab-size", "1000"],
+        "readers": ["readers", "--db", f"{ro}/vllm-0.32.0-python.db", "--session", "python-frontend"],
         "can-i-deploy": ["can-i-deploy", "--frontend", "vllm==0.32.0", "--engine", "vllm==0.32.0", "--db",
                          f"{ro}/compatibility.db"],
     }

@@ -209,6 +209,41 @@ def can_i_deploy(
 
 
 @app.command()
+def readers(
+    db: Annotated[Path, typer.Option(help="The recording database.")],
+    session: Annotated[str, typer.Option(help="The recorded session: name or id.")],
+    engines: Annotated[str | None, typer.Option(
+        help="The engine releases the exit code judges, A..B or a comma list (default: the release the "
+             "session's own engines announced).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the reading as a JSON document on stdout.")] = False,
+) -> None:
+    """Which engine releases read what a session's frontend sent: for each shipped release, whether its engine
+    reads every request, the fields it fills with a default because the frontend left them out, what it does not
+    read as sent; the release layouts the requests match exactly, and floats the frontend rounded to float32.
+    For a frontend that is no vLLM release (record --frontend smg==1.13.0) as for one that is.
+
+    Exit code 0 when every release of --engines reads it, 3 when one rejects it, 4 when one runs it without
+    doing all it asks.
+
+    Example: replay-proxy readers --db recordings/smg-1.13.0.db --session smg --engines 0.31.0..0.34.0
+    """
+    from replay_proxy.matrix import MatrixError, releases_in
+    from replay_proxy.matrix.sent import read_sent
+    from replay_proxy.report.matrix import print_sent
+
+    try:
+        judged = releases_in(engines) if engines is not None else None
+    except MatrixError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    reading = read_sent(db, session, judged)
+    if as_json:
+        sys.stdout.buffer.write(msgspec.json.encode(reading) + b"\n")
+    else:
+        print_sent(reading, out)
+    raise typer.Exit(int(reading.verdict.exit_code))
+
+
+@app.command()
 def bisect(
     db: Annotated[Path, typer.Option(help="The recording database.")],
     session: Annotated[str, typer.Option(help="The recorded session to replay: name or id.")],

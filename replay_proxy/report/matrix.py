@@ -15,11 +15,13 @@ from pathlib import Path
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from replay_proxy.matrix import KINDS, Cell, Evidence, Verdict
 from replay_proxy.matrix.deploy import Answer
 from replay_proxy.matrix.run import MatrixRun
+from replay_proxy.matrix.sent import SentReading
 
 COLOURS = {Verdict.WORKS: "#2e7d32", Verdict.DEGRADED: "#f9a825", Verdict.BREAKS: "#c62828",
            Verdict.UNKNOWN: "#757575"}
@@ -233,3 +235,24 @@ def write_reports(cells: list[Cell], directory: Path) -> list[Path]:
     paths["matrix.html"].write_text(html_page(cells))
     paths["matrix.md"].write_text(markdown(cells) + "\n" + evidence_markdown(cells))
     return list(paths.values())
+
+
+def print_sent(reading: SentReading, console: Console) -> None:
+    """``replay-proxy readers``: a row per engine release, what it fills in and what it does not read as sent."""
+    who = reading.frontend or "a frontend record --frontend did not name"
+    console.print(f"session {reading.session!r}: {reading.requests} requests from {who}, to {reading.engine} "
+                  "engines", highlight=False)
+    table = Table("engine", "reads it", "fills in", "as sent, it", box=None, pad_edge=False)
+    for r in reading.readings:
+        filled = ", ".join(f"{f.field} ({f.default!r})" for f in r.filled) or "-"
+        flagged = "; ".join(e.message for e in r.evidence if e.rule) or "-"
+        table.add_row(r.engine, f"[{RICH[r.verdict]}]{r.verdict.value}[/]", escape(filled), escape(flagged))
+    console.print(table)
+    console.print(f"its layout exactly: {', '.join(reading.exact_layouts) or 'no release'}", highlight=False)
+    if reading.unread_by_any:
+        console.print(f"read by no release: {', '.join(reading.unread_by_any)}", highlight=False)
+    for r in reading.rounded:
+        console.print(f"rounded to float32: {r.struct}.{r.field} {r.sent!r} for {r.meant} ({r.messages} requests)",
+                      highlight=False)
+    console.print(f"verdict for engines {', '.join(reading.judged)}: [{RICH[reading.verdict]}]"
+                  f"{reading.verdict.value}[/]", highlight=False)
