@@ -42,6 +42,7 @@ WALKS = {
                               first=f"{sys.executable} scripts/demo.py"),
     "docs/database.md: Parquet to DuckDB": Walk("docs/database.md", "<!-- walk: parquet -->", "<!-- /walk -->"),
     "docs/comparing.md: schema diff": Walk("docs/comparing.md", "<!-- walk: schema diff -->", "<!-- /walk -->"),
+    "docs/comparing.md: two frontends": Walk("docs/comparing.md", "<!-- walk: two frontends -->", "<!-- /walk -->"),
 }
 
 

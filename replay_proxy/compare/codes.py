@@ -58,6 +58,7 @@ class Code(enum.StrEnum):
     SAMPLING_KEY_ADDED = "sampling_key_added"
     SAMPLING_KEY_CHANGED = "sampling_key_changed"
     SAMPLING_KEY_DROPPED = "sampling_key_dropped"
+    SAMPLING_KEY_EOS_NAMED = "sampling_key_eos_named"
     SAMPLING_KEY_HANDLED_BY_THE_FRONTEND = "sampling_key_handled_by_the_frontend"
     SAMPLING_KEY_DEFAULT_SENT = "sampling_key_default_sent"
     SAMPLING_KEY_DEFAULT_OMITTED = "sampling_key_default_omitted"

@@ -3,7 +3,10 @@
 A key the engine does not know is silently ignored by it; a value changed or
 dropped changes what the engine does (it falls back to its default); a
 default sent or left out, a float32 for a float64, another key order are
-compatible. Keys that a frontend handles itself may be left out by design.
+compatible, and so are a flag left out that asked for nothing (false, where
+the default is none) and the EOS token named among the stop ids where the
+request stops at EOS anyway (smg's way). Keys that a frontend handles itself
+may be left out by design.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 from replay_proxy.compare.codes import Code
 from replay_proxy.compare.findings import Finding, Severity
 from replay_proxy.compare.rules import Rules
-from replay_proxy.store.session import Request, Session
+from replay_proxy.store.session import Request, Session, stop_ids_beyond_eos
 
 
 def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, rules: Rules,
@@ -43,6 +46,9 @@ def sampling_findings(pairs: list[tuple[Request, Request]], candidate: Session, 
             if _same(before, after):
                 by_key[key].append("default sent" if key not in old else "default omitted" if key not in new
                                    else "same")
+            elif key == "stop_token_ids" and _same(stop_ids_beyond_eos(candidate.schema, old),
+                                                   stop_ids_beyond_eos(candidate.schema, new)):
+                by_key[key].append("eos named")
             elif isinstance(before, float) and isinstance(after, float) and \
                     abs(before - after) < rules.float_tolerance:
                 by_key[key].append("f32")
@@ -75,12 +81,15 @@ SAMPLING_KINDS = {
     "handled by the frontend": (Severity.INFO, "no longer sent; the frontend handles it itself (compatible by design)"),
     "default sent": (Severity.INFO, "sent explicitly at its default (compatible)"),
     "default omitted": (Severity.INFO, "left out at its default (compatible)"),
+    "eos named": (Severity.INFO, "names the EOS token, where the request stops at EOS anyway (compatible)"),
     "f32": (Severity.INFO, "sent as float32, equal within float32 precision (compatible)"),
 }
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal as the engine sees it: an empty list and nil are both "none"."""
+    """Equal as the engine sees it: an empty list and nil are both "none", and so are a false flag and nil."""
     if isinstance(a, list) or isinstance(b, list):
         return bool((a or None) == (b or None))
+    if a is False or b is False:
+        return a in (False, None) and b in (False, None)
     return bool(a == b)

@@ -285,15 +285,29 @@ def _scores(requests: list[Request], outputs: dict[str, list[dict[str, Any]]]
 def request_key(schema: Schema, prompt: Any, params: dict[str, Any], keys: list[str]) -> str:
     """What the user asked for, as the engine sees it: the prompt and each of ``keys`` in effect.
 
-    The Rust frontend sends float32 values and [] where Python sends None: both compare equal here.
+    The Rust frontend sends float32 values and [] where Python sends None: both compare equal here. So does
+    a stop id list that names the EOS token (smg's) and one that does not, unless it ignores EOS: the engine
+    stops at EOS before it looks at the stop ids.
     """
     values = {}
     for key in keys:
         value = schema.sampling_value(params, key)
         if isinstance(value, float):
             value = round(value, 5)
+        if key == "stop_token_ids":
+            value = stop_ids_beyond_eos(schema, params)
         values[key] = None if value == [] else value
     return json.dumps([prompt, values], sort_keys=True)
+
+
+def stop_ids_beyond_eos(schema: Schema, params: dict[str, Any]) -> list[int] | None:
+    """The stop token ids that stop a request where EOS does not: all of them, but the EOS token itself unless
+    the request ignores EOS (vLLM's engine stops at EOS before it looks at the stop ids: smg names EOS there,
+    vLLM's frontends do not, and the engine does the same with either)."""
+    value: list[int] | None = schema.sampling_value(params, "stop_token_ids")
+    if not value or schema.sampling_value(params, "ignore_eos"):
+        return value
+    return [token for token in value if token != params.get("_eos_token_id")]
 
 
 class Matching(msgspec.Struct):
