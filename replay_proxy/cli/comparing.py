@@ -12,6 +12,7 @@ import typer
 from replay_proxy.cli.common import (JSON_HELP, VOCAB_SIZE_HELP, app, check_address, check_http, err, fail,
                                      finish_report, out, rules_option, schema_app)
 from replay_proxy.errors import ExitCode, ReplayProxyError
+from replay_proxy.replay.text import PromptForm
 from replay_proxy.wire.messages import Side
 
 REPORT_DIR_HELP = "Write report.json, junit.xml, report.html here."
@@ -74,6 +75,13 @@ def replay(
         = None,
     frontend_cmd: Annotated[str | None, typer.Option(
         rich_help_panel=PEER, help="Start the frontend under test with this command.")] = None,
+    prompts: Annotated[PromptForm, typer.Option(rich_help_panel=PEER, help=(
+        "--against frontend: send each recorded prompt as token ids, as text (detokenized with the model's "
+        "tokenizer: for a frontend that takes no token ids, such as smg), or auto: token ids until the frontend "
+        "rejects one for its prompt, text from then on."))] = PromptForm.AUTO,
+    tokenizer: Annotated[Path | None, typer.Option(rich_help_panel=PEER, help=(
+        "Prompts as text: the model's tokenizer.json, or its folder (default: the model the frontend serves, "
+        "where that is a folder here)."))] = None,
     pace: Pace = "original",
     ready_timeout: Annotated[float, typer.Option(
         rich_help_panel=PEER, help="Seconds to wait for the target to be ready.")] = 300.0,
@@ -132,7 +140,8 @@ def replay(
     try:
         options = ReplayOptions(pace=pace, ready_timeout_s=ready_timeout, finish_timeout_s=finish_timeout,
                                 rules=rules_option(rules, vocab_size), noise_runs=noise_runs,
-                                baseline_command=baseline_cmd, report_dir=report_dir, hold_lengths=hold_lengths)
+                                baseline_command=baseline_cmd, report_dir=report_dir, hold_lengths=hold_lengths,
+                                prompts=prompts, tokenizer=tokenizer)
     except ReplayError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
     if shard is None and len(db) == 1 and session is not None:

@@ -93,6 +93,8 @@ class Code(enum.StrEnum):
     UTILITY_RESULT_CHANGED = "utility_result_changed"
     HTTP_FAILED = "http_failed"
     HTTP_RESPONSE_DIFFERS = "http_response_differs"
+    PROMPT_AS_TEXT = "prompt_as_text"
+    PROMPT_RETOKENIZED = "prompt_retokenized"
     REDACTED_RECORDING = "redacted_recording"
     CUT_OF_BASELINE = "cut_of_baseline"
     # performance, one per metric and outcome (compare/performance.py)

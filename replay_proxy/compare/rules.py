@@ -56,6 +56,7 @@ class Rules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     percentiles: list[int]
     min_samples: dict[int, int]  # by percentile: estimated only with at least this many values on each side
     abort_progress_tolerance_tokens: int
+    abort_wait_s: float  # a frontend under test that has not aborted a held request this long after: never will
     unordered_utility_results: frozenset[str]  # utility methods whose result is a set sent as a list
     link_broke_patterns: list[str]  # what a peer says when it cannot read the link: a break's evidence
     peer_cannot_run_patterns: list[str]  # what it says when it cannot run for a reason of its own

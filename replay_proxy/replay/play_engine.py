@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -42,6 +43,7 @@ from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import SocketClosed, ZmqSocket
 from replay_proxy.processes import OtherLoad
 from replay_proxy.replay.player import Player, ReplayError, ReplayOptions, ReplayOutcome, Tally, UserSaw
+from replay_proxy.replay.text import PromptForm, Texts, TokenizerError, rejects_token_prompts
 from replay_proxy.store.session import RecordedFrame, Session, request_key
 from replay_proxy.wire.encode import encode
 from replay_proxy.wire.handshake import engine_identity, parse_init
@@ -71,6 +73,10 @@ class EnginePlayer(Player):
         self._utility_results = _utility_results(session)
         self._streams: dict[str, trio.Event] = {}  # open engine-side streams by the frontend's request id: ABORTed
         self._stream_ended = trio.Event()
+        # Prompts as text (replay/text.py): the model's tokenizer once they are, and by recorded request id the
+        # tokens its prompt's text encodes to where they are not the recorded ones.
+        self._texts: Texts | None = None
+        self._retokenized: dict[str, list[int]] = {}
         # Recorded request id -> seq of the first ABORT that named it.
         self._abort_seq: dict[str, int] = {}
         for frame in session.inputs:
@@ -90,6 +96,8 @@ class EnginePlayer(Player):
                     for engine in self.session.engines:
                         await self._handshake(engine, nursery)
                     model = await self._wait_http_ready()
+                if self.options.prompts is PromptForm.TEXT:
+                    self._as_text(model, "asked for (--prompts text)")
                 if waiting.cancelled_caught:
                     raise ReplayError(f"the frontend was not ready {self.ready_timeout:g} s after the recorded "
                                       "registration and READY: see its log for what it rejected")
@@ -204,23 +212,41 @@ class EnginePlayer(Player):
             if key(frame.decoded) == wanted:
                 self._unmatched.remove(frame)
                 return frame
+        for frame in self._unmatched:  # a prompt sent as text that does not encode back to the recorded tokens
+            again = self._retokenized.get(frame.decoded["request_id"])
+            if again is not None and key({**frame.decoded, "prompt_token_ids": again}) == wanted:
+                self._unmatched.remove(frame)
+                recorded = token_ids(frame.decoded["prompt_token_ids"])
+                differs = next((i for i, (a, b) in enumerate(zip(again, recorded)) if a != b),
+                               min(len(again), len(recorded)))
+                self.outcome.findings.append(Finding(
+                    "behaviour", Severity.WARNING, Code.PROMPT_RETOKENIZED,
+                    f"the prompt sent as text came to the engine as {len(again)} tokens, recorded as "
+                    f"{len(recorded)}, first differing at position {differs}: the text does not encode back to the "
+                    "recorded tokens (a re-tokenization, not the frontend's)",
+                    message_kind="ADD", request_id=frame.decoded["request_id"], baseline=recorded[:8],
+                    candidate=again[:8]))
+                return frame
         return None
 
     async def _stream_outputs(self, engine: int, client: int, recorded: RecordedFrame, request_id: str) -> None:
         """The recorded outputs of ``recorded``, as the frontend's ``request_id``, at the recorded delays.
 
         A request the recorded frontend aborted is held where its ABORT crossed
-        (its recorded progress) until this frontend's ABORT comes (bounded by
-        the run's finish wait); then what was in flight in the recording
+        (its recorded progress) until this frontend's ABORT comes (at most the
+        rules' ``abort_wait_s``); then what was in flight in the recording
         follows. So the ABORT lands where it was recorded, however fast the
         frontend under test notices its client's disconnect.
         """
         start = trio.current_time()
         rid = recorded.decoded["request_id"]
         aborted = self._streams[request_id]
+        held_until = None  # (a frontend that never aborts it holds it no longer: rules abort_wait_s)
         for frame, position in self._recorded_outputs.get(rid, []):
             if frame.seq > self._abort_seq.get(rid, frame.seq):
-                await aborted.wait()
+                held_until = held_until or trio.current_time() + self.options.rules.abort_wait_s
+                with trio.move_on_at(held_until):
+                    await aborted.wait()
             elif self.factor is not None:
                 await trio.sleep_until(start + (frame.ts_ns - recorded.ts_ns) / 1e9 / self.factor)
             body = decode_msgpack(frame.parts[0])
@@ -236,8 +262,9 @@ class EnginePlayer(Player):
             parts = [encode(body), *frame.parts[1:]]
             await self._outputs[(engine, client)].send(parts)
             self._report(Channel.OUTPUT, Direction.TO_FRONTEND, engine, client, parts)
-        if rid in self._abort_seq:
-            await aborted.wait()  # the recorded engine was still generating when the ABORT came
+        if rid in self._abort_seq:  # the recorded engine was still generating when the ABORT came
+            with trio.move_on_at(held_until or trio.current_time() + self.options.rules.abort_wait_s):
+                await aborted.wait()
         del self._streams[request_id]
         self._stream_ended.set()
         self._stream_ended = trio.Event()
@@ -285,31 +312,76 @@ class EnginePlayer(Player):
         aborted_after = next((f.tokens_before_abort[recorded["request_id"]] for f in self.session.inputs
                               if f.seq == self._abort_seq.get(recorded["request_id"])), None)
         if recorded.get("pooling_params") is not None:  # a pooling request: the prompt's tokens embedded
-            ask = functools.partial(embedding, f"{self.http}/v1/embeddings",
-                                    {"model": model, "input": token_ids(recorded["prompt_token_ids"])},
-                                    self.finish_timeout)
+            seen = await self._ask(functools.partial(embedding, f"{self.http}/v1/embeddings", {
+                "model": model, "input": token_ids(recorded["prompt_token_ids"])}, self.finish_timeout))
         else:
-            params = recorded.get("sampling_params") or {}
-            lora = recorded.get("lora_request")
-            body = {"model": lora["lora_name"] if lora else model, "prompt": token_ids(recorded["prompt_token_ids"]),
-                    "return_token_ids": True,
-                    **{k: params[k] for k in HTTP_PARAMS if k in params}}
-            if params.get("structured_outputs"):  # what it asked for, not what the frontend chose (_backend)
-                body["structured_outputs"] = {k: v for k, v in params["structured_outputs"].items()
-                                              if not k.startswith("_") and v is not None}
-            delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
-            stream = params.get("output_kind") == delta or aborted_after is not None
-            ask = functools.partial(completion, f"{self.http}/v1/completions", body, stream, aborted_after,
-                                    self.finish_timeout)
-        with trio.move_on_after(self.finish_timeout) as waiting:
-            try:
-                seen = await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
-            except (OSError, ValueError) as exc:
-                seen = UserSaw(error=f"{type(exc).__name__}: {exc}")
-        if waiting.cancelled_caught:
-            seen = UserSaw(error=f"no complete response within {self.finish_timeout:g} s")
+            as_tokens = self._texts is None
+            seen = await self._ask(self._completion(model, recorded, aborted_after))
+            if (as_tokens and self.options.prompts is PromptForm.AUTO and rejects_token_prompts(seen.error)
+                    and self._as_text(model, seen.error)):
+                seen = await self._ask(self._completion(model, recorded, aborted_after))  # (it never reached one)
         seen.aborted_after = aborted_after
         self.outcome.http[recorded["request_id"]] = seen
+
+    def _completion(self, model: str, recorded: dict, aborted_after: int | None):
+        """The completion a recorded request's user asked for, its prompt as this frontend takes it."""
+        params = recorded.get("sampling_params") or {}
+        lora = recorded.get("lora_request")
+        body = {"model": lora["lora_name"] if lora else model, "prompt": self._prompt(recorded),
+                "return_token_ids": True, **{k: params[k] for k in HTTP_PARAMS if k in params}}
+        if params.get("structured_outputs"):  # what it asked for, not what the frontend chose (_backend)
+            body["structured_outputs"] = {k: v for k, v in params["structured_outputs"].items()
+                                          if not k.startswith("_") and v is not None}
+        delta = self.decoder.schema.enums["RequestOutputKind"]["DELTA"]  # what a streaming client asks for
+        stream = params.get("output_kind") == delta or aborted_after is not None
+        before_abort = None
+        if aborted_after is not None and self._texts is not None:
+            tokens = [t for o in self._recorded_outputs.get(recorded["request_id"], []) for t in _output_tokens(o)]
+            before_abort = len(_complete(self._texts.text(tokens[:aborted_after])))
+        return functools.partial(completion, f"{self.http}/v1/completions", body, stream, aborted_after,
+                                 self.finish_timeout, before_abort)
+
+    async def _ask(self, ask) -> UserSaw:
+        """What the HTTP client gets from ``ask``, within the finish timeout."""
+        with trio.move_on_after(self.finish_timeout) as waiting:
+            try:
+                return await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
+            except (OSError, ValueError) as exc:
+                return UserSaw(error=f"{type(exc).__name__}: {exc}")
+        assert waiting.cancelled_caught
+        return UserSaw(error=f"no complete response within {self.finish_timeout:g} s")
+
+    def _prompt(self, recorded: dict) -> list[int] | str:
+        """A recorded request's prompt as this frontend takes it: its token ids, or their text (noting the tokens
+        the text encodes to where they are not the recorded ones: ``_match`` finds the request by them)."""
+        prompt = token_ids(recorded["prompt_token_ids"])
+        if self._texts is None:
+            return prompt
+        text = self._texts.text(prompt)
+        if (again := self._texts.tokens(text)) != prompt:
+            self._retokenized[recorded["request_id"]] = again
+        return text
+
+    def _as_text(self, model: str, why: str | None) -> bool:
+        """Send prompts as text from now on (once, with a finding that says why); False where they cannot be:
+        a redacted recording's tokens have no text, and a model with no tokenizer here has none to give."""
+        if self._texts is not None:
+            return True
+        if self.session.redacted:
+            cannot = "a redacted recording's prompts are pseudonyms, with no text: it needs token-id prompts"
+        else:
+            try:
+                self._texts = Texts(self.options.tokenizer or Path(model))
+            except TokenizerError as exc:
+                cannot = str(exc)
+        if self._texts is None:
+            self.outcome.findings.append(Finding("behaviour", Severity.REGRESSION, Code.PROMPT_AS_TEXT,
+                                                 f"prompts cannot be sent as text: {cannot} ({why})"))
+            return False
+        self.outcome.findings.append(Finding(
+            "behaviour", Severity.INFO, Code.PROMPT_AS_TEXT,
+            f"prompts sent as text, detokenized with {self._texts.path}: {why}"))
+        return True
 
     async def _load_adapter(self, lora: dict) -> None:
         """Load the LoRA adapter the recorded frontend loaded, as its user did (the frontend's add_lora call,
@@ -346,6 +418,12 @@ class EnginePlayer(Player):
                         f"the user got an embedding of {len(seen.embedding)} values, the recorded engine "
                         f"pooled {len(recorded)}, and they differ", request_id=rid,
                         baseline=recorded[:4], candidate=seen.embedding[:4]))
+            elif seen.aborted_after is None and not seen.token_ids and tokens and self._texts is not None:
+                if (_complete(seen.text or ""), seen.finish_reason) != (_complete(self._texts.text(tokens)), finish):
+                    findings.append(Finding(
+                        "behaviour", Severity.REGRESSION, Code.HTTP_RESPONSE_DIFFERS,
+                        f"the user got {seen.text!r} ({seen.finish_reason}), the recorded engine's tokens are "
+                        f"{self._texts.text(tokens)!r} ({finish})", request_id=rid))
             elif seen.aborted_after is None and (seen.token_ids, seen.finish_reason) != (tokens, finish):
                 findings.append(Finding(
                     "behaviour", Severity.REGRESSION, Code.HTTP_RESPONSE_DIFFERS,
@@ -379,6 +457,12 @@ def _loaded_adapter(frame: RecordedFrame) -> dict | None:
     if frame.kind is not Kind.UTILITY or (frame.decoded or {}).get("method") != "add_lora":
         return None
     return (frame.decoded.get("args") or [None])[0]
+
+
+def _complete(text: str) -> str:
+    """A completion's text without the replacement characters that end it: the bytes of a character its tokens
+    did not finish, which a detokenizer that streams holds back."""
+    return text.rstrip("\ufffd")
 
 
 def _output_tokens(entry: tuple[RecordedFrame, int]) -> list[int]:
@@ -431,23 +515,29 @@ def embedding(url: str, body: dict, timeout: float) -> UserSaw:
         return UserSaw(error=_failure(exc))
 
 
-def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float) -> UserSaw:
-    """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort)."""
+def completion(url: str, body: dict, stream: bool, stop_after_tokens: int | None, timeout: float,
+               stop_after_text: int | None = None) -> UserSaw:
+    """One completion as an HTTP client sees it; with ``stop_after_tokens``, disconnect early (an abort). Its
+    text too, for a frontend that does not return token ids (``return_token_ids`` is vLLM's): it disconnects
+    once it has ``stop_after_text`` characters (the text of the tokens before the recorded abort)."""
     try:
         with urllib.request.urlopen(_post(url, {**body, "stream": stream}), timeout=timeout) as response:
             if not stream:
                 choice = json.load(response)["choices"][0]
-                return UserSaw(token_ids=choice.get("token_ids") or [], finish_reason=choice.get("finish_reason"))
-            tokens, finish = [], None
+                return UserSaw(token_ids=choice.get("token_ids") or [], finish_reason=choice.get("finish_reason"),
+                               text=choice.get("text"))
+            tokens, text, finish = [], "", None
             for line in response:
                 line = line.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 for choice in json.loads(line[6:]).get("choices") or []:
                     tokens += choice.get("token_ids") or []
+                    text += choice.get("text") or ""
                     finish = choice.get("finish_reason") or finish
-                if stop_after_tokens is not None and len(tokens) >= stop_after_tokens:
+                if stop_after_tokens is not None and (len(tokens) >= stop_after_tokens or not tokens and (
+                        stop_after_text is not None and len(text) >= stop_after_text)):
                     break  # closing the connection makes the frontend abort the request
-            return UserSaw(token_ids=tokens, finish_reason=finish)
+            return UserSaw(token_ids=tokens, finish_reason=finish, text=text)
     except urllib.error.HTTPError as exc:
         return UserSaw(error=_failure(exc))

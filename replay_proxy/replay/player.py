@@ -24,6 +24,7 @@ from replay_proxy.compare.rules import Rules, load_rules
 from replay_proxy.errors import ReplayProxyError
 from replay_proxy.net.relay import Observer
 from replay_proxy.net.zmq_socket import ZmqSocket
+from replay_proxy.replay.text import PromptForm
 from replay_proxy.store.session import Session
 from replay_proxy.wire.capture import CapturedFrame
 from replay_proxy.wire.messages import Channel, Direction, Kind, Side, WireDecoder
@@ -47,6 +48,7 @@ class UserSaw(msgspec.Struct, kw_only=True):
     token_ids: list[int] = []
     finish_reason: str | None = None
     embedding: list[float] | None = None
+    text: str | None = None  # a completion's text, where the frontend returns no token ids
     error: str | None = None
     aborted_after: int | None = None  # the client disconnected after this many tokens, as the recorded one did
 
@@ -87,6 +89,8 @@ class ReplayOptions(msgspec.Struct, frozen=True, kw_only=True):
     baseline_command: str | None = None  # starts the baseline build (the one the recording was made with)
     report_dir: Path | None = None  # the peers' logs (and, for the command, the reports); default: a temporary one
     hold_lengths: bool = False  # against an engine: each request asks for exactly its recorded number of tokens
+    prompts: PromptForm = PromptForm.AUTO  # against a frontend
+    tokenizer: Path | None = None  # against a frontend, prompts as text: the model's (default: the served model's)
 
     def __post_init__(self) -> None:
         pace_factor(self.pace)
