@@ -31,7 +31,7 @@ from replay_proxy.matrix import Evidence, Verdict, worst
 from replay_proxy.matrix.predict import read_direction
 from replay_proxy.store.queries import find_session, open_recording, sent_frames
 from replay_proxy.wire.messages import Channel, Direction, RequestType
-from replay_proxy.wire.registry import load_schema, shipped_releases
+from replay_proxy.wire.registry import load_schema, schema_for, shipped_releases
 from replay_proxy.wire.schema import Namer, Schema, StructSchema
 from replay_proxy.wire.values import decode_msgpack
 
@@ -85,10 +85,12 @@ def read_sent(db: Path, session: str, engines: list[str] | None = None) -> SentR
         row = find_session(recording, session)
     sent = [(channel, parts) for channel, parts in sent_frames(db, str(row["id"]), Direction.TO_ENGINE)
             if channel is Channel.INPUT]
-    adds = [parts[1:] for _, parts in sent if parts[:1] == [RequestType.ADD.value] and len(parts) > 1]
-    writer = load_schema(row["frontend_release"] or row["vllm_version"] or shipped_releases()[-1])
+    adds = [(parts[1:], request) for _, parts in sent if parts[:1] == [RequestType.ADD.value] and len(parts) > 1
+            and (request := _decoded(parts[1])) is not None]  # (one that does not decode is read_direction's)
+    engine = schema_for(row["vllm_version"])[0].release  # (the nearest shipped release to an unknown one)
+    writer = load_schema(row["frontend_release"]) if row["frontend_release"] else schema_for(engine)[0]
     readings = [_reading(release, sent, adds, writer) for release in shipped_releases()]
-    judged = engines or [row["vllm_version"] or shipped_releases()[-1]]
+    judged = engines or [engine]
     flagged = [{(e.struct, e.field, e.position) for e in r.evidence if e.rule in UNREAD_RULES} for r in readings]
     unread = set.intersection(*flagged) if flagged else set()
     frontend = row["frontend_name"] and row["frontend_name"] + (f"=={row['frontend_version']}"
@@ -104,14 +106,24 @@ def read_sent(db: Path, session: str, engines: list[str] | None = None) -> SentR
 UNREAD_RULES = ("unknown_map_key", "extra_trailing_elements")
 
 
-def _reading(release: str, sent: list[tuple[Channel, list[bytes]]], adds: list[list[bytes]],
-             writer: Schema) -> EngineReading:
+Add = tuple[list[bytes], Any]  # an ADD's body and aux frames, and its body decoded
+
+
+def _decoded(body: bytes) -> Any:
+    try:
+        return decode_msgpack(body)
+    except msgspec.DecodeError:
+        return None
+
+
+def _reading(release: str, sent: list[tuple[Channel, list[bytes]]], adds: list[Add], writer: Schema
+             ) -> EngineReading:
     reader = reader_schema(PYTHON_ENGINE, release)
     evidence = read_direction(Direction.TO_ENGINE, sent, writer, reader, PYTHON_ENGINE)
     filled: Counter = Counter()
-    for payload in adds:
+    for payload, request in adds:
         namer = _Filling(reader, payload)
-        namer.struct("EngineCoreRequest", decode_msgpack(payload[0]))
+        namer.struct("EngineCoreRequest", request)
         filled.update(set(namer.filled))
     return EngineReading(release, worst(e.verdict for e in evidence), evidence,
                          [Filled(*key, messages=count) for key, count in sorted(filled.items(), key=str)])
@@ -136,12 +148,11 @@ class _Filling(Namer):
         return super()._map(name, spec, value, path)
 
 
-def _rounded(adds: list[list[bytes]], writer: Schema) -> list[Rounded]:
+def _rounded(adds: list[Add], writer: Schema) -> list[Rounded]:
     """Each float field of the requests' sampling parameters sent as a float32's nearest double."""
     seen: dict[str, float] = {}
     counts: Counter = Counter()
-    for payload in adds:
-        request = decode_msgpack(payload[0])
+    for _, request in adds:
         params = writer.read(request, "EngineCoreRequest", "sampling_params") if isinstance(request, list) else None
         for key, value in (params.items() if isinstance(params, dict) else ()):
             if isinstance(value, float) and f32_decimal(value) is not None:

@@ -343,12 +343,11 @@ class EnginePlayer(Player):
 
     async def _ask(self, ask) -> UserSaw:
         """What the HTTP client gets from ``ask``, within the finish timeout."""
-        with trio.move_on_after(self.finish_timeout) as waiting:
+        with trio.move_on_after(self.finish_timeout):
             try:
                 return await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
             except (OSError, ValueError) as exc:
                 return UserSaw(error=f"{type(exc).__name__}: {exc}")
-        assert waiting.cancelled_caught
         return UserSaw(error=f"no complete response within {self.finish_timeout:g} s")
 
     def _prompt(self, recorded: dict) -> list[int] | str:
