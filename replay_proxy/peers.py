@@ -81,9 +81,10 @@ SERVING = {
 
 
 class Frontend(msgspec.Struct, frozen=True, order=True):
-    """A frontend build: ``vllm-rs:0.31.0`` or ``vllm:0.30.0`` (the Python API server)."""
+    """A frontend build: ``vllm-rs:0.31.0`` or ``vllm:0.30.0`` (the Python API server), each a vLLM release; or
+    ``smg:1.13.0``, a third-party client of the engine, its own version."""
 
-    kind: Literal["vllm-rs", "vllm"]
+    kind: Literal["vllm-rs", "vllm", "smg"]
     release: str
 
     def __str__(self) -> str:
@@ -91,8 +92,8 @@ class Frontend(msgspec.Struct, frozen=True, order=True):
 
     @property
     def reader(self) -> str:
-        """The decoder that reads what the engine sends (compare/readers.json)."""
-        return "rust-frontend" if self.kind == "vllm-rs" else "python-frontend"
+        """The decoder that reads what the engine sends (compare/readers.json; smg's own is in no rules here)."""
+        return {"vllm-rs": "rust-frontend", "vllm": "python-frontend"}.get(self.kind, self.kind)
 
 
 def model() -> Path:
@@ -183,7 +184,7 @@ def ready_frontend(frontend: Frontend, serving: Serving = SERVING["completion"])
     """Everything ``frontend`` needs to start (installed on demand), checked."""
     if frontend.kind == "vllm-rs":
         releases.vllm_rs(frontend.release)
-    else:
+    elif frontend.kind == "vllm":
         install_engine(frontend.release)
     _ready_model(serving)
     missing(program(frontend), *(model() / f for f in MODEL_FILES))
@@ -237,9 +238,11 @@ def command(argv: list[str], scratch: Path | None = None, serving: Serving = SER
 
 
 def program(frontend: Frontend) -> Path:
-    """The executable ``frontend`` runs: its release's vllm-rs binary, or its venv's ``vllm``."""
+    """The executable ``frontend`` runs: its release's vllm-rs binary, its venv's ``vllm``, or smg's."""
     if frontend.kind == "vllm-rs":
         return cache_dir() / "bin" / f"vllm-rs-{frontend.release}"
+    if frontend.kind == "smg":
+        return smg_program(frontend.release)
     return vllm_program(frontend.release)
 
 
@@ -277,7 +280,10 @@ def sim_engine_argv(rpc_port: int, release: str) -> list[str]:
 
 def frontend_argv(frontend: Frontend, http_port: int, rpc_port: int, dp: int = 1,
                   model_dir: Path | None = None) -> list[str]:
-    """``frontend`` serving HTTP on ``http_port``, its handshake bound at ``rpc_port``, waiting for engines."""
+    """``frontend`` serving HTTP on ``http_port``, its handshake bound at ``rpc_port`` (smg: one of ``SMG_PORTS``,
+    ``handshake_port``), waiting for engines."""
+    if frontend.kind == "smg":
+        return smg_argv(http_port, smg_worker_url(rpc_port, scratch_dir()), model_dir, frontend.release)
     where = ["--host", "127.0.0.1", "--port", str(http_port), "--data-parallel-address", "127.0.0.1",
              "--data-parallel-rpc-port", str(rpc_port), "--data-parallel-size", str(dp),
              "--data-parallel-size-local", "0"]
@@ -313,6 +319,12 @@ def smg_worker_url(rpc_port: int, folder: Path) -> str:
     if rpc_port not in SMG_PORTS:
         raise ValueError(f"smg binds its handshake at a port of {SMG_PORTS.start}-{SMG_PORTS.stop - 1}, not {rpc_port}")
     return next(url for n in itertools.count() if smg_handshake_port(url := f"ipc://{folder}/w{n}") == rpc_port)
+
+
+def handshake_port(frontend: Frontend) -> int:
+    """A free port ``frontend`` can bind its handshake at (smg's are ``SMG_PORTS``, where most of
+    ``free_port``'s are)."""
+    return next(port for port in iter(free_port, None) if frontend.kind != "smg" or port in SMG_PORTS)
 
 
 def smg_argv(http_port: int, worker_url: str, model_dir: Path | None = None, version: str = SMG) -> list[str]:

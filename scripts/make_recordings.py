@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replay_proxy.matrix import KINDS  # noqa: E402
-from replay_proxy.peers import SERVING, SMG, SMG_READY, engine_installed  # noqa: E402
+from replay_proxy.peers import SERVING, SMG, SMG_READY, engine_installed, handshake_port  # noqa: E402
 from replay_proxy.matrix.release import reads_requests  # noqa: E402
 from replay_proxy.store.migrate import migrate  # noqa: E402
 from replay_proxy.wire.registry import shipped_releases  # noqa: E402
@@ -123,8 +123,9 @@ def main() -> None:
     if not peers.installed():
         sys.exit("real vLLM peers missing: run scripts/setup-vllm.sh first")
     if args.smg:
-        record(f"smg-{SMG}.db", "smg-frontend", peers.smg_frontend, work=workload.clients, upstream=peers.smg_port(),
-               proxy_flags=("--frontend", f"smg=={SMG}"), ready_path=SMG_READY)
+        record(f"smg-{SMG}.db", "smg-frontend", peers.smg_frontend, work=workload.clients,
+               upstream=handshake_port(peers.SMG_FRONTEND), proxy_flags=("--frontend", f"smg=={SMG}"),
+               ready_path=SMG_READY)
         return
     if args.staging:
         record("vllm-0.32.0-staging.db", "staging", peers.python_frontend, work=workload.staging)

@@ -132,9 +132,10 @@ class Cell(msgspec.Struct, omit_defaults=True):
 
     @property
     def agrees(self) -> bool | None:
-        """Whether observation and prediction agree on the kinds observed (None: not observed, or the
-        observation could not run)."""
-        if self.observed is None or self.observed.verdict is Verdict.UNKNOWN:
+        """Whether observation and prediction agree on the kinds observed (None: not observed, the
+        observation could not run, or nothing was predicted: a third-party frontend's cell)."""
+        if self.observed is None or self.observed.verdict is Verdict.UNKNOWN or \
+                self.predicted.verdict is Verdict.UNKNOWN:
             return None
         return all(self.observed.verdict_for(k) is self.predicted.verdict_for(k) for k in self.observed.kinds)
 
@@ -165,24 +166,37 @@ def releases_in(spec: str) -> list[str]:
 
 
 def frontends_in(spec: str) -> list[Frontend]:
-    """``vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0``: each part is a kind and a release range."""
+    """``vllm-rs:0.22.0..0.33.0,vllm:0.27.0..0.32.0,smg:1.13.0``: each part is a kind and a release range (smg:
+    its versions, each one recorded here: ``SMG_VERSIONS``)."""
     frontends: list[Frontend] = []
     kind = None
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if ":" in part:
             kind, part = part.split(":", 1)
-        if kind not in ("vllm-rs", "vllm"):
-            raise MatrixError(f"{part!r}: say which frontend, vllm-rs:RELEASES or vllm:RELEASES")
-        frontends += [Frontend(kind, r) for r in releases_in(part) if Frontend(kind, r) not in frontends]
+        if kind not in ("vllm-rs", "vllm", "smg"):
+            raise MatrixError(f"{part!r}: say which frontend, vllm-rs:RELEASES, vllm:RELEASES or smg:VERSION")
+        frontends += [Frontend(kind, r) for r in (smg_versions(part) if kind == "smg" else releases_in(part))
+                      if Frontend(kind, r) not in frontends]
     return frontends
 
 
+# The smg versions with a recording of what they send (recordings/smg-X.db): a third-party frontend has no
+# schema here, so it is judged by what it was seen to send.
+SMG_VERSIONS = ("1.13.0",)
+
+
+def smg_versions(spec: str) -> list[str]:
+    if spec not in SMG_VERSIONS:
+        raise MatrixError(f"smg {spec!r} was never recorded here; recorded: {', '.join(SMG_VERSIONS)}")
+    return [spec]
+
+
 def parse_build(text: str) -> Frontend:
-    """``vllm-rs==0.31.0`` or ``vllm==0.30.0`` (can-i-deploy's spelling), or ``vllm-rs:0.31.0``."""
+    """``vllm-rs==0.31.0``, ``vllm==0.30.0`` or ``smg==1.13.0`` (can-i-deploy's spelling), or ``vllm-rs:0.31.0``."""
     kind, sep, release = text.replace("==", ":").partition(":")
-    if not sep or kind not in ("vllm-rs", "vllm"):
-        raise MatrixError(f"{text!r}: use vllm-rs==RELEASE or vllm==RELEASE")
-    return Frontend(kind, releases_in(release)[0])
+    if not sep or kind not in ("vllm-rs", "vllm", "smg"):
+        raise MatrixError(f"{text!r}: use vllm-rs==RELEASE, vllm==RELEASE or smg==VERSION")
+    return Frontend(kind, smg_versions(release)[0] if kind == "smg" else releases_in(release)[0])
 
 
 def engine_release(text: str) -> str:
@@ -196,7 +210,9 @@ def recording_of(build: Frontend, folder: Path = RECORDINGS, kind: str = "comple
 
     ``vllm:X`` is also engine X's recording: its own Python frontend and engine. One made by ``matrix
     add-release`` (``added_recording``) is read first."""
-    if build.kind == "vllm-rs":
+    if build.kind == "smg":  # (its completion workload: its recording is of the clients' one, which holds it)
+        name, session = f"smg-{build.release}{KINDS[kind]}.db", "smg-frontend"
+    elif build.kind == "vllm-rs":
         name, session = f"vllm-{build.release}-vllm-rs{KINDS[kind]}.db", "vllm-rs-frontend"
     else:
         name, session = f"vllm-{build.release}-python{KINDS[kind]}.db", "python-frontend"

@@ -109,6 +109,8 @@ def can_i_deploy(frontend: Frontend, engine: str, db: Path | None, *, uses: list
     if cell.verdict_for(uses) is Verdict.BREAKS:
         return Answer(cell, source, [f"no upgrade order helps: {frontend} x engine {engine} itself breaks",
                                      *_alternatives(frontend, engine, db, recordings, uses)], uses)
+    if current is None and frontend.kind == "smg":  # (its versions are not vLLM's: no older release to start from)
+        return Answer(cell, source, [], uses)
     if current is None:
         older = min(frontend.release, engine, key=release_key)
         current = (Frontend(frontend.kind, older), older)

@@ -215,7 +215,7 @@ def replay(direction: Direction, recording: tuple[Path, str], workdir: Path, *, 
         target = ["--against", "engine", "--listen", f"tcp://127.0.0.1:{port}", "--engine-cmd", command]
     else:
         peers.ready_frontend(frontend, serving)
-        http, rpc = free_port(), free_port()
+        http, rpc = free_port(), peers.handshake_port(frontend)
         target = ["--against", "frontend", "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}",
                   "--frontend-cmd", peers.command(peers.frontend_argv(frontend, http, rpc), scratch, serving)]
     argv = [sys.executable, "-m", "replay_proxy", "replay", "--db", str(recording[0]), "--session", recording[1],

@@ -49,6 +49,8 @@ def predict(frontend: Frontend, engine: str, recordings: Path, asked: tuple[str,
     of request recorded on both sides (completion always: a side not recorded makes it unknown), and each kind
     ``asked`` about (``can-i-deploy --uses``) whose own structs (``KIND_STRUCTS``) the two sides' schemas show
     breaking though it is not recorded."""
+    if frontend.kind == "smg":
+        return _third_party(frontend, engine, recordings)
     evidence: list[Evidence] = []
     kinds = []
     # Each side's layouts are its own release's declarations: a vllm-rs frontend's are its Rust structs.
@@ -88,6 +90,28 @@ def predict(frontend: Frontend, engine: str, recordings: Path, asked: tuple[str,
            f"registration and outputs with {frontend}'s {own} ({', '.join(kinds)}); rules of "
            f"{'/'.join(sorted(reader_rules()))}")
     return Judgement(worst(e.verdict for e in evidence), evidence, how, kinds=tuple(kinds))
+
+
+def _third_party(frontend: Frontend, engine: str, recordings: Path) -> Judgement:
+    """A frontend no schema here declares (smg): what it was recorded sending, read by engine ``engine``'s
+    reader; how it reads what the engine sends is its own code's, known only once the cell is observed."""
+    sent = recording_of(frontend, recordings)
+    reader_layouts = reader_schema(PYTHON_ENGINE, engine)
+    if sent is None:
+        why = (NO_RECORDING.format(writer=frontend) if recordings.is_dir() else
+               NO_RECORDINGS.format(folder=recordings))
+        to_engine = [Evidence(Verdict.UNKNOWN, Direction.TO_ENGINE, why, reader=PYTHON_ENGINE)]
+    else:
+        to_engine = read_direction(Direction.TO_ENGINE, sent_frames(*sent, Direction.TO_ENGINE), reader_layouts,
+                                   reader_layouts, PYTHON_ENGINE)
+    to_frontend = Evidence(Verdict.UNKNOWN, Direction.TO_FRONTEND,
+                           f"{frontend} reads what the engine sends with code of its own, whose layouts no schema here "
+                           "declares: observe the cell (can-i-deploy --verify, matrix --observe)",
+                           reader=frontend.reader)
+    evidence = [*to_engine, to_frontend]
+    how = (f"{frontend}'s recorded requests named with engine {engine}'s schema (completion); what the engine "
+           f"sends is read by {frontend} alone")
+    return Judgement(worst(e.verdict for e in evidence), evidence, how)
 
 
 # What only one kind of request sends: where the schemas show it breaking, the kind breaks unrecorded.

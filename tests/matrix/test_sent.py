@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from replay_proxy.matrix import Verdict
+from replay_proxy.matrix import RECORDINGS, Verdict, parse_build
+from replay_proxy.matrix.predict import predict
 from replay_proxy.matrix.sent import f32_decimal, read_sent
 from replay_proxy.wire.registry import shipped_releases
 from tests.helpers import ROOT, cli
@@ -55,3 +56,17 @@ def test_the_exit_code_judges_the_engines_asked_about():
     assert done.returncode == 3 and "0.34.0" in done.stdout and "rounded to float32" in done.stdout, done.stdout
     done = cli("readers", "--db", str(SMG), "--session", "smg-frontend", "--engines", "9.9")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_can_i_deploy_answers_for_smg_from_what_it_was_recorded_sending_until_the_cell_is_observed():
+    predicted = predict(parse_build("smg==1.13.0"), "0.32.0", RECORDINGS)
+    by_direction = {e.direction.value: e.verdict for e in predicted.evidence}
+    assert by_direction == {"to_engine": Verdict.WORKS, "to_frontend": Verdict.UNKNOWN}  # (its reader: its own code)
+    done = cli("can-i-deploy", "--frontend", "smg==1.13.0", "--engine", "vllm==0.32.0", "--json")
+    answer = json.loads(done.stdout)
+    assert (done.returncode, answer["verdict"], answer["upgrade"]) == (6, "unknown", []), done.stdout
+    assert "observe the cell" in answer["kinds"][0]["evidence"][0]["message"]
+    done = cli("can-i-deploy", "--frontend", "smg==1.13.0", "--engine", "vllm==0.34.0")
+    assert done.returncode == 3 and "prompt_token_ids" in done.stdout, done.stdout
+    done = cli("can-i-deploy", "--frontend", "smg==1.12.0", "--engine", "vllm==0.32.0")
+    assert done.returncode == 2 and "never recorded here" in done.stderr and len(done.stderr.splitlines()) == 1

@@ -64,17 +64,14 @@ def rust_frontend(logs: Path, http_port: int, rpc_port: int, version: str = "0.3
                       f"vllm-rs {version}")
 
 
+SMG_FRONTEND = Frontend("smg", real.SMG)
+
+
 def smg_frontend(logs: Path, http_port: int, rpc_port: int, model: Path = MODEL) -> Child:
-    """smg (a third-party frontend) binding its handshake at ``rpc_port`` (one of ``real.SMG_PORTS``: see
-    ``smg_port``), its ipc sockets in a scratch folder removed when it stops."""
-    scratch = real.scratch_dir()
-    return Child(real.smg_argv(http_port, real.smg_worker_url(rpc_port, scratch), model), logs / "smg.log",
-                 name=f"smg {real.SMG}", owns=scratch)
-
-
-def smg_port() -> int:
-    """A free port smg can bind its handshake at (``free_port``'s are mostly in its band)."""
-    return next(port for port in iter(free_port, None) if port in real.SMG_PORTS)
+    """smg (a third-party frontend) binding its handshake at ``rpc_port`` (one of ``real.SMG_PORTS``:
+    ``real.handshake_port``), its ipc sockets in a scratch folder."""
+    return Child(real.frontend_argv(SMG_FRONTEND, http_port, rpc_port, model_dir=model), logs / "smg.log",
+                 name=str(SMG_FRONTEND))
 
 
 def headless_engine(logs: Path, rpc_port: int, dp: int = 1, start_rank: int = 0, local: int = 1,

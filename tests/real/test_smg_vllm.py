@@ -22,7 +22,8 @@ pytestmark = pytest.mark.real_vllm
 def recorded(tmp_path_factory):
     logs = tmp_path_factory.mktemp("smg")
     seen = peers.run_pair(logs, peers.smg_frontend, logs / "rec.db", "smg", work=workload.clients,
-                          upstream=peers.smg_port(), proxy_flags=("--frontend", f"smg=={SMG}"), ready_path=SMG_READY)
+                          upstream=real.handshake_port(peers.SMG_FRONTEND), proxy_flags=("--frontend", f"smg=={SMG}"),
+                          ready_path=SMG_READY)
     return seen, logs / "rec.db"
 
 
@@ -54,12 +55,11 @@ def test_replaying_the_python_frontends_engine_to_smg_sends_prompts_as_text_and_
     for token, and compares what users got as text (smg returns no token ids). What is left is smg's own: it
     does not abort a request whose client left while the engine sends nothing (it notices a client gone when it
     next writes to it), and compatible differences (EOS among the stop ids, float32 values, 21 elements)."""
-    rpc, http = peers.smg_port(), free_port()
-    worker = real.smg_worker_url(rpc, real.scratch_dir())
+    rpc, http = real.handshake_port(peers.SMG_FRONTEND), free_port()
     done = cli("replay", "--db", str(peers.RECORDING), "--session", "python-frontend", "--against", "frontend",
                "--upstream", f"tcp://127.0.0.1:{rpc}", "--http", f"http://127.0.0.1:{http}", "--frontend-cmd",
-               shlex.join(real.smg_argv(http, worker)), "--pace", "fast", "--report-dir", str(tmp_path), "--json",
-               timeout=peers.REPLAY_S)
+               shlex.join(real.frontend_argv(peers.SMG_FRONTEND, http, rpc)), "--pace", "fast", "--report-dir",
+               str(tmp_path), "--json", timeout=peers.REPLAY_S)
     report = json.loads(done.stdout)
     regressions = [(f["code"], f.get("request_id")) for f in report["findings"] if f["severity"] == "regression"]
     assert regressions == [("abort_mismatch", "cmpl-b310a13e995da053-0-9d95c780")], done.stderr
@@ -67,3 +67,15 @@ def test_replaying_the_python_frontends_engine_to_smg_sends_prompts_as_text_and_
     codes = {f["code"]: f["severity"] for f in report["findings"]}
     assert codes["prompt_as_text"] == "info" and codes["sampling_key_eos_named"] == "info"
     assert [v["passed"] for v in report["verdicts"] if v["tier"] == "exact"] == [True] * 5
+
+
+def test_can_i_deploy_verifies_smg_with_a_0_32_0_engine_both_ways(tmp_path):
+    """The cell observed: smg's recording replayed against a real 0.32.0 engine, and that engine's recording
+    replayed against smg (its prompts as text)."""
+    done = cli("can-i-deploy", "--frontend", f"smg=={SMG}", "--engine", "vllm==0.32.0", "--verify", "--report-dir",
+               str(tmp_path), "--json", timeout=2 * peers.REPLAY_S)
+    answer = json.loads(done.stdout)
+    assert (done.returncode, answer["verdict"]) == (0, "works"), done.stdout + done.stderr
+    [kind] = answer["kinds"]
+    assert kind["source"] == "verified now: observed by real peers"
+    assert {e["direction"] for e in kind["evidence"]} == {"to_engine", "to_frontend"}
