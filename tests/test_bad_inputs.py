@@ -48,7 +48,8 @@ WRITTEN = {("record", "db"), ("matrix", "db"), ("add-release", "db"), ("merge", 
 # Paths that are not databases: where a command writes (it makes them), or sources, keys, policies and rules, whose
 # own checks their commands' tests cover.
 NOT_DATABASES = {"out", "parquet", "report_dir", "out_db", "output", "key_file", "policy", "redact_key",
-                 "redact_policy", "rules", "recordings", "python", "vllm_src", "rust_src", "schema", "shards"}
+                 "redact_policy", "rules", "recordings", "python", "vllm_src", "rust_src", "schema", "shards",
+                 "tokenizer"}
 
 
 def path_options() -> set[tuple[str, str]]:

@@ -43,6 +43,8 @@ WALKS = {
     "docs/database.md: Parquet to DuckDB": Walk("docs/database.md", "<!-- walk: parquet -->", "<!-- /walk -->"),
     "docs/comparing.md: schema diff": Walk("docs/comparing.md", "<!-- walk: schema diff -->", "<!-- /walk -->"),
     "docs/comparing.md: two frontends": Walk("docs/comparing.md", "<!-- walk: two frontends -->", "<!-- /walk -->"),
+    "docs/comparing.md: vllm-rs against python": Walk("docs/comparing.md", "<!-- walk: vllm-rs against python -->",
+                                                      "<!-- /walk -->"),
     "docs/matrix.md: readers": Walk("docs/matrix.md", "<!-- walk: readers -->", "<!-- /walk -->"),
 }
 

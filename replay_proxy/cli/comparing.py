@@ -132,6 +132,10 @@ def replay(
         raise fail("--against frontend needs --upstream (its handshake) and --http (its API)", ExitCode.USAGE)
     if noise_runs and not baseline_cmd:
         raise fail("--noise-runs needs --baseline-cmd (the build the recording was made with)", ExitCode.USAGE)
+    if tokenizer is not None:  # (read when a frontend first refuses a token-id prompt: said now, not then)
+        from replay_proxy.replay.text import Texts
+
+        Texts(tokenizer)
     if hold_lengths and against is not Side.ENGINE:
         raise fail("--hold-lengths is for --against engine (a frontend asks for what its clients ask)",
                    ExitCode.USAGE)

@@ -5,6 +5,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from replay_proxy.replay.text import Texts, TokenizerError, rejects_token_prompts
+from tests.helpers import ROOT, cli
 
 
 @pytest.fixture
@@ -42,3 +43,11 @@ def test_a_tokenizer_that_is_missing_or_unreadable_is_named(tmp_path):
     ("HTTP 400: max_tokens must be at least 1", False), ("HTTP 500: prompt too long", False), (None, False)])
 def test_a_refused_token_prompt_is_a_400_about_the_prompt(error, refused):
     assert rejects_token_prompts(error) is refused
+
+
+def test_replay_says_a_tokenizer_it_cannot_read_before_anything_starts(tmp_path):
+    done = cli("replay", "--db", str(ROOT / "recordings" / "demo.db"), "--session", "demo", "--against", "frontend",
+               "--upstream", "tcp://127.0.0.1:1", "--http", "http://127.0.0.1:2", "--tokenizer", str(tmp_path))
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: no tokenizer at {tmp_path} (a tokenizer.json, or a model folder holding one): give the model's "
+        "with --tokenizer"], done.stderr
