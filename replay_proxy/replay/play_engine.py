@@ -315,7 +315,8 @@ class EnginePlayer(Player):
             seen = await self._ask(functools.partial(embedding, f"{self.http}/v1/embeddings", {
                 "model": model, "input": token_ids(recorded["prompt_token_ids"])}, self.finish_timeout))
         else:
-            as_tokens = self._texts is None
+            # (only a prompt of token ids has text to send instead: not prompt embeddings)
+            as_tokens = self._texts is None and bool(token_ids(recorded["prompt_token_ids"]))
             seen = await self._ask(self._completion(model, recorded, aborted_after))
             if (as_tokens and self.options.prompts is PromptForm.AUTO and rejects_token_prompts(seen.error)
                     and self._as_text(model, seen.error)):
@@ -354,7 +355,7 @@ class EnginePlayer(Player):
         """A recorded request's prompt as this frontend takes it: its token ids, or their text (noting the tokens
         the text encodes to where they are not the recorded ones: ``_match`` finds the request by them)."""
         prompt = token_ids(recorded["prompt_token_ids"])
-        if self._texts is None:
+        if self._texts is None or not prompt:  # (a prompt of embeddings goes as it was recorded)
             return prompt
         text = self._texts.text(prompt)
         if (again := self._texts.tokens(text)) != prompt:
