@@ -58,5 +58,8 @@ class Texts:
 
 
 def rejects_token_prompts(error: str | None) -> bool:
-    """Whether an HTTP failure is a frontend refusing a prompt given as token ids (a 400 that names the prompt)."""
-    return error is not None and error.startswith("HTTP 400") and "prompt" in error
+    """Whether an HTTP failure is a frontend refusing a prompt given as token ids: a 400 that names the prompt and
+    its type (smg: "prompt: data did not match any variant of untagged enum StringOrArray", "invalid_type"), not
+    one that refuses what the prompt holds (too long)."""
+    return error is not None and error.startswith("HTTP 400") and "prompt" in error and any(
+        words in error for words in ("did not match", "invalid_type", "must be a string"))

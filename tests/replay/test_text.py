@@ -40,7 +40,9 @@ def test_a_tokenizer_that_is_missing_or_unreadable_is_named(tmp_path):
 
 @pytest.mark.parametrize(("error", "refused"), [
     ('HTTP 400: {"error":{"message":"prompt: data did not match any variant of untagged enum StringOrArray"}}', True),
-    ("HTTP 400: max_tokens must be at least 1", False), ("HTTP 500: prompt too long", False), (None, False)])
+    ("HTTP 400: max_tokens must be at least 1", False), ("HTTP 500: prompt too long", False), (None, False),
+    ('HTTP 400: {"error":{"message":"the prompt is 300 tokens, more than 256","type":"invalid_request_error"}}',
+     False)])
 def test_a_refused_token_prompt_is_a_400_about_the_prompt(error, refused):
     assert rejects_token_prompts(error) is refused
 
