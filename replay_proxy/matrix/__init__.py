@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from replay_proxy.errors import ExitCode, ReplayProxyError
-from replay_proxy.peers import Frontend
+from replay_proxy.peers import SMG, Frontend
 from replay_proxy.wire.messages import Direction
 from replay_proxy.wire.schema import release_key
 from replay_proxy.wire.registry import added_releases, shipped_releases
@@ -182,7 +182,7 @@ def frontends_in(spec: str) -> list[Frontend]:
 
 # The smg versions with a recording of what they send (recordings/smg-X.db): a third-party frontend has no
 # schema here, so it is judged by what it was seen to send.
-SMG_VERSIONS = ("1.13.0",)
+SMG_VERSIONS = (SMG,)
 
 
 def smg_versions(spec: str) -> list[str]:
